@@ -1,0 +1,239 @@
+"""Start ranks on this machine, or join the ranks torchrun started.
+
+Every lesson, test and benchmark needs N processes that form one process group. Starting
+them with ``spawn`` costs seconds of ``import torch`` per rank; ``fork`` costs tens of
+milliseconds, so ranks here are forked (explicitly: Python 3.14 changes the default).
+
+The rules that keep a failing run from hanging or leaving orphans:
+
+* each rank dies with its parent (``PR_SET_PDEATHSIG``), so a killed test leaves nothing behind;
+* the process group has a short timeout, shorter than the parent's, so a collective that one
+  rank skipped fails inside the ranks with torch's own message first;
+* the first rank that raises sends its traceback to the parent, which kills every rank and
+  raises :class:`RankError` naming that rank;
+* a rank that dies without a word (segfault, SIGKILL) is reported with its exit code;
+* past the parent's deadline the ranks still running dump their Python stacks (faulthandler)
+  into the error, then are killed.
+
+:class:`RankGroup` keeps its ranks (and their process group) alive across many calls, which
+is what makes hundreds of distributed test cases affordable; :func:`spawn` is the one-shot form.
+Functions and arguments travel by pickle, so functions must be importable at module level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or timed out. ``rank`` says which one."""
+
+    def __init__(self, rank: int, world_size: int, what: str, details: str):
+        self.rank, self.world_size, self.details = rank, world_size, details
+        super().__init__(f"rank {rank} of {world_size} {what}:\n{details}")
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher using its variables) started this process."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def default_backend() -> str:
+    """NCCL when this machine has a GPU, gloo otherwise."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _send(conn, message) -> None:
+    try:
+        payload = pickle.dumps(message)
+    except Exception as exc:  # an unpicklable result must not look like a hang
+        payload = pickle.dumps(("error", f"result could not be pickled: {exc!r}"))
+    conn.send_bytes(payload)
+
+
+def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads):
+    """The life of one forked rank: join the group, run tasks until told to stop."""
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    with open(stack_path, "w") as stack_file:
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except BaseException:
+            _send(conn, ("error", traceback.format_exc()))
+            os._exit(1)
+        while True:
+            task = pickle.loads(conn.recv_bytes())
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                _send(conn, ("ok", fn(*args, **kwargs)))
+            except BaseException:
+                _send(conn, ("error", traceback.format_exc()))
+        dist.destroy_process_group()
+    conn.close()
+    os._exit(0)
+
+
+class RankGroup:
+    """``world_size`` forked ranks in one process group, kept alive between :meth:`run` calls.
+
+    After any failure the group is closed (its state is unknowable); create a new one.
+    """
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", pg_timeout: float = 30.0,
+                 threads: int = 1):
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size, self.backend = world_size, backend
+        self._dir = tempfile.mkdtemp(prefix="miniddp-")
+        ctx = mp.get_context("fork")
+        self._procs, self._conns = [], []
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe()
+            stack_path = os.path.join(self._dir, f"stack-{rank}.txt")
+            proc = ctx.Process(
+                target=_rank_main, name=f"miniddp-rank{rank}", daemon=True,
+                args=(rank, world_size, child_end, os.path.join(self._dir, "store"), backend,
+                      pg_timeout, stack_path, threads))
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, *args, timeout: float = 120.0, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        if not self.alive:
+            raise RuntimeError("this RankGroup is closed (a rank failed earlier); start a new one")
+        task = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(task)
+        try:
+            return self._collect(timeout)
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def _collect(self, timeout: float) -> list:
+        results: dict[int, object] = {}
+        deadline = time.monotonic() + timeout
+        by_conn = {conn: r for r, conn in enumerate(self._conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while len(results) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in results]
+            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel
+                                                            for r in pending]
+            ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RankError(pending[0], self.world_size,
+                                f"did not finish within {timeout:.0f} s",
+                                self._stacks(pending))
+            for obj in ready:
+                rank = by_conn.get(obj, by_sentinel.get(obj))
+                if rank in results:
+                    continue
+                try:
+                    status, value = pickle.loads(self._conns[rank].recv_bytes())
+                except EOFError:  # its end of the pipe closed: the process is gone
+                    self._procs[rank].join(1)
+                    raise RankError(rank, self.world_size, "died without reporting",
+                                    f"exit code {self._procs[rank].exitcode}") from None
+                if status == "error":
+                    raise RankError(rank, self.world_size, "raised", value)
+                results[rank] = value
+        return [results[r] for r in range(self.world_size)]
+
+    def _stacks(self, ranks) -> str:
+        """Ask hung ranks for their Python stacks, so a timeout says where each one was."""
+        for r in ranks:
+            if self._procs[r].is_alive():
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        parts = []
+        for r in ranks:
+            with open(os.path.join(self._dir, f"stack-{r}.txt")) as f:
+                parts.append(f"--- rank {r} stack ---\n{f.read().strip() or '(no stack)'}")
+        return "\n".join(parts)
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank (politely unless ``kill``) and remove the group's files."""
+        if not kill:
+            for conn, proc in zip(self._conns, self._procs):
+                if proc.is_alive():
+                    try:
+                        conn.send_bytes(pickle.dumps(None))
+                    except OSError:
+                        pass
+            for proc in self._procs:
+                proc.join(10)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(kill=exc[0] is not None)
+
+
+def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo", timeout: float = 120.0,
+          pg_timeout: float = 30.0) -> list:
+    """Fork ``world_size`` ranks, run ``fn(*args)`` on each, return their results."""
+    with RankGroup(world_size, backend=backend, pg_timeout=pg_timeout) as group:
+        return group.run(fn, *args, timeout=timeout)
+
+
+def launch(fn, world_size: int = 2, args=(), backend: str | None = None,
+           timeout: float = 120.0, pg_timeout: float = 30.0) -> list:
+    """Run ``fn(*args)`` on every rank, whoever starts the ranks.
+
+    Under torchrun this process is one rank: it joins the group from torchrun's environment,
+    runs ``fn`` and returns ``[its result]``. Started plainly, it forks ``world_size`` ranks.
+    ``backend=None`` picks NCCL when a GPU is present, gloo otherwise.
+    """
+    backend = backend or default_backend()
+    if not launched_by_torchrun():
+        return spawn(fn, world_size, args, backend, timeout, pg_timeout)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
+    try:
+        return [fn(*args)]
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,97 @@
+"""The rank launcher: results come back in rank order; every failure names its rank; no orphans."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from miniddp.launch import RankError, RankGroup, spawn
+
+
+def rank_sum(offset):
+    t = torch.tensor([float(dist.get_rank() + offset)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def rank1_raises():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy")
+    dist.barrier()
+
+
+def rank1_dies():
+    if dist.get_rank() == 1:
+        os._exit(7)
+    dist.barrier()
+
+
+def rank0_sleeps():
+    if dist.get_rank() == 0:
+        time.sleep(60)
+    dist.barrier()
+
+
+def my_pid():
+    return os.getpid()
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_results_in_rank_order(world_size):
+    results = spawn(rank_sum, world_size, args=(10,))
+    total = sum(r + 10 for r in range(world_size))
+    assert results == [(r, world_size, float(total)) for r in range(world_size)]
+
+
+def test_group_runs_many_tasks_in_one_process_group():
+    with RankGroup(2) as group:
+        pids = group.run(my_pid)
+        for offset in range(5):
+            assert [r[2] for r in group.run(rank_sum, offset)] == [2.0 * offset + 1] * 2
+        assert group.run(my_pid) == pids
+
+
+def _assert_all_dead(pids):
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        alive = [p for p in pids if os.path.exists(f"/proc/{p}") and
+                 open(f"/proc/{p}/stat").read().split()[2] != "Z"]
+        if not alive:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"ranks still alive after a failure: {alive}")
+
+
+def test_raising_rank_is_named_with_its_traceback():
+    group = RankGroup(2)
+    pids = group.run(my_pid)
+    with pytest.raises(RankError) as info:
+        group.run(rank1_raises, timeout=30)
+    assert info.value.rank == 1
+    assert "rank one is unhappy" in str(info.value) and "rank 1 of 2 raised" in str(info.value)
+    _assert_all_dead(pids)
+    assert not group.alive
+
+
+def test_dead_rank_is_named_with_its_exit_code():
+    group = RankGroup(2)
+    pids = group.run(my_pid)
+    with pytest.raises(RankError, match="rank 1 of 2 died without reporting") as info:
+        group.run(rank1_dies, timeout=30)
+    assert "exit code 7" in str(info.value)
+    _assert_all_dead(pids)
+
+
+def test_timeout_reports_where_each_rank_was():
+    group = RankGroup(2)
+    pids = group.run(my_pid)
+    start = time.monotonic()
+    with pytest.raises(RankError, match="did not finish within 2 s") as info:
+        group.run(rank0_sleeps, timeout=2)
+    assert time.monotonic() - start < 10
+    message = str(info.value)
+    assert "--- rank 0 stack ---" in message and "rank0_sleeps" in message
+    assert "--- rank 1 stack ---" in message and "barrier" in message
+    _assert_all_dead(pids)
