@@ -1,0 +1,135 @@
+"""Gradient buckets: which parameters share one flat buffer, and the buffer itself.
+
+One all_reduce per parameter pays the collective's fixed latency hundreds of times per step;
+one all_reduce for the whole model cannot start until the last gradient exists. DDP groups
+gradients into buckets of about 25 MiB, and launches each bucket's all_reduce as soon as the
+bucket is full.
+
+To give the same bits as torch's DDP, the buckets must be torch's buckets exactly: for world
+size 3 and up, gloo's ring sums an element in an order that depends on where the element sits
+in the flat buffer and how long the buffer is. So :func:`assign_buckets` reproduces the rules of
+torch's ``_compute_bucket_assignment_by_size`` (see ``shared/notes/ddp-internals.md``):
+
+* parameters are grouped by (dtype, device), each group filling its own open bucket;
+* a bucket closes when its size in bytes becomes >= the current limit (the parameter that
+  crosses the limit stays in it; parameters are never split), then the next limit applies and
+  the last limit repeats;
+* for the first assignment (parameters in model order) buckets are sorted by their smallest
+  index; the caller then reverses the list so the last layers, whose gradients are ready first,
+  are reduced first. When rebuilding from the order gradients became ready, that order is
+  kept as it is.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+
+MIB = 1024 * 1024
+DEFAULT_BUCKET_CAP_MB = 25
+#: torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts communication early.
+DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB
+#: The limit that puts every parameter of a dtype/device in one bucket (iteration 0).
+ONE_BUCKET = sys.maxsize
+
+
+def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """Return ``(first_bucket_bytes, bucket_bytes)`` for a ``bucket_cap_mb`` argument.
+
+    ``None`` means torch's defaults, 1 MiB then 25 MiB; an explicit cap applies to every bucket.
+    """
+    if bucket_cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB
+    if not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    cap = int(bucket_cap_mb * MIB)
+    return cap, cap
+
+
+def assign_buckets(tensors: list[torch.Tensor], limits: list[int],
+                   indices: list[int] | None = None) -> list[list[int]]:
+    """Group tensors into buckets by torch's rules; return each bucket's tensor indices.
+
+    ``indices[k]`` is the index of ``tensors[k]`` (the gradient-ready order when rebuilding);
+    without it, tensor k has index k and the buckets are sorted by their smallest index.
+    When several dtypes or devices share a model, open buckets are closed in the order their
+    (dtype, device) first appeared; torch uses a hash map there, so the order of those last
+    buckets may differ from torch's for mixed-dtype models (never for a single dtype).
+    """
+    if not tensors:
+        raise ValueError("cannot assign buckets for an empty list of tensors")
+    closed: list[list[int]] = []
+    open_buckets: dict[tuple, list] = {}  # (dtype, device) -> [indices, bytes, limit position]
+    for k, tensor in enumerate(tensors):
+        index = k if indices is None else indices[k]
+        entry = open_buckets.setdefault((tensor.dtype, tensor.device), [[], 0, 0])
+        entry[0].append(index)
+        entry[1] += tensor.numel() * tensor.element_size()
+        if entry[1] >= limits[min(entry[2], len(limits) - 1)]:
+            closed.append(entry[0])
+            entry[0], entry[1], entry[2] = [], 0, entry[2] + 1
+    closed.extend(entry[0] for entry in open_buckets.values() if entry[0])
+    if indices is None:
+        closed.sort(key=min)
+    return closed
+
+
+def _is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers its memory without gaps or overlaps (any dimension order)."""
+    expected = 1
+    for d in sorted(range(t.dim()), key=t.stride):
+        if t.size(d) == 1:
+            continue
+        if t.stride(d) != expected:
+            return False
+        expected *= t.size(d)
+    return True
+
+
+@dataclass
+class BucketInfo:
+    """What a bucket holds, for lessons, tests and benchmarks to show."""
+
+    index: int
+    names: list[str]
+    param_indices: list[int]
+    numel: int
+    nbytes: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class Bucket:
+    """One flat gradient buffer and a view into it per member parameter.
+
+    A view has its parameter's shape and strides (as torch's "gradient layout contract" asks),
+    so copying a gradient in or out is an element-for-element copy.
+    """
+
+    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor]):
+        self.index = index
+        self.param_indices = param_indices
+        members = [params[i] for i in param_indices]
+        self.numel = sum(p.numel() for p in members)
+        self.buffer = torch.empty(self.numel, dtype=members[0].dtype, device=members[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in members:
+            if p.dtype != self.buffer.dtype or p.device != self.buffer.device:
+                raise ValueError("all parameters of a bucket must share dtype and device")
+            if _is_dense(p):
+                view = self.buffer.as_strided(p.shape, p.stride(), offset)
+            else:
+                view = self.buffer.narrow(0, offset, p.numel()).view(p.shape)
+            self.views.append(view)
+            offset += p.numel()
+        self.pending = len(param_indices)
+        self.work = None  # the in-flight all_reduce, once launched
+
+    def info(self, names: list[str]) -> BucketInfo:
+        return BucketInfo(self.index, [names[i] for i in self.param_indices],
+                          list(self.param_indices), self.numel,
+                          self.numel * self.buffer.element_size(), self.buffer.dtype,
+                          self.buffer.device)

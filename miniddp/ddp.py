@@ -1,0 +1,144 @@
+"""``miniddp.DistributedDataParallel``: torch's DDP, rebuilt in readable Python.
+
+Same constructor arguments, same meanings and the same bits as
+``torch.nn.parallel.DistributedDataParallel``, so swapping the import in a working script
+changes nothing else. What happens where:
+
+* construction (here): check every rank has the same parameter shapes, broadcast parameters
+  (frozen ones too) and buffers from rank 0, hand the trainable parameters to the reducer;
+* forward (here): rebuild buckets once, broadcast buffers from rank 0, run the module, and —
+  when this forward will be followed by a synchronized backward — prepare the reducer;
+* backward (``miniddp.reducer``): hooks fill buckets and launch asynchronous all_reduces;
+* bucket layout (``miniddp.buckets``).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miniddp.buckets import BucketInfo
+from miniddp.reducer import Reducer
+from miniddp.sync import broadcast_from_rank0, verify_same_shapes
+
+
+def _move_to(obj, device):
+    """Move every tensor in a (nested) input to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        moved = [_move_to(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
+    return obj
+
+
+class DistributedDataParallel(nn.Module):
+    """Data parallelism across processes: every rank trains a replica on its own data, and
+    gradients are averaged during backward, so every replica takes the same optimizer step.
+
+    ``device_ids`` / ``output_device``: for a module on one GPU, ``[gpu]`` (as torch); ``None``
+    for CPU modules. ``broadcast_buffers``: copy rank 0's buffers before each synced forward.
+    ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB).
+    ``find_unused_parameters``: allow parameters that take no part in the loss.
+    ``gradient_as_bucket_view``: ``.grad`` aliases the bucket (saves one copy of the gradients).
+    """
+
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None,
+                 broadcast_buffers: bool = True, process_group=None,
+                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False, *, _overlap: bool = True):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "DistributedDataParallel needs a process group: call "
+                "torch.distributed.init_process_group(...) first (or start the script with "
+                "miniddp.launch.launch / torchrun).")
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True  # false right after a no_sync / no_grad forward
+
+        all_params = list(module.named_parameters())  # shared parameters appear once
+        trainable = [(name, p) for name, p in all_params if p.requires_grad]
+        if not trainable:
+            raise ValueError(
+                "DistributedDataParallel got a module with no parameter that requires grad: "
+                "there is nothing to synchronize. Train it without DDP, or unfreeze a "
+                "parameter.")
+        devices = {p.device for _, p in all_params}
+        self.device = trainable[0][1].device
+        self.device_ids, self.output_device = self._check_devices(device_ids, output_device,
+                                                                  devices)
+
+        verify_same_shapes(all_params, process_group)
+        broadcast_from_rank0([p.detach() for _, p in all_params], process_group)
+        buffers = [b for _, b in module.named_buffers()]
+        if broadcast_buffers and buffers:
+            broadcast_from_rank0(buffers, process_group)
+
+        self.reducer = Reducer([p for _, p in trainable], [name for name, _ in trainable],
+                               process_group, bucket_cap_mb, find_unused_parameters,
+                               gradient_as_bucket_view, overlap=_overlap)
+        self.bucket_bytes_cap = self.reducer.bucket_bytes
+
+    @staticmethod
+    def _check_devices(device_ids, output_device, devices):
+        on_gpu = all(d.type == "cuda" for d in devices)
+        if device_ids is None or len(device_ids) == 0:
+            return None, None
+        if not on_gpu or len(devices) > 1 or len(device_ids) != 1:
+            raise ValueError(
+                "device_ids must be None for CPU or multi-device modules and a single GPU "
+                f"for a module on one GPU; got device_ids={device_ids} for a module on "
+                f"{sorted(map(str, devices))}.")
+        def as_device(d):
+            return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
+
+        ids = [as_device(d) for d in device_ids]
+        return ids, ids[0] if output_device is None else as_device(output_device)
+
+    @property
+    def buckets(self) -> list[BucketInfo]:
+        """The current buckets, in the order their all_reduces are launched."""
+        return self.reducer.bucket_info()
+
+    @contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally; the forward must run inside the context.
+
+        The flag is read at forward time (as in torch): a forward inside ``no_sync`` followed by
+        a backward outside it does not synchronize. The first synced backward afterwards
+        averages the whole accumulated gradient once.
+        """
+        old = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = old
+
+    def forward(self, *inputs, **kwargs):
+        grad_enabled = torch.is_grad_enabled()
+        if grad_enabled:
+            self.reducer.rebuild_buckets_if_due()
+        if self.require_forward_param_sync and self.broadcast_buffers:
+            buffers = [b for _, b in self.module.named_buffers()]  # re-read: may be reassigned
+            if buffers:
+                broadcast_from_rank0(buffers, self.process_group)
+        if self.device_ids:
+            inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs,
+                                                                            self.device_ids[0])
+        output = self.module(*inputs, **kwargs)
+        sync = grad_enabled and self.require_backward_grad_sync
+        self.require_forward_param_sync = sync
+        if sync:
+            self.reducer.prepare_for_backward(output)
+        return output

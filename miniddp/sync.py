@@ -1,0 +1,52 @@
+"""Making every rank start from the same model: shape checks and broadcasts from rank 0.
+
+Data parallelism only works if every rank holds the same parameters. Checking shapes first
+matters: broadcasting tensors of different sizes does not fail cleanly in every backend, it
+can hang or corrupt memory. So shapes are gathered from every rank, and every rank raises the
+same error (naming the parameter, its shape on each rank, and the ranks) before any broadcast.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
+    """Raise on every rank if any rank's parameter names or shapes differ from the others'."""
+    mine = [(name, tuple(t.shape)) for name, t in named_tensors]
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    problems = []
+    if len({len(shapes) for shapes in everyone}) > 1:
+        counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(everyone))
+        problems.append(f"the number of parameters differs across ranks ({counts})")
+    for k, (name, _) in enumerate(everyone[0]):
+        seen = {r: shapes[k] for r, shapes in enumerate(everyone) if k < len(shapes)}
+        if len({entry for entry in seen.values()}) > 1:
+            detail = "; ".join(f"rank {r}: {n} {list(s)}" for r, (n, s) in seen.items())
+            problems.append(f"parameter {name!r} differs across ranks ({detail})")
+    if problems:
+        raise ValueError(
+            "DistributedDataParallel needs the same model on every rank, but "
+            + "; and ".join(problems[:5])
+            + ". Build the model the same way on every rank (same sizes, same order).")
+
+
+def broadcast_from_rank0(tensors: list[torch.Tensor], group=None) -> None:
+    """Overwrite ``tensors`` in place with rank 0's values, one broadcast per dtype/device.
+
+    Flattening into one buffer per dtype turns hundreds of small broadcasts into a few.
+    """
+    src = 0 if group is None or group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    with torch.no_grad():
+        for same_kind in by_kind.values():
+            flat = torch.cat([t.reshape(-1) for t in same_kind])
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for t in same_kind:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
