@@ -1,0 +1,177 @@
+"""Models and a training loop that runs miniddp's DDP and torch's DDP side by side on every rank.
+
+Used by the equivalence tests: each rank builds the same *architecture* from a rank-dependent
+seed (so the broadcast from rank 0 at construction is exercised), copies it, wraps one copy in
+each DDP, trains both on the same rank-dependent data, and records every tensor that is not
+bit-identical (``torch.equal``) after every backward and every optimizer step.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import miniddp
+
+
+class MLP(nn.Sequential):
+    def __init__(self, width=32, depth=3, d_in=16, d_out=4):
+        layers, d = [], d_in
+        for _ in range(depth - 1):
+            layers += [nn.Linear(d, width), nn.ReLU()]
+            d = width
+        super().__init__(*layers, nn.Linear(d, d_out))
+
+
+class ConvBN(nn.Module):
+    """Convolutions with BatchNorm: buffers (running stats) must follow rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+class TiedFrozen(nn.Module):
+    """An embedding tied to the output layer, and a frozen projection in between."""
+
+    def __init__(self, vocab=20, dim=12):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.frozen = nn.Linear(dim, dim)
+        self.frozen.weight.requires_grad_(False)
+        self.mix = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, vocab, bias=False)
+        self.out.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.out(torch.tanh(self.mix(self.frozen(self.embed(tokens)))))
+
+
+class Branchy(nn.Module):
+    """``never`` is never used; ``sometimes`` is used on some ranks and steps only."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.sometimes = nn.Linear(16, 16)
+        self.never = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.relu(self.trunk(x))
+        if use_branch:
+            h = h + torch.relu(self.sometimes(h))
+        return self.head(h)
+
+
+class Big(nn.Sequential):
+    """About 4 MiB of fp32 parameters: the default 1 MiB first bucket and the rebuild matter."""
+
+    def __init__(self):
+        super().__init__(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
+                         nn.Linear(512, 4))
+
+
+MODELS = {"mlp": MLP, "conv_bn": ConvBN, "tied_frozen": TiedFrozen, "branchy": Branchy,
+          "big": Big}
+
+
+def batch(model_name: str, step: int, micro: int, rank: int):
+    """Rank- and step-dependent inputs and targets; kwargs for forward."""
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    if model_name == "tied_frozen":
+        x = torch.randint(0, 20, (6, 5), generator=g)
+        return (x,), {}, torch.randint(0, 20, (6, 5), generator=g)
+    if model_name == "conv_bn":
+        return (torch.randn(6, 3, 4, 4, generator=g),), {}, torch.randn(6, 4, generator=g)
+    x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
+    if model_name == "branchy":
+        return (x,), {"use_branch": (rank + step) % 3 == 0}, y
+    return (x,), {}, y
+
+
+def loss_of(model_name: str, out, y):
+    if model_name == "tied_frozen":
+        return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return F.mse_loss(out, y)
+
+
+def make_optimizer(name: str, params):
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-2)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def _diff(tag, step, name, a, b, problems):
+    if (a is None) != (b is None):
+        problems.append(f"step {step} {tag} {name}: one is None ({a is None}, {b is None})")
+    elif a is not None and not torch.equal(a, b):
+        err = (a.double() - b.double()).abs().max().item()
+        problems.append(f"step {step} {tag} {name}: max abs diff {err:.3g}")
+
+
+def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
+                       set_to_none=True, width=32, depth=3, sabotage=None,
+                       **ddp_kwargs) -> dict:
+    """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
+
+    ``sabotage`` breaks miniddp on purpose (negative controls, proving the check can fail):
+    ``"divide"`` scales gradients by ``/ world_size`` instead of ``* (1 / world_size)``;
+    ``"layout"`` gives miniddp a different bucket cap from torch's.
+    """
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
+    module = MLP(width, depth) if model_name == "mlp" else MODELS[model_name]()
+    our_kwargs = dict(ddp_kwargs)
+    if sabotage == "layout":
+        our_kwargs["bucket_cap_mb"] = 0.0002
+    ours = miniddp.DistributedDataParallel(copy.deepcopy(module), **our_kwargs)
+    if sabotage == "divide":
+        def divide_instead(param, view):
+            view.copy_(param.grad / dist.get_world_size())
+        ours.reducer._copy_into_bucket = divide_instead
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
+    opt_ours = make_optimizer(optimizer, ours.parameters())
+    opt_theirs = make_optimizer(optimizer, theirs.parameters())
+    problems, layouts = [], []
+    state = lambda m: list(m.module.named_parameters()) + list(m.module.named_buffers())
+    for name, a in state(ours):
+        _diff("initial", -1, name, a, dict(state(theirs))[name], problems)
+    for step in range(steps):
+        for ddp, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            opt.zero_grad(set_to_none=set_to_none)
+            for micro in range(micro_batches):
+                args, kwargs, y = batch(model_name, step, micro, rank)
+                if micro < micro_batches - 1:
+                    with ddp.no_sync():
+                        loss_of(model_name, ddp(*args, **kwargs), y).backward()
+                else:
+                    loss_of(model_name, ddp(*args, **kwargs), y).backward()
+        for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
+            _diff("grad", step, name, a.grad, b.grad, problems)
+        opt_ours.step()
+        opt_theirs.step()
+        for (name, a), (_, b) in zip(state(ours), state(theirs)):
+            _diff("param", step, name, a, b, problems)
+        layouts.append([info.param_indices for info in ours.buckets])
+    return {"problems": problems[:10], "layouts": layouts,
+            "torch_layout": torch_bucket_layout(theirs)}
+
+
+def torch_bucket_layout(theirs) -> list[list[int]]:
+    """torch's current buckets, as indices into the list of trainable parameters."""
+    trainable = [p for p in theirs.module.parameters() if p.requires_grad]
+    index = {id(p): i for i, p in enumerate(trainable)}
+    return [[index[id(p)] for p in gb.parameters()]
+            for gb in theirs.reducer._get_zeros_like_grad_buckets()]
