@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.buckets import BucketInfo
+from miniddp.buckets import BucketInfo, bucket_limits
 from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from_rank0, verify_same_shapes
 
@@ -58,6 +58,7 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs a process group: call "
                 "torch.distributed.init_process_group(...) first (or start the script with "
                 "miniddp.launch.launch / torchrun).")
+        bucket_limits(bucket_cap_mb)  # reject a bad cap before any collective runs
         self.module = module
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers

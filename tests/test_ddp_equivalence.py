@@ -16,6 +16,7 @@ TWO_BUCKETS_MB = 4000 / 2**20  # for the default 16-32-32-4 MLP: 4 tensors, then
 CASES = {
     "mlp": {},
     "conv_batchnorm": {"model_name": "conv_bn"},
+    "conv_batchnorm_no_sync": {"model_name": "conv_bn", "micro_batches": 3},
     "tied_and_frozen": {"model_name": "tied_frozen"},
     "unused_some_ranks_and_all_ranks": {"model_name": "branchy", "find_unused_parameters": True,
                                         "steps": 6},

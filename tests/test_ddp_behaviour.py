@@ -1,0 +1,223 @@
+"""What miniddp's DDP promises besides equal bits: overlap, no_sync, buffers, names, errors."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ddp_cases import MLP, Branchy, TiedFrozen
+from torch import nn
+
+import miniddp
+
+
+def data(step=0, rank=None):
+    rank = dist.get_rank() if rank is None else rank
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def gathered(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return parts
+
+
+# ----- overlap -----
+
+def backward_timeline(overlap=True):
+    torch.manual_seed(0)
+    ddp = miniddp.DistributedDataParallel(MLP(64, 6), bucket_cap_mb=0.01, _overlap=overlap)
+    for step in range(2):  # the second step runs on the rebuilt buckets
+        x, y = data(step)
+        ddp.reducer.timeline = []
+        F.mse_loss(ddp(x), y).backward()
+    events = ddp.reducer.timeline
+    kinds = [e[0] for e in events]
+    return {"buckets": len(ddp.buckets), "kinds": kinds,
+            "first_launch": kinds.index("launch"),
+            "last_ready": len(kinds) - 1 - kinds[::-1].index("ready")}
+
+
+def test_first_bucket_launches_before_backward_ends(ranks):
+    for result in ranks(2).run(backward_timeline):
+        assert result["buckets"] >= 3
+        assert result["first_launch"] < result["last_ready"], (
+            "the first all_reduce must start while gradients are still being computed")
+        assert result["kinds"].count("launch") == result["buckets"]
+
+
+def test_without_overlap_nothing_launches_before_backward_ends(ranks):
+    """Control for the test above: the instrumented order can tell the two apart."""
+    for result in ranks(2).run(backward_timeline, overlap=False):
+        assert result["first_launch"] > result["last_ready"]
+
+
+# ----- synchronization semantics -----
+
+def grads_after(mode):
+    torch.manual_seed(0)
+    ddp = miniddp.DistributedDataParallel(MLP())
+    x, y = data()
+    if mode == "synced":
+        F.mse_loss(ddp(x), y).backward()
+    elif mode == "forward_in_no_sync":
+        with ddp.no_sync():
+            out = ddp(x)
+        F.mse_loss(out, y).backward()
+    elif mode == "backward_in_no_sync":
+        out = ddp(x)
+        with ddp.no_sync():
+            F.mse_loss(out, y).backward()
+    grad = ddp.module[0].weight.grad
+    full = MLP()
+    full.load_state_dict(ddp.module.state_dict())
+    full.zero_grad()
+    xs = torch.cat(gathered(x))
+    ys = torch.cat(gathered(y))
+    F.mse_loss(full(xs), ys).backward()  # the whole global batch in one process
+    local = MLP()
+    local.load_state_dict(ddp.module.state_dict())
+    F.mse_loss(local(x), y).backward()
+    return {"same_on_all_ranks": all(torch.equal(g, grad) for g in gathered(grad)),
+            "equals_full_batch": torch.allclose(grad, full[0].weight.grad, atol=1e-6),
+            "equals_local": torch.equal(grad, local[0].weight.grad)}
+
+
+def test_synced_gradient_equals_the_full_batch_gradient(ranks):
+    for r in ranks(3).run(grads_after, "synced"):
+        assert r["same_on_all_ranks"] and r["equals_full_batch"]
+
+
+def test_no_sync_is_decided_at_forward_time(ranks):
+    for r in ranks(2).run(grads_after, "forward_in_no_sync"):
+        assert r["equals_local"] and not r["same_on_all_ranks"]
+    for r in ranks(2).run(grads_after, "backward_in_no_sync"):
+        assert r["same_on_all_ranks"] and r["equals_full_batch"]
+
+
+def buffer_sync():
+    torch.manual_seed(dist.get_rank())
+    ddp = miniddp.DistributedDataParallel(nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4)))
+    bn = ddp.module[1]
+    report = {"after_construction": gathered(bn.running_mean.clone())}
+    x, _ = data()
+    with ddp.no_sync():
+        ddp(x).sum().backward()  # each rank updates its own running stats
+    report["after_no_sync"] = gathered(bn.running_mean.clone())
+    ddp(x).sum().backward()  # not broadcast before this forward: the last one was no_sync
+    report["after_next"] = gathered(bn.running_mean.clone())
+    # broadcast from rank 0 first; an input equal on every rank then updates equally
+    ddp(torch.zeros_like(x)).sum().backward()
+    report["after_third"] = gathered(bn.running_mean.clone())
+    return report
+
+
+def test_buffers_follow_rank0_except_right_after_no_sync(ranks):
+    r = ranks(2).run(buffer_sync)[0]
+    same = lambda ts: all(torch.equal(t, ts[0]) for t in ts)
+    assert same(r["after_construction"])
+    assert not same(r["after_no_sync"]) and not same(r["after_next"])
+    assert same(r["after_third"])
+
+
+def names_and_buckets():
+    torch.manual_seed(0)
+    model = TiedFrozen()
+    ddp = miniddp.DistributedDataParallel(model)
+    ref = nn.parallel.DistributedDataParallel(TiedFrozen())
+    names = [n for info in ddp.buckets for n in info.names]
+    return {"keys": list(ddp.state_dict()), "torch_keys": list(ref.state_dict()),
+            "module_is_model": ddp.module is model, "bucket_names": names}
+
+
+def test_state_dict_prefix_and_tied_frozen_buckets(ranks):
+    r = ranks(2).run(names_and_buckets)[0]
+    assert r["keys"] == r["torch_keys"] and all(k.startswith("module.") for k in r["keys"])
+    assert r["module_is_model"]
+    # out.weight is embed.weight (tied: reduced once); frozen.weight is frozen (skipped)
+    assert sorted(r["bucket_names"]) == ["embed.weight", "frozen.bias", "mix.bias", "mix.weight"]
+
+
+# ----- clear errors, never a hang -----
+
+def shape_mismatch():
+    width = 5 if dist.get_rank() == 2 else 4
+    model = nn.Sequential(nn.Linear(3, width), nn.Linear(width, 2))
+    try:
+        miniddp.DistributedDataParallel(model)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_shape_mismatch_raises_on_every_rank_naming_parameter_shapes_ranks(ranks):
+    messages = ranks(3).run(shape_mismatch, timeout=30)
+    for message in messages:
+        assert message is not None, "every rank must raise"
+        assert "'0.weight'" in message and "rank 2: 0.weight [5, 3]" in message
+        assert "rank 0: 0.weight [4, 3]" in message
+
+
+def count_mismatch():
+    layers = [nn.Linear(3, 3)] * (1 + dist.get_rank())
+    try:
+        miniddp.DistributedDataParallel(nn.Sequential(*[nn.Linear(3, 3) for _ in layers]))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_parameter_count_mismatch_raises_on_every_rank(ranks):
+    for message in ranks(2).run(count_mismatch, timeout=30):
+        assert message and "number of parameters differs" in message and "rank 1: 4" in message
+
+
+def unused_without_flag():
+    ddp = miniddp.DistributedDataParallel(Branchy())
+    x, y = data()
+    F.mse_loss(ddp(x, use_branch=False), y).backward()  # 'sometimes' and 'never' get no grad
+    try:
+        ddp(x, use_branch=False)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_unused_parameters_without_the_flag_raise_at_next_forward(ranks):
+    for message in ranks(2).run(unused_without_flag, timeout=30):
+        assert message is not None
+        assert "sometimes.weight" in message and "never.bias" in message
+        assert "find_unused_parameters=True" in message
+        assert "trunk.weight" not in message
+
+
+def frozen_module():
+    model = nn.Linear(3, 3).requires_grad_(False)
+    try:
+        miniddp.DistributedDataParallel(model)
+    except ValueError as e:
+        return str(e)
+
+
+def test_module_without_trainable_parameters_is_rejected(ranks):
+    for message in ranks(2).run(frozen_module):
+        assert message and "no parameter that requires grad" in message
+
+
+def bad_cap(cap):
+    try:
+        miniddp.DistributedDataParallel(nn.Linear(3, 3), bucket_cap_mb=cap)
+    except ValueError as e:
+        return str(e)
+
+
+@pytest.mark.parametrize("cap", [0, -1, -0.5])
+def test_nonpositive_bucket_cap_is_rejected(ranks, cap):
+    for message in ranks(2).run(bad_cap, cap):
+        assert message and "bucket_cap_mb must be a positive" in message
+
+
+def test_without_a_process_group_the_error_says_what_to_do():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        miniddp.DistributedDataParallel(nn.Linear(3, 3))
