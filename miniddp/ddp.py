@@ -46,12 +46,18 @@ class DistributedDataParallel(nn.Module):
     ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB).
     ``find_unused_parameters``: allow parameters that take no part in the loss.
     ``gradient_as_bucket_view``: ``.grad`` aliases the bucket (saves one copy of the gradients).
+
+    Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
+    layout) or ``overlap`` (launch during backward, or only after it); see ``miniddp.naive``.
     """
+
+    reducer_class = Reducer
+    overlap = True
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None,
                  broadcast_buffers: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, *, _overlap: bool = True):
+                 gradient_as_bucket_view: bool = False):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -85,9 +91,9 @@ class DistributedDataParallel(nn.Module):
         if broadcast_buffers and buffers:
             broadcast_from_rank0(buffers, process_group)
 
-        self.reducer = Reducer([p for _, p in trainable], [name for name, _ in trainable],
-                               process_group, bucket_cap_mb, find_unused_parameters,
-                               gradient_as_bucket_view, overlap=_overlap)
+        self.reducer = self.reducer_class(
+            [p for _, p in trainable], [name for name, _ in trainable], process_group,
+            bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, self.overlap)
         self.bucket_bytes_cap = self.reducer.bucket_bytes
 
     @staticmethod
@@ -110,6 +116,11 @@ class DistributedDataParallel(nn.Module):
     def buckets(self) -> list[BucketInfo]:
         """The current buckets, in the order their all_reduces are launched."""
         return self.reducer.bucket_info()
+
+    @property
+    def allreduce_calls(self) -> int:
+        """How many all_reduce calls the last synchronized backward made (one per bucket)."""
+        return self.reducer.allreduce_calls
 
     @contextmanager
     def no_sync(self):

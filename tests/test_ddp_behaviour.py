@@ -8,6 +8,7 @@ from ddp_cases import MLP, Branchy, TiedFrozen
 from torch import nn
 
 import miniddp
+from miniddp.naive import AllReduceBucketsAfterBackward
 
 
 def data(step=0, rank=None):
@@ -26,7 +27,8 @@ def gathered(t):
 
 def backward_timeline(overlap=True):
     torch.manual_seed(0)
-    ddp = miniddp.DistributedDataParallel(MLP(64, 6), bucket_cap_mb=0.01, _overlap=overlap)
+    cls = miniddp.DistributedDataParallel if overlap else AllReduceBucketsAfterBackward
+    ddp = cls(MLP(64, 6), bucket_cap_mb=0.01)
     for step in range(2):  # the second step runs on the rebuilt buckets
         x, y = data(step)
         ddp.reducer.timeline = []
