@@ -20,7 +20,7 @@ One process only: there is no torchrun command for this lesson (torchrun would s
 that each train alone).
 
 What you will see: a line every few dozen steps (step, loss, milliseconds per step) with the loss
-falling by about two orders of magnitude, the held-out loss before and after, a loss curve in
+falling about 40-fold, the held-out loss before and after, a loss curve in
 ``runs/00_one_process.png`` when matplotlib is installed, and ``OK: ...``. About a second.
 """
 

@@ -1,0 +1,99 @@
+"""Every lesson runs end to end and proves itself; run_course.py tells a failing lesson apart.
+
+Lessons are found by glob, so a new ``lessons/NN_topic.py`` is tested without touching this file.
+Select them with ``pytest -m lesson``; ``-m "lesson and not slow"`` skips the torchrun runs.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
+LESSONS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.py"))
+TIMEOUT = 120
+
+
+def run(command, tmp_path, cwd=None, timeout=TIMEOUT):
+    """Run a command the way a learner would, with figures kept out of the repository."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env["MINIDDP_RUNS"] = str(tmp_path / "runs")
+    return subprocess.run(command, cwd=cwd or LESSONS_DIR.parent, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def last_line(done) -> str:
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@pytest.mark.lesson
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+def test_lesson_runs_and_ends_with_ok(lesson, tmp_path):
+    done = run([sys.executable, str(lesson)], tmp_path)
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, f"{lesson.name} failed:\n{output}"
+    assert last_line(done).startswith("OK"), f"{lesson.name} did not end with OK:\n{output}"
+
+
+def torchrun_command(lesson: Path):
+    """The torchrun command a lesson's docstring gives, if it gives one."""
+    found = re.search(r"^\s*(torchrun --standalone --nproc_per_node=2 \S+)", lesson.read_text(),
+                      re.MULTILINE)
+    return found.group(1).split() if found else None
+
+
+TORCHRUN_LESSONS = [p for p in LESSONS if torchrun_command(p)]
+
+
+@pytest.mark.lesson
+@pytest.mark.slow
+@pytest.mark.parametrize("lesson", TORCHRUN_LESSONS, ids=[p.stem for p in TORCHRUN_LESSONS])
+def test_lesson_runs_under_its_documented_torchrun_command(lesson, tmp_path):
+    command = torchrun_command(lesson)
+    done = run([sys.executable, "-m", "torch.distributed.run", *command[1:]], tmp_path)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}" \
+                                 f"{done.stderr[-3000:]}"
+    assert last_line(done).startswith("OK"), f"{' '.join(command)}:\n{done.stdout}"
+    assert done.stdout.count("OK:") == 1, "only rank 0 should print the OK line"
+
+
+def write_lessons(directory: Path, lessons: dict[str, str]) -> Path:
+    directory.mkdir()
+    for name, body in lessons.items():
+        (directory / name).write_text(body)
+    return directory
+
+
+def test_run_course_reports_a_failing_lesson_and_exits_non_zero(tmp_path):
+    lessons = write_lessons(tmp_path / "lessons", {
+        "00_fine.py": "print('step 1'); print('OK: fine')\n",
+        "01_broken.py": "raise AssertionError('the loss went up')\n",
+        "02_silent.py": "print('finished, but proved nothing')\n",
+        "03_hangs.py": "import time\nprint('OK: too early', flush=True)\ntime.sleep(60)\n",
+        "helper.py": "raise SystemExit('not a lesson: must not run')\n",
+    })
+    done = run([sys.executable, str(LESSONS_DIR / "run_course.py"), "--lessons-dir",
+                str(lessons), "--timeout", "4"], tmp_path, cwd=tmp_path, timeout=60)
+    assert done.returncode == 1, done.stdout + done.stderr
+    table = done.stdout.split("\nlesson")[-1]
+    assert re.search(r"00_fine\.py\s+OK\s", table)
+    assert re.search(r"01_broken\.py\s+FAILED \(exit 1\)", table)
+    assert re.search(r"02_silent\.py\s+FAILED \(no OK line\)", table)
+    assert re.search(r"03_hangs\.py\s+TIMEOUT", table)
+    assert "helper.py" not in done.stdout
+    assert "AssertionError: the loss went up" in done.stdout  # a failure shows what went wrong
+    assert "1 of 4 lessons passed" in done.stdout
+
+
+def test_run_course_passes_when_every_lesson_passes(tmp_path):
+    lessons = write_lessons(tmp_path / "lessons", {"00_a.py": "print('OK: a')\n",
+                                                   "01_b.py": "print('OK: b')\n"})
+    done = run([sys.executable, str(LESSONS_DIR / "run_course.py"), "--lessons-dir",
+                str(lessons)], tmp_path, cwd=tmp_path, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "2 of 2 lessons passed" in done.stdout
