@@ -5,8 +5,9 @@ the lesson-00 loop per process (per GPU, on a GPU machine). The copies share not
 they agree only through *collectives*, calls that every process in a *process group* makes
 together:
 
-* ``broadcast(t, src)``: every rank ends with ``src``'s tensor. DDP uses it once, at the start,
-  so every replica begins from the same weights.
+* ``broadcast(t, src)``: every rank ends with ``src``'s tensor. DDP uses it when it wraps the
+  model, so every replica begins from rank 0's weights (and for buffers such as batch-norm
+  statistics, before each forward).
 * ``all_reduce(t)``: every rank ends with the element-wise sum over all ranks. DDP uses it on
   every step, to turn each rank's gradient into the sum (then the mean) of all of them.
 * ``all_gather(out, t)``: every rank ends with every rank's tensor, in rank order. Useful to
@@ -106,12 +107,12 @@ def all_gather(device):
           f"rank {rank}: all_gather gave {gathered.tolist()}, expected {by_hand.tolist()}")
 
 
-def median_ms(fn, device, reps: int = 10) -> float:
-    """Median wall time of ``fn()`` on this rank, after two warm-up calls."""
+def median_ms(device, call, *args, reps: int = 10) -> float:
+    """Median wall time of ``call(*args)`` on this rank, after two warm-up calls."""
     times = []
     for i in range(reps + 2):
         start = time.perf_counter()
-        fn()
+        call(*args)
         if device.type == "cuda":
             torch.cuda.synchronize()  # GPU collectives return before the data has moved
         if i >= 2:
@@ -120,25 +121,21 @@ def median_ms(fn, device, reps: int = 10) -> float:
 
 
 def costs(device):
-    """Time each collective at 4 bytes (latency) and 4 MiB (bandwidth)."""
-    world = dist.get_world_size()
-    ring_bytes = {  # what each rank sends with a ring algorithm, for n bytes per rank
-        "broadcast": ("n", lambda n: n),
-        "all_reduce": ("2(W-1)/W * n", lambda n: 2 * (world - 1) / world * n),
-        "all_gather": ("(W-1) * n", lambda n: (world - 1) * n),
-    }
+    """Time each collective at 4 bytes (latency) and at 4 MiB (bandwidth)."""
+    world, n = dist.get_world_size(), 4 * 2**20
+    collectives = [  # name, the call, and what each rank sends with a ring algorithm
+        ("broadcast", lambda t, out: dist.broadcast(t, src=0), "n", n),
+        ("all_reduce", lambda t, out: dist.all_reduce(t), "2(W-1)/W * n",
+         2 * (world - 1) / world * n),
+        ("all_gather", lambda t, out: dist.all_gather(out, t), "(W-1) * n", (world - 1) * n),
+    ]
     print0(f"\n{'collective':<11} {'sent per rank':>14} {'4 B':>9} {'4 MiB':>9} {'4 MiB sent':>11}")
-    for name, (formula, sent) in ring_bytes.items():
+    for name, call, formula, sent in collectives:
         row = []
-        for numel in (1, 2**20):
+        for numel in (1, n // 4):
             t = torch.ones(numel, device=device)
-            out = [torch.empty_like(t) for _ in range(world)]
-            op = {"broadcast": lambda t=t: dist.broadcast(t, src=0),
-                  "all_reduce": lambda t=t: dist.all_reduce(t),
-                  "all_gather": lambda t=t, out=out: dist.all_gather(out, t)}[name]
-            row.append(median_ms(op, device))
-        mebibytes = sent(4 * 2**20) / 2**20
-        print0(f"{name:<11} {formula:>14} {row[0]:7.3f}ms {row[1]:7.3f}ms {mebibytes:8.1f}MiB")
+            row.append(median_ms(device, call, t, [torch.empty_like(t) for _ in range(world)]))
+        print0(f"{name:<11} {formula:>14} {row[0]:7.3f}ms {row[1]:7.3f}ms {sent / 2**20:8.1f}MiB")
     print0("(median of 10 calls on rank 0; the 4 B column is pure latency, and it is paid on "
            "every call,\nhowever small: lesson 05 is about paying it less often)\n")
 
