@@ -37,12 +37,8 @@ __all__ = ["DataParallel", "ForwardStats"]
 
 @dataclass
 class ForwardStats:
-    """What the last forward cost, for lessons and benchmarks that ask why DataParallel is slow.
-
-    ``replicas`` counts the replicas that ran (replica 0 is the module itself, so it costs no
-    copy). ``param_bytes_copied`` and ``buffer_bytes_copied`` count the bytes copied to build the
-    other replicas; DDP pays this once at construction, DataParallel on every forward.
-    """
+    """What the last forward cost: the replicas that ran (replica 0 is the module itself and
+    costs no copy) and the bytes copied to build the others, which DDP pays once, not per step."""
 
     replicas: int = 0
     param_bytes_copied: int = 0
@@ -73,9 +69,7 @@ class DataParallel(nn.Module):
         if len(device_ids) == 0:
             raise ValueError(
                 "DataParallel got an empty device_ids list: pass the GPUs to use (e.g. [0, 1]), "
-                "'cpu' entries to run replicas as CPU threads (e.g. ['cpu', 'cpu']), "
-                "or None for every visible GPU"
-            )
+                "'cpu' entries to run CPU threads (e.g. ['cpu', 'cpu']), or None for all GPUs")
         self.module = module
         self.device_ids = [_as_device(d) for d in device_ids]
         self.output_device = _as_device(device_ids[0] if output_device is None else output_device)
@@ -90,8 +84,7 @@ class DataParallel(nn.Module):
                 raise RuntimeError(
                     f"DataParallel needs the module's parameters and buffers on the first device "
                     f"({first}), which replica 0 uses in place and the others copy from, but one "
-                    f"is on {t.device}: move it with module.to({str(first)!r})"
-                )
+                    f"is on {t.device}: move it with module.to({str(first)!r})")
         inputs = _scatter((args, kwargs), self.device_ids, self.dim)
         devices = self.device_ids[: len(inputs)]
         stats = ForwardStats(replicas=len(devices))
@@ -106,10 +99,8 @@ def _as_device(d) -> torch.device:
     try:
         device = torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
     except (RuntimeError, TypeError) as err:
-        raise ValueError(
-            f"DataParallel does not know the device {d!r}: pass GPU indices such as 0, "
-            f"devices such as 'cuda:1', or 'cpu'"
-        ) from err
+        raise ValueError(f"DataParallel does not know the device {d!r}: pass GPU indices such "
+                         f"as 0, devices such as 'cuda:1', or 'cpu'") from err
     if device.type == "cpu":
         return torch.device("cpu")
     if device.type != "cuda":
@@ -118,10 +109,8 @@ def _as_device(d) -> torch.device:
     if device.index is None and n_gpus:
         device = torch.device("cuda", torch.cuda.current_device())
     if (device.index or 0) >= n_gpus:
-        raise ValueError(
-            f"DataParallel was asked for {d!r}, but this machine has {n_gpus} visible GPU(s); "
-            f"without a GPU, pass 'cpu' entries such as device_ids=['cpu', 'cpu']"
-        )
+        raise ValueError(f"DataParallel was asked for {d!r}, but this machine has {n_gpus} "
+                         f"visible GPU(s); without one, pass device_ids=['cpu', 'cpu']")
     return device
 
 
@@ -147,10 +136,8 @@ def _scatter(args_kwargs: tuple, devices: list[torch.device], dim: int) -> list[
     sizes = {t.shape[dim] if -t.dim() <= dim < t.dim() else None for t in tensors}
     if len(sizes) != 1 or None in sizes:
         shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
-        raise ValueError(
-            f"DataParallel splits every tensor argument along dim={dim}, so all of them need "
-            f"the same size there; got shapes {shapes}"
-        )
+        raise ValueError(f"DataParallel splits every tensor argument along dim={dim}, so they "
+                         f"need the same size there; got shapes {shapes}")
     n = len(tensors[0].chunk(len(devices), dim))
 
     def split(obj: Any) -> list:
@@ -206,11 +193,12 @@ def _replicate(module: nn.Module, device: torch.device, stats: ForwardStats) -> 
 
 def _autocast_state(device_type: str) -> tuple[bool, torch.dtype]:
     """Whether autocast is on for ``device_type`` in this thread, and its dtype."""
-    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+    try:
         return torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
-    if device_type == "cuda":
-        return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
-    return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
+    except (TypeError, AttributeError):  # torch < 2.4: one function per device type
+        if device_type == "cuda":
+            return torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype()
+        return torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype()
 
 
 def _parallel_apply(replicas: list[nn.Module], inputs: list[tuple], devices: list) -> list:
@@ -267,9 +255,7 @@ def _gather(outputs: list, device: torch.device, dim: int) -> Any:
         if first.dim() == 0:
             warnings.warn(
                 "DataParallel: the replicas returned scalars, so the result holds one per replica; "
-                "chunks can differ in size, so their mean need not be the batch mean",
-                stacklevel=2,
-            )
+                "chunks can differ in size, so their mean need not be the batch mean", stacklevel=2)
             return torch.stack([o.to(device) for o in outputs])
         return torch.cat([o.to(device) for o in outputs], dim)
     if first is None:
@@ -279,7 +265,5 @@ def _gather(outputs: list, device: torch.device, dim: int) -> Any:
     if isinstance(first, (tuple, list)):
         parts = [_gather(list(items), device, dim) for items in zip(*outputs)]
         return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
-    raise TypeError(
-        f"DataParallel can gather tensors and tuples, lists and dicts of them, but the module "
-        f"returned a {type(first).__name__}"
-    )
+    raise TypeError(f"DataParallel gathers tensors and tuples, lists and dicts of them, but the "
+                    f"module returned a {type(first).__name__}")
