@@ -266,4 +266,4 @@ def _gather(outputs: list, device: torch.device, dim: int) -> Any:
         parts = [_gather(list(items), device, dim) for items in zip(*outputs)]
         return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
     raise TypeError(f"DataParallel gathers tensors and tuples, lists and dicts of them, but the "
-                    f"module returned a {type(first).__name__}")
+                    f"module's output holds an object of type {type(first).__name__}")

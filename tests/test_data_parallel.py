@@ -270,9 +270,9 @@ def test_an_empty_device_list_says_what_to_pass():
         DataParallel(mlp(), device_ids=[])
 
 
-@pytest.mark.parametrize("bad", ["gpu0", "tpu", 3.5])
+@pytest.mark.parametrize("bad", ["gpu0", "tpu", 3.5, "meta"])
 def test_an_unknown_device_is_refused(bad):
-    with pytest.raises(ValueError, match="does not know the device"):
+    with pytest.raises(ValueError, match="does not know the device|on 'cpu' or CUDA devices"):
         DataParallel(mlp(), device_ids=[bad])
 
 
