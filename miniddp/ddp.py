@@ -152,5 +152,5 @@ class DistributedDataParallel(nn.Module):
         sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
         if sync:
-            self.reducer.prepare_for_backward(output)
+            output = self.reducer.prepare_for_backward(output)
         return output

@@ -34,6 +34,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from miniddp.buckets import ONE_BUCKET, Bucket, BucketInfo, assign_buckets, bucket_limits
 
@@ -135,21 +136,45 @@ class Reducer:
 
     # ----- one backward pass -----
 
-    def prepare_for_backward(self, outputs) -> None:
-        """Called at the end of a synced forward: expect hooks, find unused parameters."""
+    def prepare_for_backward(self, outputs):
+        """Called at the end of a synced forward: expect hooks; return the outputs to use.
+
+        With ``find_unused_parameters``, parameters that no output reaches are found now, and
+        the outputs come back wrapped in an identity autograd function. Its backward runs
+        before any parameter's gradient and schedules :meth:`_sweep_unready` for the end of
+        backward: a parameter reachable only from an output the loss ignored gets no hook,
+        and must not keep its bucket waiting forever.
+        """
         self.expect_hooks = True
         self.ready.clear()
-        self.marked_unused = False
+        self.unused, self.marked_unused = [], False
         self.next_bucket = 0
         self.allreduce_calls = 0
         for bucket in self.buckets:
             bucket.pending, bucket.work = len(bucket.param_indices), None
-        if self.find_unused:
-            self.unused = self._find_unused(outputs)
+        if not self.find_unused:
+            return outputs
+        leaves, spec = tree_flatten(outputs)
+        tracked = [k for k, t in enumerate(leaves)
+                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        self.unused = self.unreached_parameters([leaves[k].grad_fn for k in tracked])
+        if not tracked:
+            return outputs
+        watched = _WatchOutputs.apply(self, *(leaves[k] for k in tracked))
+        for k, t in zip(tracked, watched):
+            leaves[k] = t
+        return tree_unflatten(leaves, spec)
 
-    def _find_unused(self, outputs) -> list[int]:
-        """Indices of parameters that no output's autograd graph reaches."""
-        stack = [t.grad_fn for t in _tensors_in(outputs) if t.grad_fn is not None]
+    def _sweep_unready(self) -> None:
+        """End of backward (find_unused only): parameters that got no hook are ready now."""
+        if self.expect_hooks:
+            for i in range(len(self.params)):
+                if i not in self.ready:
+                    self._mark_ready(i)
+
+    def unreached_parameters(self, grad_fns) -> list[int]:
+        """Indices of parameters that the autograd graphs below ``grad_fns`` do not reach."""
+        stack = [fn for fn in grad_fns if fn is not None]
         seen, reached = set(stack), set()
         while stack:
             node = stack.pop()
@@ -283,16 +308,17 @@ class Reducer:
         self._hooks = []
 
 
-def _tensors_in(obj):
-    """Every tensor inside a (nested) output: tensors, lists, tuples, dicts, dataclasses."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from _tensors_in(item)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors_in(getattr(obj, name))
+class _WatchOutputs(torch.autograd.Function):
+    """Identity on forward's outputs; its backward, the first step of backward, schedules the
+    sweep for parameters that only outputs ignored by the loss would have reached."""
+
+    @staticmethod
+    def forward(ctx, reducer, *outputs):
+        ctx.reducer = reducer
+        ctx.set_materialize_grads(False)
+        return tuple(t.clone() for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        torch.autograd.Variable._execution_engine.queue_callback(ctx.reducer._sweep_unready)
+        return (None, *grads)

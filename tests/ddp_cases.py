@@ -74,6 +74,20 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
+class TwoHeads(nn.Module):
+    """Returns two outputs; the loss ignores the second one on some ranks and steps."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(16, 16)
+        self.head_a = nn.Linear(16, 4)
+        self.head_b = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return {"a": self.head_a(h), "b": self.head_b(h)}
+
+
 class Big(nn.Sequential):
     """About 4 MiB of fp32 parameters: the default 1 MiB first bucket and the rebuild matter."""
 
@@ -84,7 +98,7 @@ class Big(nn.Sequential):
 
 
 MODELS = {"mlp": MLP, "conv_bn": ConvBN, "tied_frozen": TiedFrozen, "branchy": Branchy,
-          "big": Big}
+          "two_heads": TwoHeads, "big": Big}
 
 
 def batch(model_name: str, step: int, micro: int, rank: int):
@@ -98,10 +112,15 @@ def batch(model_name: str, step: int, micro: int, rank: int):
     x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
     if model_name == "branchy":
         return (x,), {"use_branch": (rank + step) % 3 == 0}, y
+    if model_name == "two_heads":
+        return (x,), {}, (y, (rank + step) % 2 == 0)
     return (x,), {}, y
 
 
 def loss_of(model_name: str, out, y):
+    if model_name == "two_heads":
+        y, use_b = y
+        return F.mse_loss(out["a"], y) + (F.mse_loss(out["b"], y) if use_b else 0)
     if model_name == "tied_frozen":
         return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
     return F.mse_loss(out, y)

@@ -20,6 +20,7 @@ CASES = {
     "tied_and_frozen": {"model_name": "tied_frozen"},
     "unused_some_ranks_and_all_ranks": {"model_name": "branchy", "find_unused_parameters": True,
                                         "steps": 6},
+    "outputs_not_used_in_loss": {"model_name": "two_heads", "find_unused_parameters": True},
     "no_sync_3_micro_batches": {"micro_batches": 3},
     "one_bucket": {"bucket_cap_mb": 100},
     "two_buckets": {"bucket_cap_mb": TWO_BUCKETS_MB},
