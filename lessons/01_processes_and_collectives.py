@@ -52,12 +52,6 @@ from miniddp.launch import launch, launched_by_torchrun
 from miniddp.report import check, ok, print0
 
 
-def choose_backend(nproc: int) -> str:
-    """NCCL when every rank on this machine can have a GPU of its own, gloo otherwise."""
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", nproc))
-    return "nccl" if torch.cuda.device_count() >= ranks_here else "gloo"
-
-
 def meet_the_group(device):
     """Every rank is a separate process with its own pid; the group connects them."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -157,7 +151,7 @@ def main():
     parser.add_argument("--nproc", type=int, default=2,
                         help="ranks to fork (ignored under torchrun, which sets its own)")
     args = parser.parse_args()
-    world = launch(on_every_rank, args.nproc, backend=choose_backend(args.nproc))[0]
+    world = launch(on_every_rank, args.nproc)[0]  # NCCL if each rank can have a GPU
     ok(f"broadcast, all_reduce and all_gather matched the values computed by hand on {world} "
        f"ranks")
 

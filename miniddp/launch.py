@@ -53,9 +53,14 @@ def launched_by_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
 
 
-def default_backend() -> str:
-    """NCCL when this machine has a GPU, gloo otherwise."""
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(ranks_on_this_machine: int = 1) -> str:
+    """NCCL when every rank on this machine can have a GPU of its own, gloo otherwise.
+
+    NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so 2 ranks on a 1-GPU
+    machine fall back to gloo, which runs anywhere.
+    """
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return "nccl" if gpus >= ranks_on_this_machine else "gloo"
 
 
 def _die_with_parent() -> None:
@@ -112,6 +117,9 @@ class RankGroup:
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
         self.world_size, self.backend = world_size, backend
+        # torch imports torch._dynamo lazily (DDP construction, optimizers): seconds of CPU in
+        # every rank unless it is imported once here, before the fork.
+        import torch._dynamo  # noqa: F401
         self._dir = tempfile.mkdtemp(prefix="miniddp-")
         ctx = mp.get_context("fork")
         self._procs, self._conns = [], []
@@ -227,9 +235,10 @@ def launch(fn, world_size: int = 2, args=(), backend: str | None = None,
     runs ``fn`` and returns ``[its result]``. Started plainly, it forks ``world_size`` ranks.
     ``backend=None`` picks NCCL when a GPU is present, gloo otherwise.
     """
-    backend = backend or default_backend()
     if not launched_by_torchrun():
+        backend = backend or default_backend(world_size)
         return spawn(fn, world_size, args, backend, timeout, pg_timeout)
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
