@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -75,7 +76,10 @@ class Reducer:
         self.has_rebuilt = False
         self.allreduce_calls = 0  # in the current/last synced backward
         self.timeline: list[tuple] | None = None  # set to [] to record (event, id, time) tuples
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(self._hook, i))
+        # The hooks hold the reducer weakly, so a dropped DDP wrapper leaves no live hook behind
+        # on a module that is trained on (or wrapped again) afterwards.
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_call_hook, me, i))
                        for i, p in enumerate(params)]
         self._init_buckets(self.initial_assignment())
 
@@ -306,6 +310,15 @@ class Reducer:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def __del__(self):
+        self.remove_hooks()
+
+
+def _call_hook(reducer_ref, index: int, param: torch.Tensor) -> None:
+    reducer = reducer_ref()
+    if reducer is not None:
+        reducer._hook(index, param)
 
 
 class _WatchOutputs(torch.autograd.Function):

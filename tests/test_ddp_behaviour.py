@@ -223,3 +223,27 @@ def test_without_a_process_group_the_error_says_what_to_do():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         miniddp.DistributedDataParallel(nn.Linear(3, 3))
+
+
+def rewrap_after_drop():
+    import gc
+    import weakref
+    torch.manual_seed(0)
+    model = MLP()
+    first = miniddp.DistributedDataParallel(model)
+    x, y = data()
+    F.mse_loss(first(x), y).backward()
+    old_reducer = weakref.ref(first.reducer)
+    del first
+    gc.collect()
+    model.zero_grad()
+    second = miniddp.DistributedDataParallel(model)
+    F.mse_loss(second(x), y).backward()
+    hooks = getattr(model[0].weight, "_post_accumulate_grad_hooks", None) or {}
+    return old_reducer() is None, len(hooks), second.allreduce_calls
+
+
+def test_a_dropped_wrapper_leaves_no_hooks_behind(ranks):
+    for collected, hooks_on_weight, calls in ranks(2).run(rewrap_after_drop):
+        assert collected, "the dropped wrapper's reducer must be garbage collected"
+        assert hooks_on_weight == 1 and calls == 1
