@@ -112,6 +112,11 @@ class RankGroup:
     After any failure the group is closed (its state is unknowable); create a new one.
     """
 
+    #: After the first failure, how long to wait for the other ranks' reports. A rank that
+    #: dies makes its peers fail within milliseconds ("Connection reset by peer"); waiting a
+    #: moment lets the error name the rank that failed first, not a bystander.
+    GRACE_S = 1.0
+
     def __init__(self, world_size: int = 2, backend: str = "gloo", pg_timeout: float = 30.0,
                  threads: int = 1):
         if world_size < 1:
@@ -154,31 +159,39 @@ class RankGroup:
 
     def _collect(self, timeout: float) -> list:
         results: dict[int, object] = {}
+        failures: dict[int, tuple[str, str]] = {}  # rank -> (what happened, details)
         deadline = time.monotonic() + timeout
         by_conn = {conn: r for r, conn in enumerate(self._conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while len(results) < self.world_size:
-            pending = [r for r in range(self.world_size) if r not in results]
+        while len(results) + len(failures) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in results and r not in failures]
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel
                                                             for r in pending]
             ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
             if not ready:
+                if failures:
+                    break
                 raise RankError(pending[0], self.world_size,
                                 f"did not finish within {timeout:.0f} s",
                                 self._stacks(pending))
             for obj in ready:
                 rank = by_conn.get(obj, by_sentinel.get(obj))
-                if rank in results:
+                if rank in results or rank in failures:
                     continue
                 try:
                     status, value = pickle.loads(self._conns[rank].recv_bytes())
                 except EOFError:  # its end of the pipe closed: the process is gone
                     self._procs[rank].join(1)
-                    raise RankError(rank, self.world_size, "died without reporting",
-                                    f"exit code {self._procs[rank].exitcode}") from None
-                if status == "error":
-                    raise RankError(rank, self.world_size, "raised", value)
-                results[rank] = value
+                    status, value = "died", f"exit code {self._procs[rank].exitcode}"
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    failures[rank] = ("raised" if status == "error" else "died without reporting",
+                                      value)
+            if failures:  # give the other ranks a moment to report, then blame the likeliest
+                deadline = min(deadline, time.monotonic() + self.GRACE_S)
+        if failures:
+            raise _root_cause(failures, self.world_size)
         return [results[r] for r in range(self.world_size)]
 
     def _stacks(self, ranks) -> str:
@@ -218,6 +231,27 @@ class RankGroup:
 
     def __exit__(self, *exc):
         self.close(kill=exc[0] is not None)
+
+
+# Errors that a rank raises because a *peer* failed, not because of its own code.
+_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                 "NCCL communicator was aborted", "Socket Timeout")
+
+
+def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankError:
+    """The failure most likely to be the cause: a death, then an error of the rank's own."""
+    def rank_key(rank):
+        what, details = failures[rank]
+        own = not any(marker in details for marker in _PEER_FAILURE)
+        return (what != "died without reporting", not own, rank)
+
+    culprit = min(failures, key=rank_key)
+    what, details = failures[culprit]
+    others = [f"rank {r} {failures[r][0]}: {failures[r][1].strip().splitlines()[-1]}"
+              for r in sorted(failures) if r != culprit]
+    if others:
+        details += "\n(then " + "; ".join(others) + ")"
+    return RankError(culprit, world_size, what, details)
 
 
 def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo", timeout: float = 120.0,

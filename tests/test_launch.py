@@ -95,3 +95,14 @@ def test_timeout_reports_where_each_rank_was():
     assert "--- rank 0 stack ---" in message and "rank0_sleeps" in message
     assert "--- rank 1 stack ---" in message and "barrier" in message
     _assert_all_dead(pids)
+
+
+def test_the_blamed_rank_is_the_cause_not_a_bystander():
+    from miniddp.launch import _root_cause
+    peer = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
+    own = "ValueError: bad shapes"
+    assert _root_cause({0: ("raised", peer), 1: ("raised", own)}, 2).rank == 1
+    died = _root_cause({0: ("raised", peer), 2: ("died without reporting", "exit code -9"),
+                        1: ("raised", own)}, 3)
+    assert died.rank == 2 and "exit code -9" in str(died) and "rank 1 raised: " in str(died)
+    assert _root_cause({1: ("raised", peer), 0: ("raised", peer)}, 2).rank == 0
