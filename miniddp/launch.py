@@ -59,8 +59,8 @@ def default_backend(ranks_on_this_machine: int = 1) -> str:
     NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), so 2 ranks on a 1-GPU
     machine fall back to gloo, which runs anywhere.
     """
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return "nccl" if gpus >= ranks_on_this_machine else "gloo"
+    # device_count() asks NVML and leaves CUDA uninitialized: forked ranks can still use it.
+    return "nccl" if torch.cuda.device_count() >= ranks_on_this_machine else "gloo"
 
 
 def _die_with_parent() -> None:

@@ -117,6 +117,16 @@ def batch(model_name: str, step: int, micro: int, rank: int):
     return (x,), {}, y
 
 
+def to_device(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
 def loss_of(model_name: str, out, y):
     if model_name == "two_heads":
         y, use_b = y
@@ -141,7 +151,7 @@ def _diff(tag, step, name, a, b, problems):
 
 
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
-                       set_to_none=True, width=32, depth=3, sabotage=None,
+                       set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
                        **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
@@ -152,6 +162,7 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
     module = MLP(width, depth) if model_name == "mlp" else MODELS[model_name]()
+    module.to(device)
     our_kwargs = dict(ddp_kwargs)
     if sabotage == "layout":
         our_kwargs["bucket_cap_mb"] = 0.0002
@@ -171,7 +182,7 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         for ddp, opt in ((ours, opt_ours), (theirs, opt_theirs)):
             opt.zero_grad(set_to_none=set_to_none)
             for micro in range(micro_batches):
-                args, kwargs, y = batch(model_name, step, micro, rank)
+                args, kwargs, y = to_device(batch(model_name, step, micro, rank), device)
                 if micro < micro_batches - 1:
                     with ddp.no_sync():
                         loss_of(model_name, ddp(*args, **kwargs), y).backward()

@@ -1,0 +1,39 @@
+"""On a GPU machine: miniddp's DDP on CUDA tensors with NCCL, against torch's (skipped on CPU).
+
+NCCL refuses two ranks on one GPU, so with one GPU this runs NCCL at world size 1 (every hook,
+bucket and collective still runs) and two ranks sharing the GPU over gloo, which stages CUDA
+tensors through host memory.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_cases import compare_with_torch
+
+from miniddp.launch import spawn
+
+# device_count() asks NVML without initializing CUDA, which forked ranks could not survive.
+needs_gpu = pytest.mark.skipif(torch.cuda.device_count() == 0, reason="needs a CUDA GPU")
+
+
+def compare_on_gpu(kwargs):
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return compare_with_torch(device=device, device_ids=[device.index], **kwargs)
+
+
+@needs_gpu
+@pytest.mark.parametrize("case", [{}, {"bucket_cap_mb": 0.0001}, {"model_name": "conv_bn"},
+                                  {"model_name": "branchy", "find_unused_parameters": True},
+                                  {"gradient_as_bucket_view": True, "micro_batches": 3}])
+def test_nccl_bit_identical_to_torch(case):
+    results = spawn(compare_on_gpu, 1, args=(case,), backend="nccl", timeout=180)
+    assert results[0]["problems"] == []
+    assert results[0]["layouts"][-1] == results[0]["torch_layout"]
+
+
+@needs_gpu
+def test_two_ranks_share_one_gpu_over_gloo():
+    results = spawn(compare_on_gpu, 2, args=({"bucket_cap_mb": 0.001},), backend="gloo",
+                    timeout=180)
+    assert all(r["problems"] == [] for r in results)
