@@ -1,0 +1,261 @@
+"""Lesson 07: gradient accumulation with ``no_sync``, one all_reduce per k micro-batches.
+
+What this adds since lesson 06: a batch larger than one step can hold. When the batch you want
+does not fit in memory, you split it into k micro-batches, run forward and backward on each, let
+the gradients add up in ``.grad``, and step the optimizer once. With DDP, every backward ends
+with an all_reduce, so a plain loop would communicate k times per step, where once is enough:
+summing k local gradients and then averaging them across ranks gives the same gradient as
+averaging after every micro-batch, and costs a k-th of the communication. ``ddp.no_sync()`` does
+that: a forward *inside* it makes the following backward skip the all_reduce; the gradients stay
+local and accumulate. The first synchronized backward afterwards reduces the whole accumulated
+``.grad`` once.
+
+Why it matters: the effective batch is ``ranks x k x micro-batch``. This loop, with
+``loss / k``, computes the gradient of the mean loss over all of it, exactly what one process
+with the whole batch computes (lesson 00's oracle), and what torch's DDP computes bit for bit.
+Two mistakes that the loop below avoids and the seed tutorials make: forgetting ``/ k`` (the
+step becomes k times larger) and calling ``zero_grad()`` per micro-batch (nothing accumulates).
+
+The trap, checked at the end: ``no_sync`` sets a flag that DDP reads **when forward runs**. A
+forward inside ``no_sync`` followed by ``backward()`` outside it does *not* synchronize, and a
+forward outside followed by a backward inside *does*. Put both inside the ``with`` block.
+
+Run it:
+
+    python lessons/07_no_sync_accumulation.py                      # 2 ranks, gloo on CPU
+    python lessons/07_no_sync_accumulation.py --nproc 3 --micro-batches 8
+    torchrun --standalone --nproc_per_node=2 lessons/07_no_sync_accumulation.py
+
+On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
+one rank per GPU with NCCL; with fewer GPUs than ranks it stays on the CPU with gloo.
+
+What you will see: for the first step, a table of the k micro-batches (inside ``no_sync`` or
+not, all_reduce calls, whether the gradients agree across ranks: only after the last one); the
+loss falling; the total count of all_reduce calls (one per bucket per step, a k-th of a plain
+loop's); the largest difference from the one-process oracle (about 1e-7, not 0: see
+``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs;
+and ``OK: ...``. A few seconds.
+"""
+
+import argparse
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader, Subset
+
+import miniddp
+from miniddp.data import make_dataset, make_model, shard
+from miniddp.launch import launch
+from miniddp.report import Progress, check, ok, print0
+
+MICRO_BATCH = 16  # samples per micro-batch on each rank
+EPOCHS = 6
+LR = 0.2
+# The oracle computes the same mean gradient with its float additions in another order: one
+# matrix product sums over the whole batch, where here .grad adds k micro-batch sums and then
+# the all_reduce adds the ranks' shares. Each order rounds differently in the last bits (about
+# 1e-7 relative), and training carries those differences along. So: close, not equal.
+ORACLE_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+
+
+def wrap(ddp_class, model, device):
+    """Wrap ``model`` in a DDP class (miniddp's or torch's), one GPU per rank when on GPU."""
+    return ddp_class(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def reducer_launches(ddp) -> int:
+    """All_reduce calls miniddp's reducer has launched since its timeline was switched on.
+
+    ``ddp.allreduce_calls`` counts the calls of the last *synchronized* backward; the timeline
+    (lesson 06) also shows that a backward inside ``no_sync`` launches nothing.
+    """
+    return sum(event == "launch" for event, _, _ in ddp.reducer.timeline)
+
+
+def grads_agree_across_ranks(model) -> bool:
+    """True when every rank holds the very same gradients (a collective: every rank calls it)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], g) for g in everyone)
+
+
+def accumulation_step(ddp, optimizer, micro_batches, after_backward=None):
+    """One optimizer step from k micro-batches: forward *and* backward of the first k - 1
+    inside ``no_sync``, the last pair synchronized. Returns the loss of the whole step."""
+    k = len(micro_batches)
+    optimizer.zero_grad()  # once per step, not per micro-batch: .grad must accumulate
+    step_loss = 0.0
+    for j, (x, y) in enumerate(micro_batches):
+        with ddp.no_sync() if j < k - 1 else nullcontext():
+            loss = F.mse_loss(ddp(x), y) / k  # / k: .grad adds up to the mean over all k
+            loss.backward()
+        step_loss += loss.detach()
+        if after_backward:
+            after_backward()
+    optimizer.step()
+    return step_loss
+
+
+def train(rank, world, k, device):
+    """Train miniddp's DDP, torch's DDP and the one-process oracle side by side."""
+    data = make_dataset(n=2048, seed=0)
+    mine = shard(data, rank, world)  # samples rank, rank + world, ...: this rank's share
+    loader = DataLoader(mine, batch_size=k * MICRO_BATCH, drop_last=True)
+    # The oracle's batch s is the union of every rank's batch s: the same samples, in one piece.
+    everything = DataLoader(Subset(data, range(len(mine) * world)),
+                            batch_size=world * k * MICRO_BATCH, drop_last=True)
+
+    ours = wrap(miniddp.DistributedDataParallel, make_model(seed=0).to(device), device)
+    theirs = wrap(TorchDDP, make_model(seed=0).to(device), device)
+    oracle = make_model(seed=0).to(device)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)
+                  for m in (ours, theirs, oracle)]
+    ours.reducer.timeline = []  # record the reducer's launches, to count them
+    marks = []  # after every micro-batch: (launches so far, gradients equal on every rank)
+
+    def after_backward():
+        marks.append((reducer_launches(ours), grads_agree_across_ranks(ours)))
+
+    print0(f"{world} ranks x {k} micro-batches x {MICRO_BATCH} samples = a batch of "
+           f"{world * k * MICRO_BATCH} per optimizer step\n")
+    steps = EPOCHS * len(loader)
+    progress = Progress(steps, every=max(1, steps // 8))
+    step, worst, first_mismatch = 0, 0.0, None
+    for _epoch in range(EPOCHS):
+        for (x, y), (big_x, big_y) in zip(loader, everything):
+            micro_batches = list(zip(x.to(device).chunk(k), y.to(device).chunk(k)))
+            loss = accumulation_step(ours, optimizers[0], micro_batches, after_backward)
+            accumulation_step(theirs, optimizers[1], micro_batches)
+            optimizers[2].zero_grad()
+            F.mse_loss(oracle(big_x.to(device)), big_y.to(device)).backward()
+            optimizers[2].step()
+            progress(loss)
+
+            for a, b, c in zip(ours.parameters(), theirs.parameters(), oracle.parameters()):
+                if first_mismatch is None and not torch.equal(a, b):
+                    first_mismatch = step
+                worst = max(worst, (a - c).abs().max().item())
+            step += 1
+    return ours, oracle, progress.losses(), marks, worst, first_mismatch
+
+
+def check_communication(ours, marks, k):
+    """One all_reduce round per step, in its last micro-batch; gradients local until then."""
+    steps, buckets = len(marks) // k, len(ours.buckets)
+    launched = [n for n, _ in marks]
+    calls = [b - a for a, b in zip([0] + launched, launched)]
+    agree = [same for _, same in marks]
+    print0(f"\nthe first step, micro-batch by micro-batch ({buckets} bucket here, so a synced "
+           "backward makes one all_reduce per bucket):")
+    print0("  micro-batch  forward/backward   all_reduce calls   gradients equal on every rank")
+    for j in range(k):
+        where = "inside no_sync" if j < k - 1 else "synchronized  "
+        print0(f"  {j:>11}  {where}   {calls[j]:>16}   {'yes' if agree[j] else 'no'}")
+    expected_calls = [0] * (k - 1) + [buckets]
+    expected_agree = [False] * (k - 1) + [True]
+    for s in range(steps):
+        check(calls[s * k:(s + 1) * k] == expected_calls,
+              f"step {s}: all_reduce calls per micro-batch {calls[s * k:(s + 1) * k]}, "
+              f"expected {expected_calls}")
+        check(agree[s * k:(s + 1) * k] == expected_agree,
+              f"step {s}: gradients equal across ranks after each micro-batch "
+              f"{agree[s * k:(s + 1) * k]}, expected {expected_agree}")
+    check(ours.allreduce_calls == buckets, f"ddp.allreduce_calls says {ours.allreduce_calls} "
+                                           f"for {buckets} bucket(s)")
+    return sum(calls), steps * k
+
+
+def calls_without_no_sync(rank, k, device) -> int:
+    """The same step with every backward synchronized: k all_reduce rounds instead of one."""
+    ddp = wrap(miniddp.DistributedDataParallel, make_model(seed=0).to(device), device)
+    x, y = (t.to(device) for t in make_dataset(n=k * MICRO_BATCH, seed=10 + rank).tensors)
+    calls = 0
+    for xm, ym in zip(x.chunk(k), y.chunk(k)):
+        (F.mse_loss(ddp(xm), ym) / k).backward()
+        calls += ddp.allreduce_calls  # the calls of this (synchronized) backward
+    return calls
+
+
+def the_trap(rank, device):
+    """``no_sync`` is read when forward runs. Shown on both DDPs; returns what each did."""
+    x, y = (t.to(device) for t in make_dataset(n=32, seed=10 + rank).tensors)
+    synced = {}
+    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
+        ddp = wrap(ddp_class, make_model(seed=0).to(device), device)
+        with ddp.no_sync():
+            out = ddp(x)  # forward inside no_sync ...
+        F.mse_loss(out, y).backward()  # ... backward outside: NOT synchronized
+        forward_inside = grads_agree_across_ranks(ddp)
+        ddp.zero_grad()
+        out = ddp(x)  # forward outside ...
+        with ddp.no_sync():
+            F.mse_loss(out, y).backward()  # ... backward inside: synchronized all the same
+        synced[name] = (forward_inside, grads_agree_across_ranks(ddp))
+
+    word = {True: "synchronized", False: "NOT synchronized"}
+    print0("\nthe trap: where forward runs decides, not where backward runs")
+    for case, label in enumerate(("forward inside no_sync, backward outside",
+                                  "forward outside, backward inside no_sync")):
+        print0(f"  {label}:  " + ",  ".join(f"{name}: {word[synced[name][case]]}"
+                                             for name in synced))
+    for name, (forward_inside, backward_inside) in synced.items():
+        check(not forward_inside, f"{name}: a forward inside no_sync was followed by a "
+                                  "synchronized backward; the flag must be read at forward time")
+        check(backward_inside, f"{name}: a forward outside no_sync was not synchronized because "
+                               "its backward ran inside; the flag must be read at forward time")
+
+
+def on_every_rank(k):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    check(world >= 2, "no_sync only matters with someone to synchronize with: run 2+ ranks")
+    check(k >= 2, f"--micro-batches must be at least 2 to accumulate anything, got {k}")
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    ours, oracle, losses, marks, worst, first_mismatch = train(rank, world, k, device)
+    check(losses[-1] < 0.2 * losses[0],
+          f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 20% of it")
+
+    calls, backwards = check_communication(ours, marks, k)
+    plain = calls_without_no_sync(rank, k, device)
+    steps = backwards // k
+    print0(f"\n{backwards} backward passes in {steps} steps made {calls} all_reduce calls; "
+           f"without no_sync one step alone makes {plain}, {steps * plain} in all")
+    check(plain == k * len(ours.buckets), f"without no_sync one step made {plain} all_reduce "
+                                          f"calls, expected {k} x {len(ours.buckets)}")
+
+    print0(f"largest difference from the one-process oracle (batch {world * k * MICRO_BATCH}) "
+           f"in any parameter at any step: {worst:.2g} (close, not equal: float additions in "
+           "another order)")
+    for a, c in zip(ours.parameters(), oracle.parameters()):
+        check(torch.allclose(a, c, **ORACLE_TOLERANCE),
+              f"rank {rank}: miniddp's parameters left the one-process oracle "
+              f"(max difference {(a - c).abs().max().item():.3g})")
+    check(first_mismatch is None, f"rank {rank}: miniddp's parameters differ from torch's DDP "
+                                  f"after step {first_mismatch}")
+    print0(f"miniddp's parameters equal torch's DDP's bit for bit after each of the {steps} "
+           "steps")
+
+    the_trap(rank, device)
+    return world, steps, losses[0], losses[-1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to fork (ignored under torchrun, which sets its own)")
+    parser.add_argument("--micro-batches", type=int, default=4,
+                        help="micro-batches accumulated per optimizer step (k)")
+    args = parser.parse_args()
+    world, steps, first, last = launch(on_every_rank, args.nproc, (args.micro_batches,))[0]
+    ok(f"{args.micro_batches} micro-batches per step on {world} ranks: one all_reduce round per "
+       f"step, loss {first:.3f} -> {last:.4f}, equal to torch's DDP bit for bit and to the "
+       "one-process oracle within float rounding; no_sync is read at forward time")
+
+
+if __name__ == "__main__":
+    main()
