@@ -1,0 +1,292 @@
+"""Lesson 08: the whole miniddp DistributedDataParallel, bit for bit against torch's.
+
+What this adds since lesson 07: no new mechanism, the proof that all of them together are
+torch's DDP. Lessons 03-07 built the pieces (averaging gradients, buckets, overlap, no_sync);
+``miniddp.DistributedDataParallel`` puts them behind torch's constructor, and here it trains next
+to ``torch.nn.parallel.DistributedDataParallel`` on every rank: same model, same batches, same
+optimizer. After every step, every parameter and every buffer must be equal (``torch.equal``,
+not ``allclose``). Three things come along that a simple reimplementation gets wrong:
+
+* **the bucket rebuild.** At construction DDP cannot know in which order gradients will become
+  ready, so the first backward uses one bucket per dtype and device with the parameters in model
+  order. During that backward it records the order the gradients arrive in (last layer first,
+  and for ``nn.Linear`` the bias before the weight) and, at the next forward, rebuilds the
+  buckets in that order, cutting them at ``bucket_cap_mb``. Printed before and after, and
+  compared with the buckets inside torch's C++ reducer at every step.
+* **unused parameters.** A parameter that takes no part in the loss never gets a gradient, so
+  its bucket never fills and the next forward fails, on both DDPs (shown). With
+  ``find_unused_parameters=True``, each forward walks the autograd graph and marks the
+  parameters it cannot reach as ready: a parameter unused on some ranks gets the average of the
+  others' gradients, one unused everywhere keeps ``.grad = None``.
+* **buffers.** BatchNorm's running statistics are not gradients: each rank updates its own in
+  forward. DDP broadcasts rank 0's buffers before every synchronized forward, so whoever
+  evaluates through the wrapper uses rank 0's statistics.
+
+Why 3 ranks are the harder test: at 2 ranks an all_reduce computes ``a + b`` or ``b + a``, the
+same float either way. At 3 or more, gloo's ring adds the ranks' values in an order that
+depends on the element's offset inside the flat bucket and on the bucket's size, so the bits
+match only if the bucket layout is exactly torch's. The lesson shows this with a control: a
+miniddp whose buckets are cut differently still matches at 2 ranks and stops matching at 3.
+
+Run it:
+
+    python lessons/08_miniddp_vs_torch_ddp.py              # 2 ranks, gloo on CPU
+    python lessons/08_miniddp_vs_torch_ddp.py --nproc 3    # the harder test
+    torchrun --standalone --nproc_per_node=2 lessons/08_miniddp_vs_torch_ddp.py
+
+On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
+one rank per GPU with NCCL; the bit-for-bit claim then rests on NCCL, which both DDPs call on
+the same buffers in the same order.
+
+What you will see: the buckets before and after the rebuild, the loss falling, "equal bit for
+bit after every step" for the plain model and for a model with BatchNorm and unused heads, the
+error both DDPs raise without ``find_unused_parameters``, BatchNorm statistics before and after
+the broadcast, what the differently-bucketed control did, and ``OK: ...``. A few seconds.
+"""
+
+import argparse
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader
+
+import miniddp
+from miniddp.data import OUT_FEATURES, make_dataset, make_model, shard
+from miniddp.launch import launch
+from miniddp.report import Progress, check, ok, print0
+
+BATCH_SIZE = 32  # per rank
+EPOCHS = 2
+LR = 0.2
+BUCKET_CAP_MB = 0.0005  # about 520 bytes: two buckets for lesson 00's student after the rebuild
+
+
+class StudentWithExtras(nn.Module):
+    """Lesson 00's student with BatchNorm after its first layer, and two extra heads:
+    ``sometimes`` joins the output on some ranks and steps only, ``never`` is never used."""
+
+    def __init__(self, seed: int, hidden: int = 64):
+        super().__init__()
+        student = make_model(seed=seed, hidden=hidden)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.body = nn.Sequential(student[0], nn.BatchNorm1d(hidden), student[1])
+            self.head = student[2]
+            self.sometimes = nn.Linear(hidden, OUT_FEATURES)
+            self.never = nn.Linear(hidden, OUT_FEATURES)
+
+    def forward(self, x, use_sometimes: bool = False):
+        h = self.body(x)
+        return self.head(h) + self.sometimes(h) if use_sometimes else self.head(h)
+
+
+def wrap(ddp_class, module, device, **kwargs):
+    """Wrap a copy of ``module`` in a DDP class (miniddp's or torch's), one GPU per rank on GPU."""
+    ids = [device.index] if device.type == "cuda" else None
+    return ddp_class(copy.deepcopy(module).to(device), device_ids=ids, **kwargs)
+
+
+def differences(ours, theirs) -> list[str]:
+    """Names of the parameters, gradients and buffers that are not equal bit for bit."""
+    found = []
+    for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
+        if not torch.equal(a, b):
+            found.append(name)
+        if (a.grad is None) != (b.grad is None) or (
+                a.grad is not None and not torch.equal(a.grad, b.grad)):
+            found.append(f"{name}.grad")
+    for (name, a), b in zip(ours.module.named_buffers(), theirs.module.buffers()):
+        if not torch.equal(a, b):
+            found.append(name)
+    return found
+
+
+def torch_buckets(theirs) -> list[list[int]]:
+    """The buckets inside torch's C++ reducer, as indices into the parameter list."""
+    index = {id(p): i for i, p in enumerate(theirs.module.parameters())}
+    return [[index[id(p)] for p in bucket.parameters()]
+            for bucket in theirs.reducer._get_zeros_like_grad_buckets()]
+
+
+def show_buckets(title, ddp):
+    print0(title)
+    for info in ddp.buckets:
+        print0(f"  bucket {info.index}: {', '.join(info.names):<32} {info.numel:>5} "
+               f"{info.dtype} elements, {info.nbytes} bytes")
+
+
+def train_side_by_side(models, loader, device, forward_kwargs=None, progress=None):
+    """Train every wrapped model on the same batches; after every step compare each one with
+    ``models[1]`` (torch's). Returns, per model, the first step where it differed (or None),
+    and the bucket layouts of ``models[0]`` and of torch's after every step."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in models]
+    first_difference = [None] * len(models)
+    layouts, step = [], 0
+    for _epoch in range(EPOCHS):
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            kwargs = forward_kwargs(step) if forward_kwargs else {}
+            for model, optimizer in zip(models, optimizers):
+                optimizer.zero_grad()
+                loss = F.mse_loss(model(x, **kwargs), y)
+                loss.backward()
+                optimizer.step()
+                if model is models[0] and progress:
+                    progress(loss)
+            for k, model in enumerate(models):
+                if first_difference[k] is None and differences(model, models[1]):
+                    first_difference[k] = (step, differences(model, models[1]))
+            layouts.append(([b.param_indices for b in models[0].buckets],
+                            torch_buckets(models[1])))
+            step += 1
+    return first_difference, layouts
+
+
+def the_plain_student(rank, world, device):
+    """Lesson 00's student; buckets cut small so that the rebuild shows. Returns the control's
+    first difference from torch (a miniddp with torch's default, larger buckets)."""
+    student = make_model(seed=rank)  # another init on every rank: construction must broadcast
+    ours = wrap(miniddp.DistributedDataParallel, student, device, bucket_cap_mb=BUCKET_CAP_MB)
+    theirs = wrap(TorchDDP, student, device, bucket_cap_mb=BUCKET_CAP_MB)
+    control = wrap(miniddp.DistributedDataParallel, student, device)
+    rank0_init = make_model(seed=0).to(device)
+    check(all(torch.equal(p, q) for p, q in zip(ours.parameters(), rank0_init.parameters())),
+          f"rank {rank}: after construction the parameters are not rank 0's")
+    print0("every rank built its own random model; after construction all hold rank 0's\n")
+    show_buckets("buckets at construction (iteration 0): one bucket, parameters in model order",
+                 ours)
+
+    loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
+                        batch_size=BATCH_SIZE, drop_last=True)
+    progress = Progress(EPOCHS * len(loader), every=max(1, EPOCHS * len(loader) // 6))
+    print0()
+    first_difference, layouts = train_side_by_side([ours, theirs, control], loader, device,
+                                                   progress=progress)
+    print0()
+    show_buckets("buckets from step 1 on: rebuilt at step 1's forward, in the order gradients "
+                 f"became ready in step 0,\ncut at bucket_cap_mb={BUCKET_CAP_MB}", ours)
+
+    rebuilt_at = next((s for s, (mine, _) in enumerate(layouts) if mine != layouts[0][0]), None)
+    check(rebuilt_at == 1, f"the buckets changed at step {rebuilt_at}, torch rebuilds at step 1")
+    bad = [s for s, (mine, torchs) in enumerate(layouts) if mine != torchs]
+    check(not bad, f"at step {bad[:1]} miniddp's buckets {layouts[bad[0]][0] if bad else ''} "
+                   f"are not torch's {layouts[bad[0]][1] if bad else ''}")
+    print0("torch's C++ reducer holds the very same buckets at every step")
+    check(first_difference[0] is None,
+          f"rank {rank}: miniddp differs from torch's DDP after step {first_difference[0]}")
+    losses = progress.losses()
+    check(losses[-1] < 0.2 * losses[0],
+          f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 20% of it")
+    print0(f"parameters and gradients equal to torch's DDP bit for bit after each of the "
+           f"{len(layouts)} steps")
+    return first_difference[2], len(layouts), losses
+
+
+def unused_without_the_flag(rank, device):
+    """Both DDPs refuse, at the next forward, a model whose loss left parameters unused."""
+    x, y = (t.to(device) for t in make_dataset(n=BATCH_SIZE, seed=10 + rank).tensors)
+    model = StudentWithExtras(seed=0)
+    print0("\nwithout find_unused_parameters, 'sometimes' and 'never' block their bucket:")
+    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
+        ddp = wrap(ddp_class, model, device)
+        F.mse_loss(ddp(x), y).backward()
+        try:
+            ddp(x)
+            error = "no error"
+        except RuntimeError as e:
+            error = str(e)
+        print0(f"  {name:<7} raises at the next forward: {error[:80]}...")
+        check("Expected to have finished reduction in the prior iteration" in error,
+              f"{name}: a forward after a backward that left parameters without gradients "
+              f"should fail, got: {error[:300]}")
+
+
+def with_buffers_and_unused_heads(rank, world, device):
+    """BatchNorm buffers and parameters that only some ranks use, on both DDPs."""
+    model = StudentWithExtras(seed=rank)
+    ours = wrap(miniddp.DistributedDataParallel, model, device, find_unused_parameters=True)
+    theirs = wrap(TorchDDP, model, device, find_unused_parameters=True)
+    loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
+                        batch_size=BATCH_SIZE, drop_last=True)
+    used = lambda step: {"use_sometimes": (step + rank) % 3 == 0}  # per rank and step
+    progress = Progress(EPOCHS * len(loader), quiet=True)
+    first_difference, layouts = train_side_by_side([ours, theirs], loader, device, used,
+                                                   progress)
+    check(first_difference[0] is None, f"rank {rank}: with BatchNorm and unused heads, miniddp "
+                                       f"differs from torch's DDP after step "
+                                       f"{first_difference[0]}")
+    losses = progress.losses()
+    check(losses[-1] < 0.2 * losses[0], f"with BatchNorm the loss went from {losses[0]:.4f} to "
+                                        f"{losses[-1]:.4f}, not below 20% of it")
+    print0(f"\nwith find_unused_parameters=True, BatchNorm, a head used on some ranks and steps "
+           f"and one never used:\n  equal to torch's DDP bit for bit after each of the "
+           f"{len(layouts)} steps (loss {losses[0]:.3f} -> {losses[-1]:.4f})")
+    never = [m.module.never.weight.grad for m in (ours, theirs)]
+    check(never == [None, None], "a parameter no rank ever used must keep .grad = None")
+    print0("  'never' was unused on every rank: its .grad is still None on both")
+
+    bn = [m.module.body[1].running_mean for m in (ours, theirs)]
+    before = rank_agreement(bn[0])
+    ours.eval(), theirs.eval()
+    with torch.no_grad():  # an evaluation forward through the wrappers broadcasts rank 0's
+        x = make_dataset(n=BATCH_SIZE, seed=20 + rank).tensors[0].to(device)
+        ours(x), theirs(x)
+    after = rank_agreement(bn[0])
+    say = {True: "yes", False: "no"}
+    print0(f"  BatchNorm running_mean equal on every rank? after the last training forward: "
+           f"{say[before]} (each rank updated its own);\n  after one evaluation forward through "
+           f"the wrapper: {say[after]} (rank 0's, broadcast before the forward)")
+    check(not before, "each rank updated its running statistics with its own batch: they "
+                      "should differ after training")
+    check(after and torch.equal(bn[0], bn[1]),
+          "an evaluation forward through DDP should give every rank rank 0's statistics")
+
+
+def rank_agreement(t) -> bool:
+    """Is ``t`` the same on every rank (a collective)?"""
+    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, t)
+    return all(torch.equal(everyone[0], other) for other in everyone)
+
+
+def on_every_rank():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    control_differs, steps, losses = the_plain_student(rank, world, device)
+    unused_without_the_flag(rank, device)
+    with_buffers_and_unused_heads(rank, world, device)
+
+    print0(f"\nthe control: a miniddp with default buckets (one bucket after the rebuild) "
+           f"against torch with bucket_cap_mb={BUCKET_CAP_MB} (two buckets):")
+    if control_differs is not None:
+        step, names = control_differs
+        print0(f"  differs from step {step} on ({', '.join(names[:4])}, ...): at {world} ranks "
+               "the ring's order of additions depends on where an element sits in its bucket")
+    elif world == 2:
+        print0(f"  equal after all {steps} steps: at 2 ranks a + b == b + a, the layout cannot "
+               "show; run --nproc 3 to see it matter")
+    else:
+        print0(f"  equal after all {steps} steps: this time the ring added in the same order")
+    if world == 2 and dist.get_backend() == "gloo":
+        check(control_differs is None, "at 2 ranks a + b == b + a: the layout cannot matter")
+    return world, steps, losses[0], losses[-1]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to fork (ignored under torchrun, which sets its own)")
+    args = parser.parse_args()
+    world, steps, first, last = launch(on_every_rank, args.nproc)[0]
+    ok(f"miniddp's DDP equal to torch's bit for bit after each of {steps} steps on {world} ranks "
+       f"(loss {first:.3f} -> {last:.4f}), same buckets, rebuilt at the same step; unused "
+       "parameters and BatchNorm buffers too")
+
+
+if __name__ == "__main__":
+    main()
