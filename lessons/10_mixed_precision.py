@@ -1,0 +1,228 @@
+"""Lesson 10: mixed precision with DDP: autocast, a gradient scaler for fp16, fp32 gradients.
+
+What this adds since lesson 09: cheaper arithmetic. ``torch.autocast`` runs the operations that
+gain from it (matrix products, convolutions) in a 16-bit float and keeps the rest in fp32; the
+parameters, their ``.grad`` and the optimizer stay fp32. On GPUs with tensor cores that is
+several times faster, and the activations saved for backward take half the memory. DDP needs no
+change: it averages ``.grad``, and ``.grad`` is fp32 (the backward of autocast's cast turns each
+16-bit weight gradient back into the fp32 parameter's dtype), so its buckets are fp32 and an
+all_reduce sends as many bytes as without autocast. Sending fewer bytes is another technique
+(a communication hook that compresses the buckets), with its own loss of precision.
+
+The two 16-bit formats differ where it matters:
+
+* **bf16** keeps fp32's 8 exponent bits (same range, down to 1e-38) and has 8 bits of mantissa
+  (about 3 significant digits). Gradients do not underflow, so bf16 needs nothing more than the
+  ``autocast`` block. It is what the CPU (and recent GPUs) use.
+* **fp16** has 11 bits of mantissa but only 5 of exponent: the smallest number it holds is
+  6e-8, and a gradient of 1e-8 flushes to zero. ``torch.amp.GradScaler`` multiplies the loss by a
+  large scale (65536 at first) so that the gradients computed in fp16 stay representable, divides
+  the fp32 ``.grad`` by it before ``optimizer.step``, and skips the step (halving the scale) if
+  any gradient is inf or NaN. With DDP every rank holds the same averaged gradients when the
+  scaler looks at them, so every rank makes the same decision without an extra collective.
+
+What this lesson proves, on every rank: the loss falls under bf16 (and fp16); miniddp's DDP and
+torch's DDP, run side by side under the same autocast, stay equal bit for bit after every step;
+buckets and gradients are fp32; and the bf16 run ends close to an fp32 run of the same training
+(close, not equal: each bf16 product rounds at the third digit, so the two runs drift apart).
+The fp16 part needs a GradScaler for the device: torch >= 2.3 has ``torch.amp.GradScaler`` for
+the CPU; on older torch it is skipped on the CPU, with a note.
+
+Run it:
+
+    python lessons/10_mixed_precision.py                      # 2 ranks, gloo on CPU
+    python lessons/10_mixed_precision.py --nproc 3
+    torchrun --standalone --nproc_per_node=2 lessons/10_mixed_precision.py
+
+On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
+one rank per GPU with NCCL, fp16 with its scaler and bf16 where the GPU supports it.
+
+What you will see: why fp16 needs the scaler (1e-8 in fp16 and in bf16), the bf16 training's loss
+falling, the dtypes of the output, the gradients and the buckets, "equal bit for bit" for each
+precision, the scale and skipped steps of the fp16 run, the held-out loss of the fp32, bf16 and
+fp16 runs side by side, and ``OK: ...``. A few seconds.
+"""
+
+import argparse
+import copy
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader
+
+import miniddp
+from miniddp.data import make_dataset, make_model, shard
+from miniddp.launch import launch
+from miniddp.report import Progress, check, ok, print0
+
+BATCH_SIZE = 32  # per rank
+EPOCHS = 2
+LR = 0.2
+# How far the bf16 run may end from the fp32 run, as a ratio of held-out losses. Measured: within
+# a few percent. A run that did not learn, or learnt something else, is off by a factor of 10+.
+BF16_LOSS_RATIO = 1.5
+# torch's default first scale is 2**16; starting higher makes the scaler's back-off visible: the
+# first steps overflow fp16 (max 65504), are skipped, and the scale halves until they fit.
+INIT_SCALE = 2.0**20
+
+
+def wrap(ddp_class, model, device):
+    """Wrap a copy of ``model`` in a DDP class (miniddp's or torch's), one GPU per rank on GPU."""
+    ids = [device.index] if device.type == "cuda" else None
+    return ddp_class(copy.deepcopy(model).to(device), device_ids=ids)
+
+
+def grad_scaler(device):
+    """A GradScaler for ``device``, or None where this torch has none (CPU before torch 2.3)."""
+    if hasattr(torch.amp, "GradScaler"):
+        return torch.amp.GradScaler(device.type, init_scale=INIT_SCALE)
+    if device.type == "cuda":
+        return torch.cuda.amp.GradScaler(init_scale=INIT_SCALE)
+    return None
+
+
+def held_out_loss(model, device) -> float:
+    """Mean squared error on samples never trained on, computed in fp32."""
+    x, y = (t.to(device) for t in make_dataset(n=1024, seed=1).tensors)
+    with torch.no_grad():
+        return F.mse_loss(model(x), y).item()
+
+
+def train(rank, world, device, dtype, side_by_side=True, verbose=False):
+    """Train lesson 00's student with miniddp's DDP, and torch's DDP next to it, under
+    ``autocast(dtype)`` (fp32 when ``dtype`` is None). Returns what the lesson checks."""
+    wrappers = [miniddp.DistributedDataParallel] + ([TorchDDP] if side_by_side else [])
+    models = [wrap(cls, make_model(seed=0), device) for cls in wrappers]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in models]
+    scalers = [grad_scaler(device) if dtype == torch.float16 else None for _ in models]
+    loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
+                        batch_size=BATCH_SIZE, drop_last=True)
+    progress = Progress(EPOCHS * len(loader), every=max(1, EPOCHS * len(loader) // 6),
+                        quiet=not verbose)
+    first_difference, skipped, step = None, 0, 0
+    for _epoch in range(EPOCHS):
+        for x, y in loader:
+            x, y = x.to(device), y.to(device)
+            for model, optimizer, scaler in zip(models, optimizers, scalers):
+                optimizer.zero_grad()
+                with torch.autocast(device.type, dtype=dtype) if dtype else nullcontext():
+                    out = model(x)  # products in dtype; parameters stay fp32
+                loss = F.mse_loss(out.float(), y)  # the loss in fp32
+                if scaler is None:
+                    loss.backward()
+                    optimizer.step()
+                else:
+                    scale = scaler.get_scale()
+                    scaler.scale(loss).backward()  # DDP averages the scaled fp32 gradients
+                    scaler.step(optimizer)  # unscales .grad; skips the step on inf/NaN
+                    scaler.update()  # halves the scale after a skip
+                    if model is models[0] and scaler.get_scale() < scale:
+                        skipped += 1
+                if model is models[0]:
+                    progress(loss)
+                    out_dtype = out.dtype
+            if side_by_side and first_difference is None and not all(
+                    torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models))):
+                first_difference = step
+            step += 1
+    ours = models[0]
+    return {"losses": progress.losses(), "held_out": held_out_loss(ours.module, device),
+            "first_difference": first_difference, "steps": step, "out_dtype": out_dtype,
+            "grad_dtypes": {p.grad.dtype for p in ours.parameters()},
+            "bucket_dtypes": {b.dtype for b in ours.buckets}, "skipped": skipped,
+            "scale": scalers[0].get_scale() if scalers[0] else None, "model": ours.module}
+
+
+def why_fp16_needs_a_scaler():
+    """A gradient of 1e-8 in each format, and in fp16 after scaling by 65536."""
+    tiny = torch.tensor(1e-8)
+    fp16, bf16 = tiny.half().item(), tiny.bfloat16().item()
+    scaled = (tiny * 65536).half()
+    print0(f"a gradient of 1e-8 stored in fp16: {fp16:g}; in bf16: {bf16:.4g}; in fp16 after "
+           f"scaling by 65536: {scaled.item():.4g} (= {scaled.float().item() / 65536:.4g} "
+           "once unscaled in fp32)")
+    check(fp16 == 0 and bf16 > 0 and scaled.item() > 0,
+          f"expected fp16 to flush 1e-8 to zero and bf16 and scaled fp16 to keep it; got "
+          f"{fp16}, {bf16}, {scaled.item()}")
+
+
+def available_precisions(device):
+    """The 16-bit formats this device and this torch can train with, and notes on the rest."""
+    runs, notes = [], []
+    if device.type == "cpu" or torch.cuda.is_bf16_supported():
+        runs.append(("bf16", torch.bfloat16))
+    else:
+        notes.append("bf16 skipped: this GPU does not support it")
+    if grad_scaler(device) is not None:
+        runs.append(("fp16", torch.float16))
+    else:
+        notes.append(f"fp16 skipped: torch {torch.__version__} has no GradScaler for the CPU "
+                     "(torch.amp.GradScaler('cpu') arrived in torch 2.3); on a GPU it runs")
+    return runs, notes
+
+
+def on_every_rank():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    why_fp16_needs_a_scaler()
+    runs, notes = available_precisions(device)
+    reference = train(rank, world, device, None, side_by_side=False)
+    results = {}
+    for name, dtype in runs:
+        print0(f"\n{name} autocast on {device.type}, miniddp's DDP and torch's DDP side by side:")
+        r = results[name] = train(rank, world, device, dtype, verbose=not results)
+        print0(f"  output {r['out_dtype']}, gradients {sorted(map(str, r['grad_dtypes']))}, "
+               f"buckets {sorted(map(str, r['bucket_dtypes']))}")
+        if r["scale"] is not None:
+            everyone = [None] * world
+            dist.all_gather_object(everyone, (r["skipped"], r["scale"]))
+            print0(f"  GradScaler from {INIT_SCALE:.0f}: {r['skipped']} step(s) skipped for "
+                   f"inf/NaN gradients, scale now {r['scale']:.0f}, on every rank alike")
+            check(len(set(everyone)) == 1, f"the ranks' scalers disagree (skipped steps, scale "
+                                           f"by rank: {everyone}): the ranks' models diverged")
+        check(r["out_dtype"] == dtype, f"{name}: the output is {r['out_dtype']}, expected "
+                                       f"{dtype}: autocast did not apply")
+        check(r["grad_dtypes"] == {torch.float32} and r["bucket_dtypes"] == {torch.float32},
+              f"{name}: gradients {r['grad_dtypes']} and buckets {r['bucket_dtypes']} should "
+              "be fp32")
+        check(r["first_difference"] is None, f"rank {rank}, {name}: miniddp differs from torch's "
+                                             f"DDP after step {r['first_difference']}")
+        losses = r["losses"]
+        check(losses[-1] < 0.2 * losses[0], f"{name}: the loss went from {losses[0]:.4f} to "
+                                            f"{losses[-1]:.4f}, not below 20% of it")
+        print0(f"  equal to torch's DDP bit for bit after each of the {r['steps']} steps; "
+               f"loss {losses[0]:.3f} -> {losses[-1]:.4f}")
+    for note in notes:
+        print0(f"\n{note}")
+
+    print0(f"\nheld-out loss after training: fp32 {reference['held_out']:.5f}" + "".join(
+        f", {name} {r['held_out']:.5f}" for name, r in results.items()))
+    if "bf16" in results:
+        ratio = results["bf16"]["held_out"] / reference["held_out"]
+        drift = max((a - b).norm() / b.norm() for a, b in zip(
+            results["bf16"]["model"].parameters(), reference["model"].parameters())).item()
+        print0(f"bf16 ends at {ratio:.3f}x the fp32 run's held-out loss; its parameters are "
+               f"{100 * drift:.1f}% (relative) from the fp32 run's")
+        check(1 / BF16_LOSS_RATIO < ratio < BF16_LOSS_RATIO,
+              f"the bf16 run's held-out loss is {ratio:.2f}x the fp32 run's, outside "
+              f"[1/{BF16_LOSS_RATIO}, {BF16_LOSS_RATIO}]")
+    return world, list(results), results[runs[0][0]]["steps"]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to fork (ignored under torchrun, which sets its own)")
+    args = parser.parse_args()
+    world, precisions, steps = launch(on_every_rank, args.nproc)[0]
+    ok(f"{' and '.join(precisions)} autocast on {world} ranks: the loss fell, miniddp equal to "
+       f"torch's DDP bit for bit after each of {steps} steps, fp32 gradients and buckets"
+       + (", bf16 close to fp32" if "bf16" in precisions else ""))
+
+
+if __name__ == "__main__":
+    main()
