@@ -103,9 +103,8 @@ def collective(what: str, timeout: float):
         else:
             why = (f"another rank left the group after {waited:.1f} s (it failed or was killed; "
                    "its own error is the cause)")
-        message = (f"rank {dist.get_rank()}: {what} did not complete: {why}.\n"
-                   f"{type(error).__name__}: {error}")
-        raise CollectiveFailed(message, peer_gone=not timed_out) from error
+        raise CollectiveFailed(f"rank {dist.get_rank()}: {what} did not complete: {why}.",
+                               peer_gone=not timed_out) from error  # torch's error is chained
 
 
 def parse_fault(text: str) -> tuple[str, int, int]:

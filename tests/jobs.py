@@ -2,23 +2,55 @@
 
 torchrun starts each worker in a session of its own, so killing torchrun's process group does
 not reach them: :class:`Job` notes every descendant while the job is alive and kills each one's
-process group too.
+process group too. Processes are known by (pid, start time), so a pid the system has given to a
+new process since is never signalled.
+
+:func:`run_like_torchrun` runs a torchrun-style script on ranks forked from the test process:
+torchrun's environment without torchrun's seconds of ``import torch`` per worker.
 """
 
 from __future__ import annotations
 
+import ctypes
+import multiprocessing as mp
 import os
+import runpy
 import signal
 import socket
 import subprocess
 import sys
 import time
+import traceback
 from collections import defaultdict
+from datetime import timedelta
+from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from miniddp import train
+from miniddp.launch import launch
 
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                   "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK")
+
+
+def run_job(argv: list[str], timeout: float = 60.0) -> list:
+    """``python -m miniddp.train --nproc 2 ARGV``, ranks forked from this process; a failing
+    rank raises RankError (``main`` would print it and return 1)."""
+    args = train.parse_args(argv)
+    return launch(train.train, world_size=2, args=(args,), backend="gloo", timeout=timeout,
+                  pg_timeout=args.timeout)
+
+
+def weights(path) -> dict:
+    return torch.load(path, weights_only=True)
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -65,6 +97,12 @@ def _descendants(pid: int) -> set[tuple[int, str]]:
             found.add(child)
             todo.append(child[0])
     return found
+
+
+def identity(pid: int) -> tuple[int, str]:
+    """(pid, start time) of a running process; a start time of "" when it has gone."""
+    fields = _stat(pid)
+    return pid, fields[19] if fields else ""
 
 
 def alive(process: tuple[int, str]) -> bool:
@@ -141,3 +179,64 @@ def run(command: list[str], log: Path, timeout: float, **kwargs) -> tuple[int, s
     with Job(command, log, **kwargs) as job:
         code = job.wait(timeout)
         return code, job.output()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _script_rank(script: str, argv: list[str], env: dict[str, str], error_file: str) -> None:
+    _die_with_parent()
+    os.environ.update(env)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except BaseException:
+        Path(error_file).write_text(traceback.format_exc())
+        raise
+
+
+def run_like_torchrun(script: Path, argv: list[str], workdir: Path, world_size: int = 2,
+                      timeout: float = 60.0) -> None:
+    """Run a torchrun-style script on ``world_size`` ranks forked from this process.
+
+    Each rank gets the variables torchrun would give it. As under torchrun, the store the ranks
+    meet in is hosted by the parent (here, this process): no port to pick and race for, and no
+    ``import torch`` in a fresh interpreter per rank. The first rank that fails is named with
+    its traceback, and every rank is killed.
+    """
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                          timeout=timedelta(seconds=30), wait_for_workers=False)
+    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+              "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+              "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+    ctx = mp.get_context("fork")
+    procs, errors = [], []
+    for rank in range(world_size):
+        errors.append(workdir / f"rank{rank}.err")
+        env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(ctx.Process(target=_script_rank, daemon=True,
+                                 args=(str(script), argv, env, str(errors[-1]))))
+        procs[-1].start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.is_alive() for p in procs):
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed:
+                rank = failed[0]
+                text = errors[rank].read_text() if errors[rank].exists() else "(no traceback)"
+                raise AssertionError(f"{script.name} failed on rank {rank} (exit code "
+                                     f"{procs[rank].exitcode}):\n{text}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{script.name} did not finish within {timeout:.0f} s")
+            mp_wait([p.sentinel for p in procs if p.is_alive()], timeout=0.1)
+        for rank, p in enumerate(procs):
+            assert p.exitcode == 0, f"{script.name} failed on rank {rank}:\n" + (
+                errors[rank].read_text() if errors[rank].exists() else "(no traceback)")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5)
+        del store

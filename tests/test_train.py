@@ -1,38 +1,22 @@
 """The reference job: it learns, says what it does, and a killed run resumes to the same bits.
 
-Most runs here fork their ranks from the test process (``launch``, as ``python -m miniddp.train``
-does, minus the seconds of ``import torch`` a new interpreter costs); one test runs the real
-command line.
+The runs here fork their ranks from the test process, as ``python -m miniddp.train`` does (its
+``main`` is called directly), minus the seconds of ``import torch`` a new interpreter costs.
+The torchrun runs of the same module are in test_faults.py.
 """
 
 import re
-import sys
 
 import pytest
 import torch
-from jobs import run
+from jobs import run_job, same_weights, weights
 
 from miniddp import checkpoint, train
 from miniddp.data import make_model
-from miniddp.launch import RankError, launch
+from miniddp.launch import RankError
 
 # 2 ranks x 256 samples per epoch / 16 per batch: 16 steps an epoch, 64 in all.
 JOB = ["--epochs", "4", "--dataset-size", "512", "--batch-size", "16", "--save-every-steps", "5"]
-
-
-def run_job(argv: list[str], timeout: float = 60.0) -> list:
-    """Run the job on 2 forked ranks; a failing rank raises RankError."""
-    args = train.parse_args(argv)
-    return launch(train.train, world_size=2, args=(args,), backend="gloo", timeout=timeout,
-                  pg_timeout=args.timeout)
-
-
-def weights(path) -> dict:
-    return torch.load(path, weights_only=True)
-
-
-def same_weights(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.fixture(scope="module")
@@ -52,17 +36,15 @@ def interrupted_then_resumed(tmp_path, fault: str) -> tuple[dict, RankError]:
     return weights(tmp_path / "final.pt"), failure.value
 
 
-@pytest.mark.slow
-def test_job_learns_and_reports_progress_from_the_command_line(tmp_path):
-    code, output = run([sys.executable, "-m", "miniddp.train", "--nproc", "2", *JOB,
-                        "--out", str(tmp_path / "final.pt")], tmp_path / "log.txt", timeout=120)
-    assert code == 0, output
+def test_job_learns_and_reports_progress(tmp_path, capfd):
+    assert train.main(["--nproc", "2", *JOB, "--out", str(tmp_path / "final.pt")]) == 0
+    output = capfd.readouterr().out
     epochs = re.findall(r"epoch +(\d+)/4 \| step +(\d+) \| loss ([\d.]+) \| +([\d,]+) samples/s",
                         output)
     assert [(int(e), int(s)) for e, s, _, _ in epochs] == [(1, 16), (2, 32), (3, 48), (4, 64)]
     losses = [float(loss) for _, _, loss, _ in epochs]
     assert losses[-1] < losses[0] / 3, f"the loss should fall well below its start: {losses}"
-    assert "held-out loss" in output
+    assert "starting from scratch: 2 ranks" in output and "held-out loss" in output
     make_model().load_state_dict(weights(tmp_path / "final.pt"))  # plain names, no prefix
 
 

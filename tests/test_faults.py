@@ -1,0 +1,199 @@
+"""Faults: a rank raises, hangs or is killed; torchrun restarts; two nodes; torch's script swapped.
+
+Each failure must stop every rank and name the rank that caused it; nothing may hang or be left
+running. The torchrun runs cost seconds of ``import torch`` per process, so there are three.
+"""
+
+import os
+import re
+import signal
+import time
+
+import pytest
+from jobs import (
+    REPO,
+    Job,
+    alive,
+    free_port,
+    identity,
+    run,
+    run_job,
+    run_like_torchrun,
+    same_weights,
+    torchrun,
+    weights,
+)
+
+from miniddp import train
+from miniddp.launch import RankError
+
+# 16 steps an epoch on 2 ranks, 64 in all.
+JOB = ["--epochs", "4", "--dataset-size", "512", "--batch-size", "16", "--save-every-steps", "5"]
+# 64 steps an epoch, 256 in all: long enough that a worker killed after the first snapshot is
+# killed mid-run, even on a loaded machine.
+LONG_JOB = ["--epochs", "4", "--dataset-size", "2048", "--batch-size", "16",
+            "--save-every-steps", "5"]
+
+
+def reference_weights(tmp_path_factory, argv):
+    out = tmp_path_factory.mktemp("reference")
+    run_job([*argv, "--snapshot", str(out / "snap.pt"), "--out", str(out / "final.pt")])
+    return weights(out / "final.pt")
+
+
+def pids_in(directory):
+    """(pid, start time) of the ranks that wrote pid files: a reused pid does not count."""
+    return [identity(int(path.read_text())) for path in sorted(directory.glob("rank*.pid"))]
+
+
+def assert_all_gone(processes):
+    deadline = time.monotonic() + 5
+    while any(alive(p) for p in processes) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in processes if alive(p)], "a rank outlived the failure"
+
+
+# --- python -m miniddp.train: the ranks are forked by miniddp.launch ---
+
+def test_a_rank_that_raises_stops_every_rank_and_its_error_is_reported(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_job([*JOB, "--fault", "raise:1:3", "--pid-dir", str(tmp_path)])
+    assert info.value.rank == 1
+    assert "rank 1 of 2 raised" in str(info.value)
+    assert "RuntimeError: injected fault: rank 1 raises at step 3" in str(info.value)
+    assert time.monotonic() - start < 20
+    assert_all_gone(pids_in(tmp_path))
+
+
+def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run_job([*JOB, "--fault", "hang:1:3", "--timeout", "2", "--pid-dir", str(tmp_path)])
+    took = time.monotonic() - start
+    message = str(info.value)
+    assert info.value.rank == 0, message  # rank 1 is asleep: rank 0 reports the wait
+    assert ("step 3: DDP's forward and the gradient all_reduce in backward did not complete: "
+            "timed out after") in message
+    assert "--timeout 2" in message
+    assert 2 <= took < 20, f"took {took:.1f} s with a 2 s process-group timeout"
+    assert_all_gone(pids_in(tmp_path))
+
+
+def test_main_prints_the_error_of_the_rank_that_failed_and_exits_non_zero(capfd):
+    """What ``python -m miniddp.train`` shows: ``main`` is its whole body."""
+    assert train.main(["--nproc", "2", *JOB, "--fault", "raise:1:2"]) == 1
+    err = capfd.readouterr().err
+    assert "miniddp.train failed: rank 1 of 2 raised" in err
+    assert "RuntimeError: injected fault: rank 1 raises at step 2" in err
+
+
+# --- torchrun ---
+
+@pytest.fixture(scope="module")
+def long_reference(tmp_path_factory):
+    return reference_weights(tmp_path_factory, LONG_JOB)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return reference_weights(tmp_path_factory, JOB)
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_worker_killed_from_outside_and_the_job_ends_bit_identical(
+        tmp_path, long_reference):
+    snap, pids, out = tmp_path / "snap.pt", tmp_path / "pids", tmp_path / "final.pt"
+    command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2", "-m",
+                       "miniddp.train", *LONG_JOB, "--snapshot", str(snap), "--out", str(out),
+                       "--pid-dir", str(pids), "--timeout", "30")
+    with Job(command, tmp_path / "log.txt", cwd=tmp_path) as job:
+        deadline = time.monotonic() + 90
+        while not (snap.exists() and (pids / "rank1.pid").exists()):
+            assert job.running(), f"the job ended before it could be killed:\n{job.output()}"
+            assert time.monotonic() < deadline, f"no snapshot after 90 s:\n{job.output()}"
+            time.sleep(0.02)
+        victims = pids_in(pids)
+        assert alive(victims[1]), f"rank 1 ended before it could be killed:\n{job.output()}"
+        os.kill(victims[1][0], signal.SIGKILL)
+        code = job.wait(120)
+        output = job.output()
+    assert code == 0, output
+    assert re.search(r"resuming from .*snap\.pt: epoch \d, step \d+, .*\(torchrun restart 1\)",
+                     output), output
+    assert pids_in(pids) != victims, "the workers should have been restarted"
+    assert_all_gone(victims + pids_in(pids))
+    assert same_weights(weights(out), long_reference), "resumed weights differ"
+
+
+@pytest.mark.slow
+def test_torchrun_shows_the_error_of_the_rank_that_raised(tmp_path):
+    command = torchrun("--standalone", "--nproc_per_node=2", "-m", "miniddp.train", *JOB,
+                       "--fault", "raise:1:3", "--pid-dir", str(tmp_path / "pids"))
+    code, output = run(command, tmp_path / "log.txt", timeout=120, cwd=tmp_path)
+    assert code != 0, output
+    assert "Root Cause" in output, output
+    root = output.split("Root Cause")[1]
+    assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", root), output
+    assert "RuntimeError: injected fault: rank 1 raises at step 3" in root, output
+    # Rank 0 lost its peer too, and waits rather than report that: torchrun stops it first.
+    summary = output.split("FAILED", 1)[1]
+    assert "Connection reset" not in summary and "did not complete" not in summary, output
+    assert_all_gone(pids_in(tmp_path / "pids"))
+
+
+@pytest.mark.slow
+def test_two_torchrun_agents_train_the_job_together(tmp_path, reference):
+    """Two "nodes" on one machine, one rank each, meeting through c10d rendezvous on loopback."""
+    for attempt in range(2):  # the port is picked before torchrun binds it: retry a lost race
+        endpoint = f"127.0.0.1:{free_port()}"
+        logs = [tmp_path / f"attempt{attempt}-node{n}.txt" for n in range(2)]
+        command = torchrun("--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+                           f"--rdzv-endpoint={endpoint}", "--rdzv-id=miniddp-two-nodes",
+                           "--local-addr=127.0.0.1", "--max-restarts=0", "-m", "miniddp.train",
+                           *JOB, "--snapshot", str(tmp_path / f"snap{attempt}.pt"),
+                           "--out", str(tmp_path / "final.pt"))
+        with Job(command, logs[0], cwd=tmp_path) as node0, \
+                Job(command, logs[1], cwd=tmp_path) as node1:
+            codes = [node0.wait(120), node1.wait(60)]
+            output = node0.output() + node1.output()
+        if codes == [0, 0] or "Address already in use" not in output:
+            break
+    assert codes == [0, 0], output
+    assert "starting from scratch: 2 ranks" in output
+    assert output.count("epoch   4/4") == 1, "only global rank 0 prints"
+    assert same_weights(weights(tmp_path / "final.pt"), reference)
+
+
+# --- a script written for torch's DDP, with miniddp swapped in ---
+
+TORCH_IMPORTS = {
+    "from torch.nn.parallel import DistributedDataParallel as DDP":
+        "from miniddp import DistributedDataParallel as DDP",
+    "from torch.utils.data.distributed import DistributedSampler":
+        "from miniddp import DistributedSampler",
+}
+
+
+def test_a_torch_ddp_script_runs_unchanged_with_miniddp_imports(tmp_path, capfd):
+    original = (REPO / "examples" / "torch_ddp_train.py").read_text()
+    swapped = original
+    for theirs, ours in TORCH_IMPORTS.items():
+        assert swapped.count(theirs) == 1, f"the script should import {theirs!r} once"
+        swapped = swapped.replace(theirs, ours)
+
+    finals = {}
+    for name, text in [("torch", original), ("miniddp", swapped)]:
+        script = tmp_path / f"{name}_ddp_train.py"
+        script.write_text(text)
+        snap, out = str(tmp_path / f"{name}.snap.pt"), str(tmp_path / f"{name}.final.pt")
+        run_like_torchrun(script, ["--epochs", "2", "--snapshot", snap], tmp_path)
+        run_like_torchrun(script, ["--epochs", "4", "--snapshot", snap, "--out", out], tmp_path)
+        assert "resuming after epoch 2" in capfd.readouterr().out, f"{name} did not resume"
+        finals[name] = weights(out)
+    uninterrupted = str(tmp_path / "uninterrupted.pt")
+    run_like_torchrun(tmp_path / "torch_ddp_train.py",
+                      ["--epochs", "4", "--snapshot", str(tmp_path / "u.snap.pt"),
+                       "--out", uninterrupted], tmp_path)
+    assert same_weights(finals["miniddp"], finals["torch"])
+    assert same_weights(finals["torch"], weights(uninterrupted))
