@@ -1,0 +1,236 @@
+"""Lesson 05: gradient buckets, and the latency-bandwidth model that says why they pay.
+
+What this adds since lesson 04: lesson 03 all_reduced every gradient on its own, one call per
+parameter tensor. DDP packs gradients into a few flat buffers, *buckets*, and reduces each with
+one call. This lesson measures why, on your machine.
+
+The cost model: a collective on ``n`` bytes costs about ``t(n) = alpha + n * beta``. ``alpha``
+(latency) is paid on every call, however small: waking the other ranks, handshakes, Python.
+``beta`` (seconds per byte) is the inverse of the bandwidth. Below ``n = alpha / beta`` bytes a
+message is mostly latency. A model with P parameter tensors and N bytes of gradients costs
+
+* one call per parameter:  ``P * alpha + N * beta``,
+* B buckets:               ``B * alpha + N * beta``,
+* one bucket:              ``alpha + N * beta`` (cheapest, but it can only start once the very
+  last gradient exists: lesson 06 shows why DDP keeps a few buckets instead).
+
+The lesson times all_reduce over message sizes from 16 bytes to 4 MiB, fits ``alpha`` and
+``beta``, predicts the three costs for a 26-layer model (52 small tensors, 1.5 MiB), and times
+them. Everything is timed in turns (every size and strategy once per round, in a shuffled order,
+round after round) and summarized by medians, so a burst of load from other programs hits them
+all alike. The checks are only what survives a busy machine: the line fits most sizes, and one
+call per parameter costs at least twice what buckets cost (the model predicts ~10x). Expect the
+prediction to get the ranking and the order of magnitude right, not the milliseconds: on a
+shared machine a long run of back-to-back calls often costs more per call than the short bursts
+the line was fitted on.
+
+And the buckets themselves (``ddp.buckets``): at construction DDP cannot know the order in which
+gradients will become ready, so iteration 0 uses one bucket in parameter order. During the first
+backward it records that order (the last layer first, and for ``nn.Linear`` the bias before the
+weight); at the next forward it rebuilds the buckets in that order: the first one closes as soon
+as it holds at least 1 MiB (small, so that communication can start early), the others at 25 MiB
+(``bucket_cap_mb``). They are checked against the buckets torch's own DDP builds for the same
+model.
+
+Run it:
+
+    python lessons/05_buckets.py              # forks 2 ranks, gloo on CPU
+    python lessons/05_buckets.py --nproc 4    # more ranks than cores? watch alpha explode
+    torchrun --standalone --nproc_per_node=2 lessons/05_buckets.py
+
+With one GPU per rank it uses NCCL, where ``alpha`` is a few microseconds and the bandwidth is
+hundreds of GB/s; the model and the conclusions carry over, the numbers do not.
+
+What you will see: the buckets before and after the rebuild with names and sizes, the all_reduce
+time of each message size next to the fitted line, ``alpha``, ``beta`` and the size where they
+balance, a table of predicted and measured costs for the three strategies, the picture
+``runs/05_buckets.png``, and ``OK: ...``. A few seconds.
+"""
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from miniddp import DistributedDataParallel
+from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from miniddp.launch import launch
+from miniddp.report import check, ok, print0, save_figure
+
+HIDDEN_LAYERS, WIDTH = 24, 128
+SIZES = [4**k for k in range(1, 11)]  # elements: 16 bytes ... 4 MiB (float32: 4 bytes each)
+ROUNDS = 20
+BURST = 4  # each size is timed as 4 calls in a row, as a training step makes them
+MIB = 2**20
+
+
+def deep_student(device) -> nn.Module:
+    """The lessons' student made deep and narrow: many small tensors, as real models have."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        layers = [nn.Linear(IN_FEATURES, WIDTH), nn.Tanh()]
+        for _ in range(HIDDEN_LAYERS):
+            layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        return nn.Sequential(*layers, nn.Linear(WIDTH, OUT_FEATURES)).to(device)
+
+
+def show(buckets):
+    for b in buckets:
+        names = b.names if len(b.names) <= 4 else [*b.names[:3], "...", b.names[-1]]
+        print0(f"  bucket {b.index}: {len(b.names):>2} tensors, {b.nbytes / MIB:.2f} MiB: "
+               + ", ".join(names))
+
+
+def buckets_like_torch(device):
+    """Show ``ddp.buckets`` before and after the rebuild; compare with torch's DDP's."""
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(deep_student(device), device_ids=ids)
+    theirs = torch.nn.parallel.DistributedDataParallel(deep_student(device), device_ids=ids)
+    print0("at construction (iteration 0): one bucket, in parameter order")
+    show(ddp.buckets)
+    x, y = (t.to(device) for t in make_dataset(n=32, seed=dist.get_rank()).tensors)
+    for model in (ddp, theirs):
+        for _ in range(3):  # rebuilt at the second forward; torch logs it at the third
+            F.mse_loss(model(x), y).backward()
+    print0("after the first backward: rebuilt in the order gradients became ready")
+    show(ddp.buckets)
+
+    logged = theirs._get_ddp_logging_data()  # what torch's reducer reports about its buckets
+    torch_buckets = [[int(i) for i in b.split()]
+                     for b in logged["rebuilt_per_bucket_param_indices"].split(",")]
+    torch_bytes = [int(s) for s in str(logged["rebuilt_bucket_sizes"]).split(",")]
+    ours = [b.param_indices for b in ddp.buckets]
+    check(ours == torch_buckets, f"miniddp's buckets {ours} differ from torch's {torch_buckets}")
+    check([b.nbytes for b in ddp.buckets] == torch_bytes,
+          f"bucket sizes {[b.nbytes for b in ddp.buckets]} differ from torch's {torch_bytes}")
+    first, params = ddp.buckets[0], list(ddp.module.parameters())
+    last = params[first.param_indices[-1]]
+    check(first.nbytes >= MIB > first.nbytes - last.numel() * last.element_size(),
+          f"the first bucket ({first.nbytes} bytes) should close as soon as it holds 1 MiB")
+    print0("the same buckets, members and sizes as torch's DistributedDataParallel builds")
+    return ddp
+
+
+def measure(device, strategies: dict[str, list[int]]):
+    """Median all_reduce time (s) of every size in SIZES and of every strategy's calls.
+
+    Each round times every item once, in an order shuffled alike on every rank (they must make
+    the same calls in the same order). The medians are averaged over the ranks, so every rank
+    fits, prints and checks the very same numbers.
+    """
+    items = [("size", n) for n in SIZES] + [("strategy", name) for name in strategies]
+    buffers = {("size", n): [torch.ones(n, device=device) for _ in range(BURST)] for n in SIZES}
+    for name, numels in strategies.items():
+        buffers[("strategy", name)] = [torch.ones(n, device=device) for n in numels]
+    times = {item: [] for item in items}
+    order = torch.Generator().manual_seed(0)
+    for round_ in range(ROUNDS + 1):  # round 0 warms up
+        for k in torch.randperm(len(items), generator=order).tolist():
+            tensors = buffers[items[k]]
+            start = time.perf_counter()
+            for t in tensors:
+                dist.all_reduce(t)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if round_ > 0:
+                times[items[k]].append(time.perf_counter() - start)
+    medians = torch.tensor([statistics.median(times[item]) / len(buffers[item]) ** (kind == "size")
+                            for item, kind in zip(items, (i[0] for i in items))],
+                           dtype=torch.float64, device=device)
+    dist.all_reduce(medians)
+    medians = (medians / dist.get_world_size()).tolist()
+    return medians[:len(SIZES)], dict(zip(strategies, medians[len(SIZES):]))
+
+
+def fit(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least squares on *relative* errors: ``(alpha + n * beta) / t`` as close to 1 as possible.
+
+    Plain least squares on seconds would let the 4 MiB message decide everything and leave
+    ``alpha`` as noise; dividing by ``t`` makes a 4-byte message count as much as 4 MiB.
+    """
+    n = torch.tensor(nbytes, dtype=torch.float64)
+    t = torch.tensor(seconds, dtype=torch.float64)
+    a = torch.stack([torch.ones_like(n), n], dim=1) / t[:, None]
+    alpha, beta = torch.linalg.lstsq(a, torch.ones_like(t)[:, None]).solution.flatten().tolist()
+    return alpha, beta
+
+
+def plot(nbytes, seconds, alpha, beta, strategies, measured):
+    def draw(ax):
+        ax.loglog(nbytes, [1e3 * s for s in seconds], "o", label="all_reduce, one call (median)")
+        line = [nbytes[0] * 2**k for k in range(21)]
+        ax.loglog(line, [1e3 * (alpha + n * beta) for n in line], "-",
+                  label=f"fit: {1e6 * alpha:.0f} us + n / {1e-9 / beta:.2f} GB/s")
+        for (name, numels), marker in zip(strategies.items(), "s^D"):
+            ax.loglog([4 * sum(numels)], [1e3 * measured[name]], marker,
+                      label=f"{name}: {len(numels)} call(s)")
+        ax.axvline(alpha / beta, color="gray", ls=":", lw=1)
+        ax.set(xlabel="message size (bytes)", ylabel="time (ms)",
+               title=f"all_reduce on {dist.get_world_size()} ranks ({dist.get_backend()}): "
+                     "t(n) = alpha + n beta")
+        ax.legend(fontsize=8)
+
+    save_figure("05_buckets", draw)
+
+
+def on_every_rank():
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    ddp = buckets_like_torch(device)
+    strategies = {
+        "one call per parameter": [p.numel() for p in ddp.module.parameters()],
+        "DDP's buckets": [b.numel for b in ddp.buckets],
+        "one bucket": [sum(p.numel() for p in ddp.module.parameters())],
+    }
+    seconds, measured = measure(device, strategies)
+    nbytes = [4.0 * n for n in SIZES]
+    alpha, beta = fit(nbytes, seconds)
+    errors = [(alpha + n * beta) / t - 1 for n, t in zip(nbytes, seconds)]
+
+    print0(f"\nall_reduce on {dist.get_world_size()} ranks, median of {ROUNDS} rounds:")
+    print0(f"{'bytes':>9} {'measured':>10} {'fitted':>10} {'error':>7}")
+    for n, t, e in zip(nbytes, seconds, errors):
+        print0(f"{n:9.0f} {1e3 * t:8.3f}ms {1e3 * (alpha + n * beta):8.3f}ms {100 * e:+6.0f}%")
+    typical = statistics.median(abs(e) for e in errors)
+    print0(f"alpha = {1e6 * alpha:.1f} us per call, beta = {1e3 * beta * MIB:.3f} ms per MiB "
+           f"({1e-9 / beta:.2f} GB/s); they balance at {alpha / beta / 1024:.0f} KiB. "
+           f"Typical error of the line: {100 * typical:.0f}%")
+    check(alpha > 0 and beta > 0, f"the fit makes no sense: alpha={alpha:.2e}, beta={beta:.2e}")
+    check(typical < 0.5, f"the line t = alpha + n beta misses the median size by "
+          f"{100 * typical:.0f}% (>50%): was the machine very busy? Run the lesson again.")
+
+    print0(f"\n{'':<23} {'calls':>5} {'MiB':>6} {'predicted':>10} {'measured':>10} "
+           f"{'ratio':>6}")
+    for name, numels in strategies.items():
+        predicted = len(numels) * alpha + 4 * sum(numels) * beta
+        print0(f"{name:<23} {len(numels):>5} {4 * sum(numels) / MIB:6.2f} "
+               f"{1e3 * predicted:8.2f}ms {1e3 * measured[name]:8.2f}ms "
+               f"{measured[name] / predicted:5.1f}x")
+    per_param, buckets = measured["one call per parameter"], measured["DDP's buckets"]
+    check(per_param > 2 * buckets,
+          f"one call per parameter took {1e3 * per_param:.2f} ms, not at least twice the "
+          f"{1e3 * buckets:.2f} ms of {len(ddp.buckets)} buckets moving the same bytes")
+    print0(f"the same {4 * sum(strategies['one bucket']) / MIB:.2f} MiB cost "
+           f"{per_param / buckets:.1f}x more in {len(strategies['one call per parameter'])} "
+           "calls than in buckets: each call pays alpha")
+    plot(nbytes, seconds, alpha, beta, strategies, measured)
+    return alpha, beta, per_param / buckets
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to fork (ignored under torchrun, which sets its own)")
+    args = parser.parse_args()
+    alpha, beta, ratio = launch(on_every_rank, args.nproc)[0]
+    ok(f"all_reduce costs {1e6 * alpha:.0f} us + {1e3 * beta * MIB:.2f} ms/MiB here; buckets "
+       f"made the same gradients {ratio:.1f}x cheaper than one call per parameter, and match "
+       "torch's buckets")
+
+
+if __name__ == "__main__":
+    main()
