@@ -1,0 +1,329 @@
+"""Lesson 12: many machines: torchrun on every node, a rendezvous, and the variables it sets.
+
+What this adds since lesson 11: ranks on different machines. The training code does not change
+at all: a rank still only knows its ``RANK`` and the ``WORLD_SIZE``, and still averages gradients
+with all_reduce. What changes is how processes that cannot fork from one parent find each other.
+You start one ``torchrun`` (an *agent*) on every machine (a *node*); each agent starts the
+workers of its node. Before that, the agents meet in a **rendezvous**: with
+``--rdzv_backend=c10d`` the agent on the host named in ``--rdzv_endpoint=HOST:PORT`` serves a
+small key-value store (a TCPStore) there, every agent connects to it with the same
+``--rdzv_id``, and once ``--nnodes`` of them have joined they agree on who is who. Each node gets
+a ``GROUP_RANK`` (in no particular order: the host of the store is not necessarily node 0), and
+each worker these variables, which ``init_process_group()`` reads:
+
+    RANK               this worker's rank among all workers, 0 .. WORLD_SIZE - 1
+    LOCAL_RANK         its rank on this node: which GPU to use (``cuda:LOCAL_RANK``)
+    WORLD_SIZE         workers in all: nnodes x nproc_per_node
+    LOCAL_WORLD_SIZE   workers on this node (nproc_per_node)
+    GROUP_RANK         this node's rank among the nodes, 0 .. nnodes - 1
+    MASTER_ADDR/PORT   where the workers' store lives (torchrun chooses; recent versions hand
+                       the workers the rendezvous store itself)
+
+With one worker count per node, ``RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``; the lesson
+checks it. (The hyphenated spellings, ``--rdzv-endpoint`` and so on, are the same options.)
+
+Why it matters: past one machine there is no parent process to fork from, no shared file
+system to be sure of, and no one to hand out ranks, so the processes must discover each other
+over the network. That is all the rendezvous is for.
+
+Run it on two machines (the same command on each; ``node0`` is the first machine's hostname, and
+its port 29500 must be reachable from the others):
+
+    torchrun --nnodes=2 --nproc_per_node=GPUS_PER_NODE --rdzv_backend=c10d \\
+             --rdzv_endpoint=node0:29500 --rdzv_id=lesson12 lessons/12_many_machines.py
+
+With SLURM, one ``sbatch`` script starts one agent per node (``srun`` runs one task per node)::
+
+    #!/bin/bash
+    #SBATCH --job-name=lesson12
+    #SBATCH --nodes=2
+    #SBATCH --ntasks-per-node=1
+    #SBATCH --gpus-per-node=4
+    #SBATCH --cpus-per-task=16
+    #SBATCH --time=00:10:00
+    head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+    srun torchrun --nnodes="$SLURM_NNODES" --nproc_per_node=4 \\
+        --rdzv_backend=c10d --rdzv_endpoint="$head:29500" --rdzv_id="$SLURM_JOB_ID" \\
+        lessons/12_many_machines.py
+
+(``--nproc_per_node`` must match ``--gpus-per-node``. No comments after a ``\\``: bash would end
+the command there. When nodes have several network interfaces, ``NCCL_SOCKET_IFNAME`` or
+``GLOO_SOCKET_IFNAME`` picks the one the workers talk over.)
+
+Without a second machine, the lesson plays both nodes on this one, over the loopback address:
+
+    python lessons/12_many_machines.py                    # 2 nodes x 1 worker, gloo on CPU
+    python lessons/12_many_machines.py --nnodes 3 --nproc_per_node 2
+    torchrun --standalone --nproc_per_node=2 lessons/12_many_machines.py   # 1 node, as before
+
+Run plainly, it starts one agent per simulated node itself, each as
+``python -m torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d
+--rdzv_endpoint=127.0.0.1:PORT --rdzv_id=... --rdzv_conf=is_host=1 (or 0)
+lessons/12_many_machines.py --backend gloo``: no ``--node_rank``, the rendezvous assigns it;
+``is_host`` says which agent serves the store, which real nodes work out from their addresses.
+A free port is picked, and picked again if another program takes it first. The agents have a
+deadline; if anything fails, all are stopped with everything they started (no orphan
+processes, even if this script is killed), and the lesson exits non-zero after their output.
+The simulated nodes use gloo even on a GPU machine: two "nodes" on one machine would both pick
+``cuda:0`` for ``LOCAL_RANK`` 0, which NCCL refuses.
+
+What you will see: the command of each agent, then their output, prefixed ``[agent N]``: the
+variables every worker received, the loss falling over a few training steps of miniddp's DDP,
+the parameters equal on every rank and close to a one-process oracle; and ``OK: ...``. Each
+worker is a fresh ``python`` that imports torch, so this takes 5-15 seconds, most of it start-up.
+"""
+
+import argparse
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+# Who runs this file: a worker that torchrun started (the test that
+# miniddp.launch.launched_by_torchrun makes), or you, with plain python.
+IS_WORKER = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+if IS_WORKER:  # run plainly, the file only starts agents and never needs torch; importing it
+    # there would cost seconds before the agents could start, and more at exit
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, Subset
+
+    import miniddp
+    from miniddp.data import make_dataset, make_model, shard
+    from miniddp.launch import launch
+    from miniddp.report import Progress, check, ok, print0
+
+BATCH_SIZE = 32  # per worker
+STEPS = 40
+LR = 0.2
+# The oracle sums each batch's gradient in one matrix product, the workers in shares and then
+# an all_reduce: the same sum, rounded in another order (lesson 07). Close, not equal.
+ORACLE_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
+VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+             "MASTER_ADDR", "MASTER_PORT")
+
+
+# ----- in every worker: what torchrun told it, then a few checked training steps -----
+
+def meet_the_nodes():
+    """Every worker reports torchrun's variables; rank 0 prints them; all check them."""
+    world = dist.get_world_size()
+    mine = {k: os.environ.get(k, "-") for k in VARIABLES}
+    mine.update(host=socket.gethostname(), pid=os.getpid())
+    everyone = [None] * world
+    dist.all_gather_object(everyone, mine)
+    print0("what torchrun told each worker:")
+    print0("  " + "  ".join(f"{k:>{len(k)}}" for k in VARIABLES) + "  host, pid")
+    for env in everyone:
+        print0("  " + "  ".join(f"{env[k]:>{len(k)}}" for k in VARIABLES)
+               + f"  {env['host']}, {env['pid']}")
+    for rank, env in enumerate(everyone):
+        check(env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(world),
+              f"worker {rank} was told RANK={env['RANK']}, WORLD_SIZE={env['WORLD_SIZE']}")
+        if env["GROUP_RANK"] != "-":  # set by torchrun, not by every launcher
+            node_rank, local = int(env["GROUP_RANK"]), int(env["LOCAL_RANK"])
+            check(rank == node_rank * int(env["LOCAL_WORLD_SIZE"]) + local,
+                  f"RANK {rank} is not GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK for {env}")
+    return len({env["GROUP_RANK"] for env in everyone})
+
+
+def sgd_step(model, velocities, momentum=0.9):
+    """SGD with momentum, as torch.optim.SGD computes it, written out: torch.optim's first step
+    imports torch._dynamo, a second or two in every fresh worker that this lesson would wait for.
+    """
+    with torch.no_grad():
+        for p, v in zip(model.parameters(), velocities):
+            v.mul_(momentum).add_(p.grad)
+            p.add_(v, alpha=-LR)
+
+
+def train_and_check(device):
+    """A few steps of miniddp's DDP; the same steps in one process on the whole batch."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = make_dataset(n=2048, seed=0)
+    mine = shard(data, rank, world)  # every worker its share, whichever node it is on
+    loader = DataLoader(mine, batch_size=BATCH_SIZE, drop_last=True)
+    everything = DataLoader(Subset(data, range(len(mine) * world)),
+                            batch_size=world * BATCH_SIZE, drop_last=True)
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = miniddp.DistributedDataParallel(make_model(seed=0).to(device), device_ids=ids)
+    oracle = make_model(seed=0).to(device)
+    velocities = {m: [torch.zeros_like(p) for p in m.parameters()] for m in (ddp, oracle)}
+    progress = Progress(STEPS, every=STEPS // 4)
+    step = 0
+    while step < STEPS:
+        for (x, y), (big_x, big_y) in zip(loader, everything):
+            for model, inputs, targets in ((ddp, x, y), (oracle, big_x, big_y)):
+                model.zero_grad()
+                loss = F.mse_loss(model(inputs.to(device)), targets.to(device))
+                loss.backward()
+                sgd_step(model, velocities[model])
+                if model is ddp:
+                    progress(loss)
+            step += 1
+            if step == STEPS:
+                break
+
+    losses = progress.losses()
+    check(losses[-1] < 0.3 * losses[0],
+          f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 30% of it")
+    flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(everyone, flat)
+    check(all(torch.equal(everyone[0], other) for other in everyone),
+          "the workers ended with different parameters: gradients were not averaged across "
+          "nodes")
+    expected = torch.cat([p.detach().reshape(-1) for p in oracle.parameters()])
+    worst = (flat - expected).abs().max().item()
+    print0(f"parameters equal on all {world} workers, bit for bit; largest difference from the "
+           f"one-process oracle (batch {world * BATCH_SIZE}): {worst:.2g}")
+    check(torch.allclose(flat, expected, **ORACLE_TOLERANCE),
+          f"rank {rank}: the parameters left the one-process oracle (max difference {worst:.3g})")
+    return losses[0], losses[-1]
+
+
+def on_every_rank():
+    device = torch.device("cuda", torch.cuda.current_device()) \
+        if dist.get_backend() == "nccl" else torch.device("cpu")
+    nodes = meet_the_nodes()
+    first, last = train_and_check(device)
+    return nodes, dist.get_world_size(), first, last
+
+
+# ----- run plainly: play every node on this machine, one torchrun agent per node -----
+
+def free_port() -> int:
+    """A port nobody listens on right now (another program may take it before the agent does:
+    then the agents fail with "address already in use" and the lesson tries another)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop_when_the_lesson_dies():
+    """Runs in each agent before torchrun starts: SIGTERM it if this lesson dies, however it
+    dies. On SIGTERM torchrun stops its workers, so nothing is left behind."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def agent_command(nnodes, nproc_per_node, port, hosts_the_store):
+    """The torchrun command of one simulated node.
+
+    Real nodes all run the same command, and the one whose address is the endpoint's hosts the
+    rendezvous store. Here every agent's address is the endpoint's, so each is told whether it
+    hosts (``is_host``): the host then fails at once, with "address already in use", if another
+    program holds the port, instead of every agent connecting to that program and waiting.
+    """
+    return [sys.executable, "-m", "torch.distributed.run",  # what the torchrun script runs
+            f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+            f"--rdzv_id=lesson12-{port}", f"--rdzv_conf=is_host={int(hosts_the_store)}",
+            str(Path(__file__).resolve()), "--backend", "gloo"]
+
+
+def stop(agents):
+    """SIGTERM each agent's process group (torchrun then stops its workers); SIGKILL later."""
+    for agent in agents:
+        if agent.poll() is None:
+            try:
+                os.killpg(agent.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + 15
+    for agent in agents:
+        try:
+            agent.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(agent.pid, signal.SIGKILL)
+            agent.wait()
+
+
+def run_agents(nnodes, nproc_per_node, port, timeout):
+    """Start one agent per node, relay their output, and return (exit codes, outputs)."""
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # lines as they come; 1 thread each
+    commands = [agent_command(nnodes, nproc_per_node, port, i == 0) for i in range(nnodes)]
+    for i, command in enumerate(commands):
+        print(f"agent {i}: torchrun {' '.join(command[3:])}", flush=True)
+    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=env, start_new_session=True,
+                               preexec_fn=_stop_when_the_lesson_dies) for command in commands]
+    outputs = [[] for _ in agents]
+
+    def relay(i):
+        for line in agents[i].stdout:
+            outputs[i].append(line)
+            print(f"[agent {i}] {line}", end="", flush=True)
+
+    relays = [threading.Thread(target=relay, args=(i,), daemon=True) for i in range(nnodes)]
+    for thread in relays:
+        thread.start()
+    deadline, grace = time.monotonic() + timeout, None
+    try:
+        while any(agent.poll() is None for agent in agents):
+            failed = any(agent.poll() not in (None, 0) for agent in agents)
+            if failed and grace is None:  # the others fail soon too, or wait for ever
+                grace = time.monotonic() + 5
+            if time.monotonic() > deadline or (grace and time.monotonic() > grace):
+                print(f"stopping the agents: {'one failed' if failed else 'past the deadline'}",
+                      flush=True)
+                break
+            time.sleep(0.05)
+    finally:
+        stop(agents)
+        for thread in relays:
+            thread.join(5)
+    codes = [agent.returncode for agent in agents]
+    return codes, ["".join(out) for out in outputs]
+
+
+def simulate_nodes(nnodes, nproc_per_node, timeout):
+    """Play ``nnodes`` machines on this one; return the port and the workers' OK message."""
+    for attempt in range(3):
+        port = free_port()
+        codes, outputs = run_agents(nnodes, nproc_per_node, port, timeout)
+        collided = any("address already in use" in out.lower() for out in outputs)
+        if collided and any(codes) and attempt < 2:
+            print(f"port {port} was taken by another program meanwhile: trying another one")
+            continue
+        break
+    if any(codes):
+        sys.exit(f"FAILED: the agents exited with status {codes} (negative: stopped by that "
+                 "signal); their output is above")
+    said = [line for out in outputs for line in out.splitlines() if line.startswith("OK:")]
+    if len(said) != 1:
+        sys.exit(f"FAILED: expected one OK line from the workers' rank 0, got {said}")
+    return port, said[0][len("OK: "):]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nnodes", type=int, default=2, help="machines to play (run plainly)")
+    parser.add_argument("--nproc_per_node", "--nproc-per-node", type=int, default=1,
+                        help="workers per simulated machine (run plainly)")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds before the simulated nodes are stopped (run plainly)")
+    parser.add_argument("--backend", default=None,
+                        help="process group backend for the workers (default: NCCL when every "
+                             "worker of a node has a GPU, gloo otherwise)")
+    args = parser.parse_args()
+    if IS_WORKER:  # on a real node or a simulated one
+        nodes, world, first, last = launch(on_every_rank, backend=args.backend)[0]
+        ok(f"{world} workers on {nodes} node(s): the loss fell {first:.3f} -> {last:.4f}, "
+           f"parameters equal everywhere and close to the one-process oracle")
+    else:
+        port, workers_said = simulate_nodes(args.nnodes, args.nproc_per_node, args.timeout)
+        print(f"OK: {args.nnodes} torchrun agents met at 127.0.0.1:{port} (c10d rendezvous) "
+              f"and ran {workers_said}")
+
+
+if __name__ == "__main__":
+    main()
