@@ -95,6 +95,9 @@ class Reducer:
         return not self.find_unused and not self.has_rebuilt
 
     def _init_buckets(self, assignment: list[list[int]]) -> None:
+        # Free the old buffers before allocating the new ones (as torch does), or a rebuild holds
+        # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
+        self.buckets, self.locate = [], {}
         self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(assignment)]
         self.locate = {}
         for bucket in self.buckets:
