@@ -52,7 +52,7 @@ from miniddp.data import make_dataset, make_model
 from miniddp.launch import launch
 from miniddp.report import Progress, check, ok, print0
 
-EPOCHS = 5
+EPOCHS = 4
 LOCAL_BATCH = 32  # per rank; the global batch is LOCAL_BATCH * world size
 LR = 0.2
 N_SAMPLES = 2048
