@@ -1,20 +1,20 @@
 """Lesson 07: gradient accumulation with ``no_sync``, one all_reduce per k micro-batches.
 
-What this adds since lesson 06: a batch larger than one step can hold. When the batch you want
-does not fit in memory, you split it into k micro-batches, run forward and backward on each, let
+What this adds since lesson 06: batches larger than memory. When the batch you want does not
+fit in memory at once, you split it into k micro-batches, run forward and backward on each, let
 the gradients add up in ``.grad``, and step the optimizer once. With DDP, every backward ends
 with an all_reduce, so a plain loop would communicate k times per step, where once is enough:
 summing k local gradients and then averaging them across ranks gives the same gradient as
-averaging after every micro-batch, and costs a k-th of the communication. ``ddp.no_sync()`` does
-that: a forward *inside* it makes the following backward skip the all_reduce; the gradients stay
-local and accumulate. The first synchronized backward afterwards reduces the whole accumulated
-``.grad`` once.
+averaging after every micro-batch (up to rounding), for a k-th of the communication.
+``ddp.no_sync()`` does that: a forward *inside* it makes the following backward skip the
+all_reduce; the gradients stay local and accumulate. The first synchronized backward
+afterwards reduces the whole accumulated ``.grad`` once.
 
 Why it matters: the effective batch is ``ranks x k x micro-batch``. This loop, with
-``loss / k``, computes the gradient of the mean loss over all of it, exactly what one process
-with the whole batch computes (lesson 00's oracle), and what torch's DDP computes bit for bit.
-Two mistakes that the loop below avoids and the seed tutorials make: forgetting ``/ k`` (the
-step becomes k times larger) and calling ``zero_grad()`` per micro-batch (nothing accumulates).
+``loss / k``, computes the gradient of the mean loss over all of it: what one process with the
+whole batch computes (lesson 00's oracle, up to float rounding), and what torch's DDP computes,
+bit for bit. Two mistakes the loop avoids, common in tutorials: forgetting ``/ k`` (each step
+becomes k times larger) and calling ``zero_grad()`` per micro-batch (nothing accumulates).
 
 The trap, checked at the end: ``no_sync`` sets a flag that DDP reads **when forward runs**. A
 forward inside ``no_sync`` followed by ``backward()`` outside it does *not* synchronize, and a

@@ -12,7 +12,7 @@ all_reduce sends as many bytes as without autocast. Sending fewer bytes is anoth
 The two 16-bit formats differ where it matters:
 
 * **bf16** keeps fp32's 8 exponent bits (same range, down to 1e-38) and has 8 bits of mantissa
-  (about 3 significant digits). Gradients do not underflow, so bf16 needs nothing more than the
+  (2 to 3 significant digits). Gradients do not underflow, so bf16 needs nothing more than the
   ``autocast`` block. It is what the CPU (and recent GPUs) use.
 * **fp16** has 11 bits of mantissa but only 5 of exponent: the smallest number it holds is
   6e-8, and a gradient of 1e-8 flushes to zero. ``torch.amp.GradScaler`` multiplies the loss by a
@@ -24,7 +24,7 @@ The two 16-bit formats differ where it matters:
 What this lesson proves, on every rank: the loss falls under bf16 (and fp16); miniddp's DDP and
 torch's DDP, run side by side under the same autocast, stay equal bit for bit after every step;
 buckets and gradients are fp32; and the bf16 run ends close to an fp32 run of the same training
-(close, not equal: each bf16 product rounds at the third digit, so the two runs drift apart).
+(close, not equal: bf16 products round at the second or third digit, so the runs drift apart).
 The fp16 part needs a GradScaler for the device: torch >= 2.3 has ``torch.amp.GradScaler`` for
 the CPU; on older torch it is skipped on the CPU, with a note.
 
