@@ -109,8 +109,8 @@ def one_forward(device):
     grad_diff = max((a - p.grad).abs().max().item() for a, p in zip(dp_grads, model.parameters()))
     print0(f"  vs the plain module on all 7 rows: output differs by {out_diff:.1e}, "
            f"gradients by {grad_diff:.1e}")
-    check(out_diff < 1e-6 and grad_diff < 1e-6,
-          "DataParallel must compute the plain module's output and gradients")
+    check(out_diff < 1e-5 and grad_diff < 1e-5,
+          "DataParallel must compute the plain module's output and gradients, to rounding")
 
 
 def train(model, device, verbose=True):
