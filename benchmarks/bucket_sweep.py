@@ -1,0 +1,106 @@
+"""Bucket-size sweep: miniddp's and torch's DDP step time at each ``bucket_cap_mb``.
+
+For every cap in 1, 5, 10, 25, 50, 100, 250 MiB and one bucket per parameter, both DDPs wrap
+copies of the same model and train on the same batches, one step each in turn. Before any time
+is reported they must hold the same buckets and bit-identical parameters.
+
+    python benchmarks/bucket_sweep.py           # no GPU: gloo, 2 CPU ranks, 2-4 minutes
+    python benchmarks/bucket_sweep.py --quick   # smoke run, seconds
+
+With GPUs, see benchmarks/README.md (NCCL; torchrun for several GPUs).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import harness
+import torch.distributed as dist
+from harness import PER_PARAMETER_MB, Trainer, check, summarize
+from torch import nn
+
+import miniddp
+from miniddp.report import print0
+
+CAPS = [1, 5, 10, 25, 50, 100, 250, PER_PARAMETER_MB]
+
+
+def cap_label(cap: float) -> str:
+    return "per-parameter" if cap == PER_PARAMETER_MB else f"{cap:g}"
+
+
+def measure(setup: harness.Setup) -> dict:
+    """Every cap's pair of DDPs lives at once, so each round times all of them in turn: load
+    that comes and goes on the machine hits every cap alike."""
+    device = harness.rank_device(setup)
+    base = harness.make_model(setup, device)
+    batches = harness.make_batches(setup, device, dist.get_rank())
+    kwargs = harness.ddp_kwargs(device)
+    ddps, calls = {}, {}
+    for cap in CAPS:
+        ours = miniddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap,
+                                                     **kwargs)
+        ddps[cap] = ours, theirs
+        calls[cap, "miniddp"], calls[cap, "torch"] = (Trainer(ours, batches).step,
+                                                    Trainer(theirs, batches).step)
+    print0(f"  {len(CAPS)} caps x (miniddp, torch), {setup.pairs} timed rounds")
+    times = harness.alternate(calls, setup, device, "bucket sweep")
+    rows = []
+    for cap, (ours, theirs) in ddps.items():
+        label = f"bucket_cap_mb={cap_label(cap)}"
+        check(harness.ours_layout(ours) == harness.torch_layout(theirs),
+              f"{label}: miniddp's buckets differ from torch's")
+        check(harness.same_bits(ours.module, theirs.module, device),
+              f"{label}: parameters differ from torch's after the timed steps")
+        s = summarize({name: times[cap, name] for name in ("miniddp", "torch")}, "torch")
+        rows.append({"bucket_cap_mb": cap_label(cap), "buckets": len(ours.buckets),
+                     "allreduce_calls": ours.allreduce_calls, "bit_identical": True,
+                     "ratio": s["miniddp"]["ratio"], "ratio_ci95": s["miniddp"]["ratio_ci95"],
+                     **s})
+        print0(f"  {label}: {len(ours.buckets)} buckets, miniddp "
+               f"{s['miniddp']['median_ms']:.1f} ms, torch {s['torch']['median_ms']:.1f} ms, "
+               f"ratio {rows[-1]['ratio']:.3f}")
+    pooled = {kind: harness.median_ratio(
+        [x for cap in CAPS for x in times[cap, "miniddp"][kind]],
+        [x for cap in CAPS for x in times[cap, "torch"][kind]]) for kind in ("wall", "cpu")}
+    return {"model": harness.model_info(base), "batch_per_rank": len(batches[0][0]),
+            **harness.rank_facts(device), "sweep": rows,
+            "all_caps": {"ratio": pooled["wall"][0], "ratio_ci95": pooled["wall"][1],
+                         "cpu_ratio": pooled["cpu"][0], "cpu_ratio_ci95": pooled["cpu"][1]}}
+
+
+def plot(result: dict, ax) -> None:
+    rows = result["sweep"]
+    x = range(len(rows))
+    for name in ("miniddp", "torch"):
+        med = [r[name]["median_ms"] for r in rows]
+        err = [[m - r[name]["p25_ms"] for m, r in zip(med, rows)],
+               [r[name]["p75_ms"] - m for m, r in zip(med, rows)]]
+        ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=name)
+    ax.set_xticks(list(x), [r["bucket_cap_mb"] for r in rows], rotation=30)
+    s = result["setup"]
+    ax.set(xlabel="bucket_cap_mb (MiB)", ylabel="step time, median (ms)",
+           title=f"{s['backend']}, {s['world_size']} ranks, {s['device']}, "
+                 f"{result['model']['gradient_mb']} MB of gradients")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+
+
+def report(result: dict) -> str:
+    rows = [[r["bucket_cap_mb"], r["buckets"], r["miniddp"]["median_ms"], r["torch"]["median_ms"],
+             r["ratio"], "{:.3f}-{:.3f}".format(*r["ratio_ci95"]), r["miniddp"]["cpu_ratio"]]
+            for r in result["sweep"]]
+    pooled = result["all_caps"]
+    rows.append(["all caps", "", "", "", pooled["ratio"],
+                 "{:.3f}-{:.3f}".format(*pooled["ratio_ci95"]), pooled["cpu_ratio"]])
+    return harness.table(["bucket_cap_mb", "buckets", "miniddp ms", "torch ms",
+                          "miniddp / torch", "95% interval", "CPU-time ratio"], rows)
+
+
+def main(argv=None) -> list[dict]:
+    return harness.main("bucket_sweep", __doc__, measure, plot, report, argv, pairs=20)
+
+
+if __name__ == "__main__":
+    main()

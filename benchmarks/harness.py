@@ -1,0 +1,323 @@
+"""What every benchmark shares: where it runs, the model, alternated timing, the results files.
+
+A benchmark script defines ``measure(setup)``, which runs on every rank and returns rank 0's
+figures as a dict, and ``plot(result, ax)``; :func:`main` does the rest:
+
+* picks the setups (:func:`setups`): gloo on 2 CPU processes without a GPU; with one GPU, NCCL
+  at world size 1 (the machinery's own overhead) and then 2 ranks sharing the GPU over gloo;
+  with several GPUs, NCCL on every one (under torchrun, whatever torchrun started);
+* runs ``measure`` on forked ranks with a timeout (``miniddp.launch``: a rank that raises or
+  hangs is named), and writes ``results/<benchmark>-<device>-<backend>-ws<N>.json`` and a PNG.
+
+Timing rules (the machine is shared; absolute times drift): contestants run in turn, one step
+each (A B, B A, A B, ...), after untimed warm-up steps; each step's time is the slowest rank's;
+a comparison is the median of the per-pair ratios. Every contestant is checked for correctness
+(``same_bits``) before its numbers are reported.
+"""
+
+from __future__ import annotations
+
+import os
+
+# Count GPUs through NVML, so the parent never initializes CUDA before forking its ranks.
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+
+import argparse  # noqa: E402
+import contextlib  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from dataclasses import asdict, dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
+from miniddp.report import print0, save_figure  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MIB = 2**20
+PER_PARAMETER_MB = 1 / MIB  # a 1-byte cap: every parameter closes its own bucket
+
+CPU_WIDTHS = [512, 1024, 1024, 2048, 1024, 1024, 2048, 1024, 512, 512, 1024, 512]
+WIDTHS = {"quick": [32, 64, 64, 32], "cpu": CPU_WIDTHS, "cuda": [2 * w for w in CPU_WIDTHS]}
+BATCH = {"quick": 8, "cpu": 64, "cuda": 256}  # samples per rank per micro-batch
+OUT_FEATURES = 16
+
+
+@dataclass
+class Setup:
+    """Where one run happens and how long it is."""
+
+    benchmark: str
+    device: str  # "cpu" or "cuda"
+    backend: str
+    world_size: int
+    launcher: str  # "fork" or "torchrun"
+    quick: bool
+    warmup: int
+    pairs: int
+
+    @property
+    def size(self) -> str:
+        return "quick" if self.quick else self.device
+
+    @property
+    def tag(self) -> str:
+        return f"{self.benchmark}-{self.device}-{self.backend}-ws{self.world_size}"
+
+
+def parse_args(description: str, argv=None, pairs: int = 12) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--backend", choices=["gloo", "nccl"], help="default: chosen per setup")
+    p.add_argument("--world-size", type=int, help="ranks to fork (default: see harness.py)")
+    p.add_argument("--pairs", type=int, default=None, help=f"timed rounds (default {pairs})")
+    p.add_argument("--out", type=Path, help="results folder (default benchmarks/results, "
+                   "benchmarks/results/quick with --quick)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per setup")
+    args = p.parse_args(argv)
+    args.pairs = args.pairs or (3 if args.quick else pairs)
+    args.out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
+    return args
+
+
+def setups(name: str, args) -> list[Setup]:
+    """The runs to make: chosen from the GPUs present, unless flags say otherwise."""
+    gpus = 0 if args.device == "cpu" else torch.cuda.device_count()
+    if args.device == "cuda" and gpus == 0:
+        raise SystemExit("--device cuda: no GPU is visible to this process")
+    device = "cuda" if gpus else "cpu"
+    common = dict(benchmark=name, device=device, quick=args.quick,
+                  warmup=2 if args.quick else 3, pairs=args.pairs)
+    if launched_by_torchrun():
+        ws = int(os.environ["WORLD_SIZE"])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
+        backend = args.backend or ("nccl" if 0 < local <= gpus else "gloo")
+        return [Setup(backend=backend, world_size=ws, launcher="torchrun", **common)]
+    if args.backend or args.world_size or gpus == 0:
+        ws = args.world_size or (gpus if gpus > 1 else 2)
+        backend = args.backend or ("nccl" if 0 < ws <= gpus else "gloo")
+        return [Setup(backend=backend, world_size=ws, launcher="fork", **common)]
+    if gpus == 1:  # NCCL refuses two ranks on one GPU: its overhead at 1 rank, then gloo
+        return [Setup(backend="nccl", world_size=1, launcher="fork", **common),
+                Setup(backend="gloo", world_size=2, launcher="fork", **common)]
+    return [Setup(backend="nccl", world_size=gpus, launcher="fork", **common)]
+
+
+# ----- on every rank -----
+
+def rank_device(setup: Setup) -> torch.device:
+    if setup.device == "cpu":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+    torch.cuda.set_device(local % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def make_model(setup: Setup, device: torch.device, seed: int = 0) -> nn.Module:
+    """Linear + LayerNorm + ReLU blocks of mixed widths: 11 weights of 1 to 8 MiB (CPU; 4 to
+    32 MiB on GPU) between many small biases and LayerNorm vectors, 46 tensors in all."""
+    widths = WIDTHS[setup.size]
+    torch.manual_seed(seed)
+    layers = []
+    for a, b in zip(widths, widths[1:]):
+        layers += [nn.Linear(a, b), nn.LayerNorm(b), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(widths[-1], OUT_FEATURES)).to(device)
+
+
+def model_info(model: nn.Module) -> dict:
+    params = list(model.parameters())
+    numel = sum(p.numel() for p in params)
+    return {"widths": [m.in_features for m in model if isinstance(m, nn.Linear)]
+            + [OUT_FEATURES], "tensors": len(params), "parameters": numel,
+            "gradient_mb": round(numel * 4 / MIB, 2)}
+
+
+def make_batches(setup: Setup, device: torch.device, rank: int, count: int = 4) -> list:
+    """``count`` fixed (x, y) batches for ``rank``: a pure function of the rank."""
+    g = torch.Generator().manual_seed(1000 + rank)
+    n, d = BATCH[setup.size], WIDTHS[setup.size][0]
+    return [(torch.randn(n, d, generator=g).to(device),
+             torch.randn(n, OUT_FEATURES, generator=g).to(device)) for _ in range(count)]
+
+
+class Trainer:
+    """One contestant: a (wrapped) model, its SGD optimizer, and its own place in the data."""
+
+    def __init__(self, model: nn.Module, batches: list, set_to_none: bool = True):
+        self.model, self.batches, self.seen, self.set_to_none = model, batches, 0, set_to_none
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+
+    def step(self, micro: int = 1, sync: bool = True) -> None:
+        """One optimizer step over ``micro`` micro-batches; only the last one syncs."""
+        self.opt.zero_grad(set_to_none=self.set_to_none)
+        for m in range(micro):
+            x, y = self.batches[self.seen % len(self.batches)]
+            self.seen += 1
+            quiet = getattr(self.model, "no_sync", contextlib.nullcontext)
+            with contextlib.nullcontext() if sync and m == micro - 1 else quiet():
+                loss = F.mse_loss(self.model(x), y)
+            loss.backward()
+        self.opt.step()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
+    """Element-wise maximum over ranks: a step takes as long as its slowest rank."""
+    t = torch.tensor(values, dtype=torch.float64,
+                     device=device if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def alternate(calls: dict, setup: Setup, device: torch.device, label: str = "") -> dict:
+    """Time ``calls`` in turn (A B C, C B A, ...) after untimed warm-up rounds.
+
+    Returns, per call, ``wall`` (ms, the slowest rank's) and ``cpu`` (ms of CPU time used by
+    rank 0's main thread: forward, CPU backward, hooks and copies, but not gloo's threads; it
+    barely depends on how busy the machine is). Ranks start each step together (a barrier,
+    untimed). Rank 0 prints progress every 15 s.
+    """
+    for _ in range(setup.warmup):
+        for call in calls.values():
+            call()
+    names = list(calls)
+    wall, cpu = {name: [] for name in names}, {name: [] for name in names}
+    last_print = start = time.perf_counter()
+    for k in range(setup.pairs):
+        for name in names if k % 2 == 0 else names[::-1]:
+            _sync(device)
+            dist.barrier()
+            c0, t0 = time.thread_time(), time.perf_counter()
+            calls[name]()
+            _sync(device)
+            wall[name].append(1000 * (time.perf_counter() - t0))
+            cpu[name].append(1000 * (time.thread_time() - c0))
+        if label and time.perf_counter() - last_print > 15:
+            last_print = time.perf_counter()
+            print0(f"    {label}: round {k + 1}/{setup.pairs} ({last_print - start:.0f} s)")
+    return {name: {"wall": max_over_ranks(wall[name], device), "cpu": cpu[name]}
+            for name in names}
+
+
+def median_ratio(a: list[float], b: list[float]) -> tuple[float, list[float]]:
+    """Median of the per-round ratios a/b and an approximate 95% interval for it
+    (order statistics: the median lies between these two ratios with ~95% confidence)."""
+    ratios = sorted(x / y for x, y in zip(a, b))
+    n = len(ratios)
+    k = max(0, int(n / 2 - 0.98 * n**0.5))
+    return statistics.median(ratios), [ratios[k], ratios[n - 1 - k]]
+
+
+def summarize(times: dict, baseline: str | None = None) -> dict:
+    """Median and quartiles of each call's step time; ratios to ``baseline``, round by round."""
+    out = {}
+    for name, t in times.items():
+        ts = t["wall"]
+        q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [ts[0]] * 3
+        entry = {"median_ms": statistics.median(ts), "p25_ms": q[0], "p75_ms": q[2],
+                 "cpu_median_ms": statistics.median(t["cpu"]),
+                 "times_ms": [round(x, 3) for x in ts]}
+        if baseline is not None and name != baseline:
+            entry["ratio"], entry["ratio_ci95"] = median_ratio(ts, times[baseline]["wall"])
+            entry["cpu_ratio"], entry["cpu_ratio_ci95"] = median_ratio(t["cpu"],
+                                                                       times[baseline]["cpu"])
+        out[name] = entry
+    return out
+
+
+def same_bits(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
+    """True on every rank when every parameter of ``a`` equals ``b``'s bit for bit, on all ranks."""
+    equal = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    return max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0
+
+
+def max_abs_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((x.double() - y.double()).abs().max().item()
+               for x, y in zip(a.parameters(), b.parameters()))
+
+
+def torch_layout(ddp) -> list[list[int]]:
+    """torch DDP's current buckets (parameter indices), from its logging data."""
+    text = ddp._get_ddp_logging_data().get("rebuilt_per_bucket_param_indices", "")
+    return [[int(i) for i in bucket.split()] for bucket in text.split(",") if bucket.strip()]
+
+
+def ours_layout(ddp) -> list[list[int]]:
+    return [b.param_indices for b in ddp.buckets]
+
+
+def check(condition: bool, message: str) -> None:
+    """Refuse to report numbers from a contestant that computed something else."""
+    if not condition:
+        raise RuntimeError(f"correctness check failed: {message}")
+
+
+def ddp_kwargs(device: torch.device) -> dict:
+    """``device_ids`` as torch's DDP wants it: the GPU for a GPU module, nothing on CPU."""
+    return {"device_ids": [device]} if device.type == "cuda" else {}
+
+
+def rank_facts(device: torch.device) -> dict:
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    return {"gpu": gpu, "gpus_visible": torch.cuda.device_count() if gpu else 0}
+
+
+# ----- in the parent -----
+
+def environment() -> dict:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": platform.node(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "load_average_before": list(os.getloadavg())}
+
+
+def table(headers: list[str], rows: list[list]) -> str:
+    """A Markdown table, for the terminal and for benchmarks/README.md."""
+    cells = [[f"{c:.3f}" if isinstance(c, float) else str(c) for c in r] for r in rows]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+
+
+def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12) -> list[dict]:
+    """Run ``measure`` in every setup; save, plot and print each result; return them."""
+    args = parse_args(doc.splitlines()[0], argv, pairs)
+    results = []
+    for setup in setups(name, args):
+        env = environment()
+        print0(f"== {name}: {setup.device}, {setup.backend}, {setup.world_size} ranks "
+               f"({setup.launcher}){', quick' if setup.quick else ''}; load average "
+               f"{env['load_average_before'][0]:.2f}")
+        started = time.perf_counter()
+        figures = launch(measure, setup.world_size, args=(setup,), backend=setup.backend,
+                         timeout=args.timeout, pg_timeout=120.0)[0]
+        env["load_average_after"] = list(os.getloadavg())
+        env["seconds"] = round(time.perf_counter() - started, 1)
+        result = {"benchmark": name, "setup": asdict(setup), "machine": env, **figures}
+        results.append(result)
+        if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+            continue
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"{setup.tag}.json"
+        path.write_text(json.dumps(result, indent=1) + "\n")
+        print0(f"saved {path} ({env['seconds']} s)")
+        save_figure(setup.tag, lambda ax, r=result: plot(r, ax), args.out)
+        print0(report(result))
+    return results
