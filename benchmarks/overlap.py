@@ -1,0 +1,127 @@
+"""Overlap: how much of the communication hides behind backward, in miniddp and torch's DDP.
+
+Timed in turn, one step each:
+
+* ``miniddp`` / ``torch``: a normal synchronized training step;
+* ``miniddp_compute`` / ``torch_compute``: the same step with the forward inside ``no_sync``
+  (forward, backward and optimizer step, no communication), on copies of their own;
+* ``communication``: an all_reduce of every bucket (same sizes, same order, launched
+  asynchronously, then waited for), and nothing else;
+* ``after_backward``: miniddp's buckets all_reduced only after backward (the same work, serial);
+* ``local``: the bare module without DDP, for the wrapper's own cost.
+
+From the medians: hidden = compute + communication - step, the part of communication that did
+not add to the step (copying gradients into and out of buckets counts against it); the ideal
+step is max(compute, communication). ``overlap_saves_ms`` = after_backward - miniddp step.
+
+    python benchmarks/overlap.py           # no GPU: gloo, 2 CPU ranks, about a minute
+    python benchmarks/overlap.py --quick   # smoke run, seconds
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import harness
+import torch
+import torch.distributed as dist
+from harness import Trainer, check, summarize
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import miniddp
+from miniddp.naive import AllReduceBucketsAfterBackward
+from miniddp.report import print0
+
+
+def all_reduce_buckets(buffers: list[torch.Tensor]):
+    def communicate():
+        works = [dist.all_reduce(b, async_op=True) for b in buffers]
+        for work in works:
+            work.wait()
+    return communicate
+
+
+def measure(setup: harness.Setup) -> dict:
+    device = harness.rank_device(setup)
+    base = harness.make_model(setup, device)
+    batches = harness.make_batches(setup, device, dist.get_rank())
+    kwargs = harness.ddp_kwargs(device)
+    # Synced steps and no_sync steps on separate copies: each set stays comparable bit for bit.
+    models = {"miniddp": miniddp.DistributedDataParallel, "torch": DDP,
+              "after_backward": AllReduceBucketsAfterBackward,
+              "miniddp_compute": miniddp.DistributedDataParallel, "torch_compute": DDP}
+    models = {name: cls(copy.deepcopy(base), **kwargs) for name, cls in models.items()}
+    trainers = {name: Trainer(model, batches) for name, model in models.items()}
+    for _ in range(2):  # step 0 uses one bucket; the real buckets exist from step 1 on
+        for name in ("miniddp", "torch", "after_backward"):
+            trainers[name].step()
+    buffers = [torch.zeros(bucket.numel, device=device) for bucket in models["miniddp"].buckets]
+    calls = {name: trainers[name].step for name in ("miniddp", "torch", "after_backward")}
+    calls.update({name: functools.partial(trainers[name].step, sync=False)
+                  for name in ("miniddp_compute", "torch_compute")})
+    calls["communication"] = all_reduce_buckets(buffers)
+    calls["local"] = Trainer(copy.deepcopy(base), batches).step
+    print0(f"  {len(calls)} measurements, {len(buffers)} buckets, {setup.pairs} timed rounds")
+    times = harness.alternate(calls, setup, device, "overlap")
+    check(harness.ours_layout(models["miniddp"]) == harness.torch_layout(models["torch"]),
+          "miniddp's buckets differ from torch's")
+    for a, b in (("miniddp", "torch"), ("after_backward", "torch"),
+                 ("miniddp_compute", "torch_compute")):
+        check(harness.same_bits(models[a].module, models[b].module, device),
+              f"{a}: parameters differ from {b}'s after the timed steps")
+
+    s = summarize(times, "torch")
+    comm = s["communication"]["median_ms"]
+    impls = {}
+    for name in ("miniddp", "torch"):
+        compute, step = s[f"{name}_compute"]["median_ms"], s[name]["median_ms"]
+        hidden = compute + comm - step
+        impls[name] = {"compute_ms": compute, "communication_ms": comm, "step_ms": step,
+                       "serial_ms": compute + comm, "ideal_ms": max(compute, comm),
+                       "hidden_ms": hidden, "hidden_fraction": hidden / comm,
+                       "exposed_ms": step - compute}
+    return {"model": harness.model_info(base), "batch_per_rank": len(batches[0][0]),
+            **harness.rank_facts(device), "buckets": len(buffers),
+            "bucket_mb": [round(x.numel() * 4 / 2**20, 2) for x in buffers],
+            "bit_identical": True, "impls": impls,
+            "overlap_saves_ms": s["after_backward"]["median_ms"] - s["miniddp"]["median_ms"],
+            "times": s}
+
+
+def plot(result: dict, ax) -> None:
+    parts = [("compute_ms", "compute only"), ("communication_ms", "communication only"),
+             ("serial_ms", "compute + communication"), ("step_ms", "actual step"),
+             ("ideal_ms", "max(compute, communication)")]
+    names = list(result["impls"])
+    width = 0.8 / len(parts)
+    for k, (key, label) in enumerate(parts):
+        ax.bar([i + k * width for i in range(len(names))],
+               [result["impls"][n][key] for n in names], width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))],
+                  [f"{n}\n{100 * result['impls'][n]['hidden_fraction']:.0f}% of comm. hidden"
+                   for n in names])
+    s = result["setup"]
+    ax.set(ylabel="median (ms)", title=f"{s['backend']}, {s['world_size']} ranks, "
+                                       f"{s['device']}, {result['buckets']} buckets")
+    ax.legend(fontsize=7)
+
+
+def report(result: dict) -> str:
+    keys = ["compute_ms", "communication_ms", "step_ms", "ideal_ms", "hidden_ms",
+            "hidden_fraction"]
+    rows = [[name] + [v[k] for k in keys] for name, v in result["impls"].items()]
+    local = result["times"]["local"]["median_ms"]
+    return (harness.table(["DDP", "compute ms", "communication ms", "step ms", "ideal ms",
+                           "hidden ms", "hidden fraction"], rows)
+            + f"\nbare module, no DDP: {local:.1f} ms; miniddp / torch step (per round): "
+              f"{result['times']['miniddp']['ratio']:.3f}; the same buckets reduced after "
+              f"backward: {result['times']['after_backward']['median_ms']:.1f} ms")
+
+
+def main(argv=None) -> list[dict]:
+    return harness.main("overlap", __doc__, measure, plot, report, argv, pairs=16)
+
+
+if __name__ == "__main__":
+    main()
