@@ -8,8 +8,8 @@ parameter's gradient is final, and copies it into its bucket. When a bucket is f
 all_reduce is launched at once, asynchronously (``async_op=True``), while backward carries on
 with earlier layers. When the last gradient is done, a callback queued on the autograd engine
 waits for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns
-with synchronized gradients, exactly as with lesson 05's rung ``AllReduceBucketsAfterBackward``,
-which launches the same buckets only once backward has ended.
+with synchronized gradients, exactly as with ``miniddp.AllReduceBucketsAfterBackward``, the
+rung before this one: lesson 05's buckets, launched only once backward has ended.
 
 Why it matters: with overlap a step costs about max(compute, communication) instead of their
 sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
