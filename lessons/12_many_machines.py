@@ -9,7 +9,7 @@ workers of its node. Before that, the agents meet in a **rendezvous**: with
 small key-value store (a TCPStore) there, every agent connects to it with the same
 ``--rdzv_id``, and once ``--nnodes`` of them have joined they agree on who is who. Each node gets
 a ``GROUP_RANK`` (in no particular order: the host of the store is not necessarily node 0), and
-each worker these variables, which ``init_process_group()`` reads:
+each worker gets these variables, which ``init_process_group()`` reads:
 
     RANK               this worker's rank among all workers, 0 .. WORLD_SIZE - 1
     LOCAL_RANK         its rank on this node: which GPU to use (``cuda:LOCAL_RANK``)
@@ -20,7 +20,10 @@ each worker these variables, which ``init_process_group()`` reads:
                        the workers the rendezvous store itself)
 
 With one worker count per node, ``RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``; the lesson
-checks it. (The hyphenated spellings, ``--rdzv-endpoint`` and so on, are the same options.)
+checks it. (The hyphenated spellings, ``--rdzv-endpoint`` and so on, are the same options.) One
+known trap when that store is shared: with ``--max_restarts`` and gloo, restarted workers can
+read the previous attempt's keys and fail or hang (pytorch issue 135712);
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives the workers a store of their own.
 
 Why it matters: past one machine there is no parent process to fork from, no shared file
 system to be sure of, and no one to hand out ranks, so the processes must discover each other
