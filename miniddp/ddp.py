@@ -119,7 +119,8 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def allreduce_calls(self) -> int:
-        """How many all_reduce calls the last synchronized backward made (one per bucket)."""
+        """All_reduce calls made by the backward of the last forward with grad enabled: one
+        per bucket after a synced forward, 0 after a forward inside ``no_sync``."""
         return self.reducer.allreduce_calls
 
     @contextmanager
@@ -141,6 +142,7 @@ class DistributedDataParallel(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.reducer.rebuild_buckets_if_due()
+            self.reducer.allreduce_calls = 0
         if self.require_forward_param_sync and self.broadcast_buffers:
             buffers = [b for _, b in self.module.named_buffers()]  # re-read: may be reassigned
             if buffers:

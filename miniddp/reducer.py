@@ -77,7 +77,7 @@ class Reducer:
         self.used_work = self.global_used = None
         self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
         self.has_rebuilt = False
-        self.allreduce_calls = 0  # in the current/last synced backward
+        self.allreduce_calls = 0  # launched since the last forward (reset by the DDP wrapper)
         self.timeline: list[tuple] | None = None  # set to [] to record (event, id, time) tuples
         # The hooks hold the reducer weakly, so a dropped DDP wrapper leaves no live hook behind
         # on a module that is trained on (or wrapped again) afterwards.

@@ -39,6 +39,24 @@ def test_naive_rungs_match_the_engine_bit_for_bit(ranks, model_name, cap):
             assert all(torch.equal(a, b) for a, b in zip(runs[name]["params"], engine)), name
 
 
+def calls_with_no_sync():
+    ddp = STRATEGIES["overlap"](MLP(), bucket_cap_mb=0.002)
+    calls = []
+    for micro in range(3):
+        args, kwargs, y = batch("mlp", 0, micro, dist.get_rank())
+        if micro < 2:
+            with ddp.no_sync():
+                loss_of("mlp", ddp(*args), y).backward()
+        else:
+            loss_of("mlp", ddp(*args), y).backward()
+        calls.append(ddp.allreduce_calls)
+    return calls
+
+
+def test_no_sync_micro_batches_make_no_calls(ranks):
+    assert ranks(2).run(calls_with_no_sync)[0] == [0, 0, 1]
+
+
 def test_each_rung_reports_its_all_reduce_calls(ranks):
     runs = ranks(2).run(train_all_strategies, "mlp", 0.002)[0]
     assert runs["per_parameter"]["calls"] == [runs["per_parameter"]["trainable"]] * 3 == [8] * 3
