@@ -130,6 +130,8 @@ def set_rng_state(state: dict) -> None:
 
 
 def _fsync_directory(directory: Path) -> None:
+    if os.name == "nt":  # Windows cannot open a directory to fsync it
+        return
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 import time
 from contextlib import contextmanager
@@ -166,7 +167,7 @@ def _agree_on_snapshot(path: str | None) -> bool:
     """Every rank must resume from the same snapshot, or none: check, rather than diverge."""
     found = path is not None and os.path.exists(path)
     views = [None] * dist.get_world_size()
-    dist.all_gather_object(views, (found, os.uname().nodename))
+    dist.all_gather_object(views, (found, socket.gethostname()))
     if len({f for f, _ in views}) > 1:
         seen = ", ".join(f"rank {r} on {host}: {'found' if f else 'missing'}"
                          for r, (f, host) in enumerate(views))

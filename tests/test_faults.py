@@ -69,14 +69,14 @@ def test_a_rank_that_raises_stops_every_rank_and_its_error_is_reported(tmp_path)
 def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(tmp_path):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run_job([*JOB, "--fault", "hang:1:3", "--timeout", "2", "--pid-dir", str(tmp_path)])
+        run_job([*JOB, "--fault", "hang:1:3", "--timeout", "3", "--pid-dir", str(tmp_path)])
     took = time.monotonic() - start
     message = str(info.value)
     assert info.value.rank == 0, message  # rank 1 is asleep: rank 0 reports the wait
     assert ("step 3: DDP's forward and the gradient all_reduce in backward did not complete: "
             "timed out after") in message
-    assert "--timeout 2" in message
-    assert 2 <= took < 20, f"took {took:.1f} s with a 2 s process-group timeout"
+    assert "--timeout 3" in message
+    assert 3 <= took < 20, f"took {took:.1f} s with a 3 s process-group timeout"
     assert_all_gone(pids_in(tmp_path))
 
 
