@@ -20,6 +20,7 @@ import bucket_sweep  # noqa: E402
 import ladder  # noqa: E402
 import memory  # noqa: E402
 import no_sync  # noqa: E402
+import overhead  # noqa: E402
 import overlap  # noqa: E402
 
 from miniddp.launch import RankError  # noqa: E402
@@ -105,6 +106,15 @@ def test_memory_measures_both_ddps_with_and_without_bucket_views(tmp_path):
                for r in result["memory"]}
     assert configs == set(memory.CONFIGS) and len(configs) == 8
     assert all({"peak_mb", "end_mb"} <= set(r) for r in result["memory"])
+
+
+def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
+    result = run(overhead, tmp_path)
+    rows = {r["buckets"]: r for r in result["overhead"]}
+    assert set(rows) == {"one_bucket", "per_parameter"} and result["bit_identical"]
+    assert rows["one_bucket"]["bucket_count"] == 1
+    assert rows["per_parameter"]["bucket_count"] == result["model"]["tensors"]
+    assert all("extra_cpu_us_per_parameter" in r for r in rows.values())
 
 
 def test_a_wrong_miniddp_is_refused_before_any_number_is_reported(tmp_path, monkeypatch):
