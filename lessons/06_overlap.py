@@ -15,7 +15,7 @@ Why it matters: with overlap a step costs about max(compute, communication) inst
 sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
 gloo). What is left exposed is the communication of the last bucket(s) after the last gradient;
 the first bucket is kept small (lesson 05's 1 MiB) so that communication starts early. Here
-``bucket_cap_mb=1`` gives every layer its own bucket, so the picture has several.
+``bucket_cap_mb=0.5`` gives every layer its own bucket, so the picture has several.
 
 The proof is the reducer's own record, ``ddp.reducer.timeline``: when each parameter became
 ready, when each bucket was launched and finished, when backward ended. The lesson trains the
@@ -62,10 +62,10 @@ from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.launch import launch
 from miniddp.report import Progress, check, ok, print0, save_figure
 
-LAYERS, WIDTH = 4, 512  # each hidden weight is 1 MiB: one bucket per layer with a 1 MiB cap
-BUCKET_CAP_MB = 1
+LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: one bucket per layer with a 0.5 MiB cap
+BUCKET_CAP_MB = 0.5
 STEPS = 30
-LOCAL_BATCH = 64
+LOCAL_BATCH = 32
 LR = 0.1
 
 
