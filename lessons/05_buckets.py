@@ -38,8 +38,8 @@ Run it:
     python lessons/05_buckets.py --nproc 4    # more ranks than cores? watch alpha explode
     torchrun --standalone --nproc_per_node=2 lessons/05_buckets.py
 
-With one GPU per rank it uses NCCL, where ``alpha`` is a few microseconds and the bandwidth is
-hundreds of GB/s; the model and the conclusions carry over, the numbers do not.
+With one GPU per rank it uses NCCL, where ``alpha`` is tens of microseconds and the bandwidth
+(over NVLink) hundreds of GB/s; the model and the conclusions carry over, the numbers do not.
 
 What you will see: the buckets before and after the rebuild with names and sizes, the all_reduce
 time of each message size next to the fitted line, ``alpha``, ``beta`` and the size where they
