@@ -124,7 +124,8 @@ class Job:
         self._seen: set[tuple[int, str]] = set()
 
     def output(self) -> str:
-        self._log.flush()
+        if not self._log.closed:
+            self._log.flush()
         return self.log_path.read_text()
 
     def running(self) -> bool:

@@ -182,18 +182,18 @@ def test_a_torch_ddp_script_runs_unchanged_with_miniddp_imports(tmp_path, capfd)
         assert swapped.count(theirs) == 1, f"the script should import {theirs!r} once"
         swapped = swapped.replace(theirs, ours)
 
-    finals = {}
+    finals, scripts = {}, {}
     for name, text in [("torch", original), ("miniddp", swapped)]:
-        script = tmp_path / f"{name}_ddp_train.py"
-        script.write_text(text)
+        scripts[name] = tmp_path / f"{name}_ddp_train.py"
+        scripts[name].write_text(text)
         snap, out = str(tmp_path / f"{name}.snap.pt"), str(tmp_path / f"{name}.final.pt")
-        run_like_torchrun(script, ["--epochs", "2", "--snapshot", snap], tmp_path)
-        run_like_torchrun(script, ["--epochs", "4", "--snapshot", snap, "--out", out], tmp_path)
+        run_like_torchrun(scripts[name], ["--epochs", "2", "--snapshot", snap], tmp_path)
+        run_like_torchrun(scripts[name], ["--epochs", "4", "--snapshot", snap, "--out", out],
+                          tmp_path)
         assert "resuming after epoch 2" in capfd.readouterr().out, f"{name} did not resume"
         finals[name] = weights(out)
-    uninterrupted = str(tmp_path / "uninterrupted.pt")
-    run_like_torchrun(tmp_path / "torch_ddp_train.py",
-                      ["--epochs", "4", "--snapshot", str(tmp_path / "u.snap.pt"),
-                       "--out", uninterrupted], tmp_path)
+    uninterrupted = tmp_path / "uninterrupted.pt"
+    run_like_torchrun(scripts["torch"], ["--epochs", "4", "--snapshot", str(tmp_path / "u.pt"),
+                                         "--out", str(uninterrupted)], tmp_path)
     assert same_weights(finals["miniddp"], finals["torch"])
     assert same_weights(finals["torch"], weights(uninterrupted))
