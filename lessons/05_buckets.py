@@ -63,7 +63,7 @@ from miniddp.report import check, ok, print0, save_figure
 
 HIDDEN_LAYERS, WIDTH = 24, 128
 SIZES = [4**k for k in range(1, 11)]  # elements: 16 bytes ... 4 MiB (float32: 4 bytes each)
-ROUNDS = 20
+ROUNDS = 15
 BURST = 4  # each size is timed as 4 calls in a row, as a training step makes them
 MIB = 2**20
 
