@@ -162,7 +162,7 @@ def fit(nbytes: list[float], seconds: list[float]) -> tuple[float, float]:
 def plot(nbytes, seconds, alpha, beta, strategies, measured):
     def draw(ax):
         ax.loglog(nbytes, [1e3 * s for s in seconds], "o", label="all_reduce, one call (median)")
-        line = [nbytes[0] * 2**k for k in range(21)]
+        line = [2.0**k for k in range(4, 23)]  # 16 bytes ... 4 MiB, as measured
         ax.loglog(line, [1e3 * (alpha + n * beta) for n in line], "-",
                   label=f"fit: {1e6 * alpha:.0f} us + n / {1e-9 / beta:.2f} GB/s")
         for (name, numels), marker in zip(strategies.items(), "s^D"):
