@@ -48,7 +48,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from miniddp.launch import launch, launched_by_torchrun
+from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.report import check, ok, print0
 
 
@@ -136,8 +136,7 @@ def costs(device):
 
 def on_every_rank():
     """The body each rank runs; ``launch`` has already put it in a process group."""
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     meet_the_group(device)
     broadcast(device)
     all_reduce(device)

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 
 from miniddp import AllReduceEachParameter
 from miniddp.data import make_dataset, make_model
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import Progress, check, ok, print0
 
 EPOCHS = 4
@@ -158,8 +158,7 @@ def mean_of_max_diffs(control: torch.Tensor, oracle: torch.Tensor) -> float:
 
 def on_every_rank():
     world = dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     print0(f"{world} ranks on {device}, {LOCAL_BATCH} samples each per step: global batch "
            f"{LOCAL_BATCH * world}")
 

@@ -50,7 +50,7 @@ from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from miniddp import DistributedDataParallel, DistributedSampler
 from miniddp.data import make_dataset, make_model
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import Progress, check, ok, print0
 
 EPOCHS = 4
@@ -223,8 +223,7 @@ def train(device):
 
 
 def on_every_rank():
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     shares()
     epochs_and_order()
     without_a_sampler()

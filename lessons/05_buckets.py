@@ -58,7 +58,7 @@ from torch import nn
 
 from miniddp import DistributedDataParallel
 from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import check, ok, print0, save_figure
 
 HIDDEN_LAYERS, WIDTH = 24, 128
@@ -178,8 +178,7 @@ def plot(nbytes, seconds, alpha, beta, strategies, measured):
 
 
 def on_every_rank():
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     ddp = buckets_like_torch(device)
     strategies = {
         "one call per parameter": [p.numel() for p in ddp.module.parameters()],

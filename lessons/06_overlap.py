@@ -59,7 +59,7 @@ from torch import nn
 
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
 from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import Progress, check, ok, print0, save_figure
 
 LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: one bucket per layer with a 0.5 MiB cap
@@ -151,8 +151,7 @@ def draw_timelines(timelines: dict, buckets):
 
 def on_every_rank():
     rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     ids = [device.index] if device.type == "cuda" else None
     runs = {"overlap": DistributedDataParallel, "after backward": AllReduceBucketsAfterBackward}
     models = {name: cls(wide_student(device), device_ids=ids, bucket_cap_mb=BUCKET_CAP_MB)

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader, Subset
 
 import miniddp
 from miniddp.data import make_dataset, make_model, shard
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import Progress, check, ok, print0
 
 MICRO_BATCH = 16  # samples per micro-batch on each rank
@@ -213,8 +213,7 @@ def on_every_rank(k):
     rank, world = dist.get_rank(), dist.get_world_size()
     check(world >= 2, "no_sync only matters with someone to synchronize with: run 2+ ranks")
     check(k >= 2, f"--micro-batches must be at least 2 to accumulate anything, got {k}")
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
 
     ours, oracle, losses, marks, worst, first_mismatch = train(rank, world, k, device)
     check(losses[-1] < 0.2 * losses[0],

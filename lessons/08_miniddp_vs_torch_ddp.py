@@ -56,7 +56,7 @@ from torch.utils.data import DataLoader
 
 import miniddp
 from miniddp.data import OUT_FEATURES, make_dataset, make_model, shard
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
@@ -255,8 +255,7 @@ def rank_agreement(t) -> bool:
 
 def on_every_rank():
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     control_differs, steps, losses = the_plain_student(rank, world, device)
     unused_without_the_flag(rank, device)
     with_buffers_and_unused_heads(rank, world, device)

@@ -55,7 +55,7 @@ from torch.utils.data import DataLoader
 
 import miniddp
 from miniddp.data import make_dataset, make_model, shard
-from miniddp.launch import launch
+from miniddp.launch import launch, rank_device
 from miniddp.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
@@ -166,8 +166,7 @@ def available_precisions(device):
 
 def on_every_rank():
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     why_fp16_needs_a_scaler()
     runs, notes = available_precisions(device)
     reference = train(rank, world, device, None, side_by_side=False)

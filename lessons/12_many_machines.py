@@ -99,7 +99,7 @@ if IS_WORKER:  # run plainly, the file only starts agents and never needs torch;
 
     import miniddp
     from miniddp.data import make_dataset, make_model, shard
-    from miniddp.launch import launch
+    from miniddp.launch import launch, rank_device
     from miniddp.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per worker
@@ -192,8 +192,7 @@ def train_and_check(device):
 
 
 def on_every_rank():
-    device = torch.device("cuda", torch.cuda.current_device()) \
-        if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     nodes = meet_the_nodes()
     first, last = train_and_check(device)
     return nodes, dist.get_world_size(), first, last

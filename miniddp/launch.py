@@ -63,6 +63,13 @@ def default_backend(ranks_on_this_machine: int = 1) -> str:
     return "nccl" if torch.cuda.device_count() >= ranks_on_this_machine else "gloo"
 
 
+def rank_device() -> torch.device:
+    """This rank's device: its GPU under NCCL (which reduces GPU tensors only), else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1

@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from miniddp.launch import rank_device
+
 
 class CheckFailed(AssertionError):
     """A lesson's claim turned out false; the message says which and by how much."""
@@ -64,18 +66,11 @@ def ok(message: str) -> None:
     print0(f"OK: {message}")
 
 
-def _group_device() -> torch.device:
-    """Where a tensor must live for a collective: NCCL only reduces GPU tensors."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def mean_over_ranks(value: float | torch.Tensor) -> float:
     """The mean of ``value`` over every rank (one all_reduce); ``value`` itself without a group."""
     t = torch.as_tensor(value).detach().to(torch.float64)
     if _in_group():
-        t = t.to(_group_device())
+        t = t.to(rank_device())
         dist.all_reduce(t)
         t /= dist.get_world_size()
     return t.item()
@@ -113,7 +108,7 @@ class Progress:
             return []
         t = torch.stack(self._local).to(torch.float64)
         if _in_group():
-            t = t.to(_group_device())
+            t = t.to(rank_device())
             dist.all_reduce(t)
             t /= dist.get_world_size()
         return t.tolist()
