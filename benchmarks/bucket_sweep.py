@@ -4,7 +4,7 @@ For every cap in 1, 5, 10, 25, 50, 100, 250 MiB and one bucket per parameter, bo
 copies of the same model and train on the same batches, one step each in turn. Before any time
 is reported they must hold the same buckets and bit-identical parameters.
 
-    python benchmarks/bucket_sweep.py           # no GPU: gloo, 2 CPU ranks, 2-4 minutes
+    python benchmarks/bucket_sweep.py           # no GPU: gloo, 2 CPU ranks, 2-5 minutes
     python benchmarks/bucket_sweep.py --quick   # smoke run, seconds
 
 With GPUs, see benchmarks/README.md (NCCL; torchrun for several GPUs).
@@ -99,7 +99,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    return harness.main("bucket_sweep", __doc__, measure, plot, report, argv, pairs=20)
+    return harness.main("bucket_sweep", __doc__, measure, plot, report, argv, pairs=30)
 
 
 if __name__ == "__main__":

@@ -198,7 +198,8 @@ def alternate(calls: dict, setup: Setup, device: torch.device, label: str = "") 
     for k in range(setup.pairs):
         for name in names if k % 2 == 0 else names[::-1]:
             _sync(device)
-            dist.barrier()
+            dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda"
+                            and dist.get_backend() == "nccl" else {}))
             c0, t0 = time.thread_time(), time.perf_counter()
             calls[name]()
             _sync(device)

@@ -2,7 +2,8 @@
 
 For miniddp and torch's DDP, each with ``gradient_as_bucket_view`` off and on, and zeroing
 gradients both ways (``zero_grad(set_to_none=True)``, torch's default, and ``False``): wrap a
-copy of the model, then run a few training steps. Measured from just before the wrapping, so the
+copy of the model, then run three training steps (the second rebuilds the buckets) and then one
+more, a steady step. The peak of each part is measured from just before the wrapping, so the
 model's own parameters are not counted and the buckets are:
 
 * on GPU: ``torch.cuda.max_memory_allocated()`` minus what was allocated before;
@@ -25,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import functools
 import gc
 
 import harness
@@ -40,17 +40,40 @@ from miniddp.report import print0
 CONFIGS = [(impl, view, none) for impl in ("miniddp", "torch") for view in (False, True)
            for none in (True, False)]
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
-STEPS = 3  # step 0 uses one bucket, step 1 rebuilds, step 2 is a steady step
+STEPS = 3  # step 0 uses one bucket, step 1 rebuilds the buckets, step 2 is steady
 
 
-def _rss_mb() -> tuple[float, float]:
-    """(resident now, peak resident since the last reset) of this process, in MiB."""
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("VmRSS:", "VmHWM:")):
-                found[line[:5]] = int(line.split()[1]) / 1024
-    return found["VmRSS"], found["VmHWM"]
+class Meter:
+    """Memory in use above where it stood at creation: now, and at its peak since the last
+    :meth:`reset_peak` (MiB). CUDA: the caching allocator's counts; CPU: RSS and VmHWM."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.start = device, 0.0
+        self.reset_peak()
+        self.start = self.now()
+
+    def reset_peak(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # sets the peak (VmHWM) to the current RSS
+
+    def _read(self, field: str) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            count = torch.cuda.memory_allocated if field == "VmRSS" else \
+                torch.cuda.max_memory_allocated
+            return count(self.device) / 2**20
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) / 1024 for line in f if line.startswith(field))
+
+    def now(self) -> float:
+        return self._read("VmRSS") - self.start
+
+    def peak(self) -> float:
+        return self._read("VmHWM") - self.start
 
 
 def mmap_large_blocks() -> None:
@@ -61,37 +84,17 @@ def mmap_large_blocks() -> None:
     libc.mallopt(M_TRIM_THRESHOLD, 64 * 1024)
 
 
-def cpu_peak(fn) -> tuple[float, float]:
-    """Run ``fn``; return how far this process's resident memory peaked above its start, and
-    where it ended (MiB)."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak (VmHWM) to the current RSS
-    before, _ = _rss_mb()
-    kept = fn()
-    now, peak = _rss_mb()
-    del kept
-    return peak - before, now - before
-
-
-def cuda_peak(fn, device) -> tuple[int, int]:
-    torch.cuda.synchronize(device)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    kept = fn()
-    torch.cuda.synchronize(device)
-    peak, end = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
-    del kept
-    return (peak - before) / 2**20, (end - before) / 2**20
-
-
-def train(cls, model, batches, device, view: bool, none: bool):
-    """Wrap ``model`` and train it for STEPS steps; return the DDP (alive until measured: its
-    buckets and gradients count at the end)."""
+def train(cls, model, batches, device, view: bool, none: bool) -> dict:
+    """Wrap ``model``, train it STEPS steps and then one more; return the memory figures."""
+    meter = Meter(device)
     ddp = cls(model, gradient_as_bucket_view=view, **harness.ddp_kwargs(device))
     trainer = Trainer(ddp, batches, set_to_none=none)
     for _ in range(STEPS):
         trainer.step()
-    return ddp
+    first = meter.peak()
+    meter.reset_peak()
+    trainer.step()
+    return {"first_steps_peak_mb": first, "steady_peak_mb": meter.peak(), "end_mb": meter.now()}
 
 
 def measure(setup: harness.Setup) -> dict:
@@ -108,47 +111,50 @@ def measure(setup: harness.Setup) -> dict:
     for n, (impl, view, none) in enumerate(CONFIGS, 1):
         model = copy.deepcopy(base)
         gc.collect()  # the previous DDP's buffers must not be freed inside this measurement
-        run = functools.partial(train, classes[impl], model, batches, device, view, none)
-        peak, end = cuda_peak(run, device) if device.type == "cuda" else cpu_peak(run)
+        figures = train(classes[impl], model, batches, device, view, none)
         finals[impl, view, none] = model
         rows.append({"impl": impl, "gradient_as_bucket_view": view, "set_to_none": none,
-                     "peak_mb": peak, "end_mb": end})
+                     **figures})
         print0(f"  ({n}/{len(CONFIGS)}) {impl}, gradient_as_bucket_view={view}, "
-               f"set_to_none={none}: peak {peak:.1f} MB")
+               f"set_to_none={none}: peak {figures['first_steps_peak_mb']:.1f} MB in the "
+               f"first steps, {figures['steady_peak_mb']:.1f} MB in a later one")
     for view in (False, True):
         for none in (True, False):
             check(harness.same_bits(finals["miniddp", view, none], finals["torch", view, none],
                                     device),
                   f"gradient_as_bucket_view={view}, set_to_none={none}: parameters differ")
     return {"model": harness.model_info(base), "batch_per_rank": len(batches[0][0]),
-            **harness.rank_facts(device), "steps": STEPS, "bit_identical": True,
+            **harness.rank_facts(device), "steps": STEPS + 1, "bit_identical": True,
             "counted": "cuda.max_memory_allocated" if device.type == "cuda"
             else "peak RSS (VmHWM)", "memory": rows}
 
 
 def plot(result: dict, ax) -> None:
-    rows = result["memory"]
+    rows = {(r["impl"], r["set_to_none"], r["gradient_as_bucket_view"]): r
+            for r in result["memory"]}
     groups = [(impl, none) for impl in ("miniddp", "torch") for none in (True, False)]
     for k, view in enumerate((False, True)):
-        peaks = [next(r["peak_mb"] for r in rows if (r["impl"], r["set_to_none"],
-                                                      r["gradient_as_bucket_view"]) ==
-                      (impl, none, view)) for impl, none in groups]
-        ax.bar([i + 0.4 * k for i in range(len(groups))], peaks, 0.4,
-               label=f"gradient_as_bucket_view={view}")
+        x = [i + 0.4 * k for i in range(len(groups))]
+        ax.bar(x, [rows[g + (view,)]["steady_peak_mb"] for g in groups], 0.4,
+               label=f"gradient_as_bucket_view={view}: a steady step")
+        ax.scatter(x, [rows[g + (view,)]["first_steps_peak_mb"] for g in groups], marker="_",
+                   s=300, color="black", label="first steps (bucket rebuild)" if k else None)
     ax.set_xticks([i + 0.2 for i in range(len(groups))],
                   [f"{impl}\nset_to_none={none}" for impl, none in groups], fontsize=8)
     s = result["setup"]
     ax.set(ylabel="peak MB beyond the model", title=f"{s['device']}, {s['backend']}, "
            f"{result['model']['gradient_mb']} MB of gradients, {result['counted']}")
     ax.title.set_fontsize(8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def report(result: dict) -> str:
-    rows = [[r["impl"], r["gradient_as_bucket_view"], r["set_to_none"], r["peak_mb"],
-             r["end_mb"]] for r in result["memory"]]
-    return harness.table(["DDP", "gradient_as_bucket_view", "set_to_none", "peak MB",
-                          "live at end MB"], rows)
+    rows = [[r["impl"], r["gradient_as_bucket_view"], r["set_to_none"],
+             r["first_steps_peak_mb"], r["steady_peak_mb"], r["end_mb"]]
+            for r in result["memory"]]
+    return harness.table(["DDP", "gradient_as_bucket_view", "set_to_none",
+                          "peak MB, first steps", "peak MB, a steady step", "live at end MB"],
+                         rows)
 
 
 def main(argv=None) -> list[dict]:

@@ -104,7 +104,7 @@ def plot(result: dict, ax) -> None:
     s = result["setup"]
     ax.set(ylabel="median (ms)", title=f"{s['backend']}, {s['world_size']} ranks, "
                                        f"{s['device']}, {result['buckets']} buckets")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1, 1))
 
 
 def report(result: dict) -> str:

@@ -105,7 +105,8 @@ def test_memory_measures_both_ddps_with_and_without_bucket_views(tmp_path):
     configs = {(r["impl"], r["gradient_as_bucket_view"], r["set_to_none"])
                for r in result["memory"]}
     assert configs == set(memory.CONFIGS) and len(configs) == 8
-    assert all({"peak_mb", "end_mb"} <= set(r) for r in result["memory"])
+    assert all({"first_steps_peak_mb", "steady_peak_mb", "end_mb"} <= set(r)
+               for r in result["memory"])
 
 
 def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
