@@ -212,13 +212,18 @@ def alternate(calls: dict, setup: Setup, device: torch.device, label: str = "") 
             for name in names}
 
 
-def median_ratio(a: list[float], b: list[float]) -> tuple[float, list[float]]:
-    """Median of the per-round ratios a/b and an approximate 95% interval for it
-    (order statistics: the median lies between these two ratios with ~95% confidence)."""
-    ratios = sorted(x / y for x, y in zip(a, b))
-    n = len(ratios)
+def median_ci(values: list[float]) -> tuple[float, list[float]]:
+    """The median and an approximate 95% interval for it, from order statistics: the true
+    median lies between the k-th smallest and k-th largest value with ~95% confidence."""
+    ordered = sorted(values)
+    n = len(ordered)
     k = max(0, int(n / 2 - 0.98 * n**0.5))
-    return statistics.median(ratios), [ratios[k], ratios[n - 1 - k]]
+    return statistics.median(ordered), [ordered[k], ordered[n - 1 - k]]
+
+
+def median_ratio(a: list[float], b: list[float]) -> tuple[float, list[float]]:
+    """Median of the per-round ratios a/b, and its 95% interval."""
+    return median_ci([x / y for x, y in zip(a, b)])
 
 
 def summarize(times: dict, baseline: str | None = None) -> dict:
