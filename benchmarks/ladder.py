@@ -126,7 +126,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    return harness.main("ladder", __doc__, measure, plot, report, argv, pairs=16)
+    return harness.main("ladder", __doc__, measure, plot, report, argv, pairs=20)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    return harness.main("no_sync", __doc__, measure, plot, report, argv, pairs=10)
+    return harness.main("no_sync", __doc__, measure, plot, report, argv, pairs=16)
 
 
 if __name__ == "__main__":
