@@ -91,6 +91,10 @@ def main():
 
     if rank == 0 and args.out:
         torch.save(model.module.state_dict(), args.out)
+    # Free DDP before the group. Otherwise torch's DDP (its C++ Reducer) drops the last reference
+    # to the gloo group while holding the GIL, and gloo's destructor waits for a worker thread
+    # that needs the GIL: an occasional hang at exit (pytorch issue 56297).
+    del model
     dist.destroy_process_group()
 
 

@@ -12,6 +12,7 @@ torchrun's environment without torchrun's seconds of ``import torch`` per worker
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing as mp
 import os
 import runpy
@@ -191,37 +192,62 @@ def _script_rank(script: str, argv: list[str], env: dict[str, str], error_file: 
     _die_with_parent()
     os.environ.update(env)
     sys.argv = [script, *argv]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except BaseException:
-        Path(error_file).write_text(traceback.format_exc())
-        raise
+    with open(error_file + ".stack", "w") as stacks:
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except BaseException:
+            Path(error_file).write_text(traceback.format_exc())
+            raise
+
+
+def _stacks(procs, errors) -> str:
+    """The Python stacks of the ranks still running (each dumps its own on SIGUSR1)."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(0.5)
+    return "\n".join(f"--- rank {r} ---\n" + Path(f"{errors[r]}.stack").read_text()
+                     for r, p in enumerate(procs) if p.is_alive())
+
+
+def _host_store(conn, world_size: int) -> None:
+    """Stand in for torchrun's agent: host the store the ranks meet in, until told to stop."""
+    _die_with_parent()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
+                          timeout=timedelta(seconds=60), wait_for_workers=False)
+    conn.send(store.port)
+    while True:
+        time.sleep(3600)  # killed by the parent when the ranks are done, or with it
 
 
 def run_like_torchrun(script: Path, argv: list[str], workdir: Path, world_size: int = 2,
                       timeout: float = 60.0) -> None:
     """Run a torchrun-style script on ``world_size`` ranks forked from this process.
 
-    Each rank gets the variables torchrun would give it. As under torchrun, the store the ranks
-    meet in is hosted by the parent (here, this process): no port to pick and race for, and no
-    ``import torch`` in a fresh interpreter per rank. The first rank that fails is named with
-    its traceback, and every rank is killed.
+    Each rank gets the variables torchrun would give it and, as under torchrun, meets the others
+    in a store hosted by another process (no port to pick and race for, no ``import torch`` in
+    a fresh interpreter per rank). The store's server runs a thread, so it lives in a process of
+    its own: a process forked while another of its threads holds a lock can deadlock. The first
+    rank that fails is named with its traceback, one that hangs with its stack; all are killed.
     """
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
-                          timeout=timedelta(seconds=30), wait_for_workers=False)
-    common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
-              "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
-              "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
     ctx = mp.get_context("fork")
+    to_host, host_end = ctx.Pipe()
+    host = ctx.Process(target=_host_store, args=(host_end, world_size), daemon=True)
+    host.start()
     procs, errors = [], []
-    for rank in range(world_size):
-        errors.append(workdir / f"rank{rank}.err")
-        env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(ctx.Process(target=_script_rank, daemon=True,
-                                 args=(str(script), argv, env, str(errors[-1]))))
-        procs[-1].start()
-    deadline = time.monotonic() + timeout
     try:
+        assert to_host.poll(30), "the store host did not start within 30 s"
+        common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(to_host.recv()),
+                  "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
+                  "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+        for rank in range(world_size):
+            errors.append(workdir / f"rank{rank}.err")
+            env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
+            procs.append(ctx.Process(target=_script_rank, daemon=True,
+                                     args=(str(script), argv, env, str(errors[-1]))))
+            procs[-1].start()
+        deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in procs):
             failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
             if failed:
@@ -230,14 +256,15 @@ def run_like_torchrun(script: Path, argv: list[str], workdir: Path, world_size: 
                 raise AssertionError(f"{script.name} failed on rank {rank} (exit code "
                                      f"{procs[rank].exitcode}):\n{text}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"{script.name} did not finish within {timeout:.0f} s")
+                raise AssertionError(f"{script.name} did not finish within {timeout:.0f} s; "
+                                     f"where the ranks were:\n{_stacks(procs, errors)}")
             mp_wait([p.sentinel for p in procs if p.is_alive()], timeout=0.1)
         for rank, p in enumerate(procs):
             assert p.exitcode == 0, f"{script.name} failed on rank {rank}:\n" + (
                 errors[rank].read_text() if errors[rank].exists() else "(no traceback)")
     finally:
-        for p in procs:
+        for p in [*procs, host]:  # the host's store would wait for its clients: no courtesy
             if p.is_alive():
                 p.kill()
             p.join(5)
-        del store
+        to_host.close()
