@@ -127,6 +127,7 @@ class Bucket:
             offset += p.numel()
         self.pending = len(param_indices)
         self.work = None  # the in-flight all_reduce, once launched
+        self.recorded = None  # with a timeline: the future of its "done" record
 
     def info(self, names: list[str]) -> BucketInfo:
         return BucketInfo(self.index, [names[i] for i in self.param_indices],

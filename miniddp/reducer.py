@@ -161,7 +161,7 @@ class Reducer:
         self.next_bucket = 0
         self.allreduce_calls = 0
         for bucket in self.buckets:
-            bucket.pending, bucket.work = len(bucket.param_indices), None
+            bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
         if not self.find_unused:
             return outputs
         leaves, spec = tree_flatten(outputs)
@@ -253,7 +253,9 @@ class Reducer:
         bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
         self.allreduce_calls += 1
         if self.timeline is not None:
-            bucket.work.get_future().add_done_callback(
+            # A chained future, waited for in _finalize: the callback runs on a communication
+            # thread, and must not still be running when the process exits.
+            bucket.recorded = bucket.work.get_future().then(
                 lambda _f, b=bucket.index: self._record("done", b))
 
     def _finalize(self) -> None:
@@ -268,6 +270,8 @@ class Reducer:
             self.locally_used.zero_()
         for bucket in self.buckets:
             bucket.work.wait()
+            if bucket.recorded is not None:
+                bucket.recorded.wait()
             for slot, i in enumerate(bucket.param_indices):
                 if self.find_unused and not globally_used[i]:
                     continue  # unused on every rank: .grad stays as it was
