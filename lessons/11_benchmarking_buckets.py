@@ -1,0 +1,369 @@
+"""Lesson 11: benchmarking bucket sizes against torch's DDP, and how to read the result.
+
+What this adds since lesson 10: numbers you can trust. Lesson 05 predicted from the cost model
+``t(n) = alpha + n * beta`` that buckets beat one all_reduce per parameter; lesson 08 proved
+miniddp computes torch's bits. Here both DDPs train side by side at several ``bucket_cap_mb``,
+timed, and the lesson shows how to turn noisy step times into a conclusion:
+
+* **correctness first.** A timing of code that computes something else is worth nothing, so
+  no number is printed until every miniddp has the same buckets as the torch DDP with the same
+  cap, and bit-identical parameters after all the timed steps.
+* **alternate, in one process group.** Every round runs each contestant for one training step,
+  in turn (A B C ..., then ... C B A), after warm-up rounds that are not timed (they hold the
+  bucket rebuild and the first-call costs). Load from other programs comes and goes in bursts of
+  seconds; alternating spreads each burst over all contestants instead of over one of them.
+  Before each step the ranks meet at a barrier, and a step counts as long as its slowest rank.
+* **medians, and the median of per-round ratios.** One slow step (another program woke up) moves
+  a mean, not a median. And two contestants in the same round suffered the same load, so their
+  ratio cancels most of it: the ratio of two identical torch DDPs (an A/A control) stays near 1
+  while their absolute times swing by 2x. That is why benchmarks report ratios, and why a
+  difference smaller than the A/A control's spread is not a finding.
+* **what the model predicts.** Every bucket is one all_reduce, and every all_reduce pays
+  ``alpha``: a cap that makes B buckets instead of the default's costs about
+  ``(B - B_default) * alpha`` more per step. ``alpha`` and ``beta`` are measured here, and the
+  prediction is printed next to the measurement. Large buckets pay no extra ``alpha``; what they
+  lose is overlap (lesson 06): a bucket's all_reduce starts only when its last gradient exists,
+  so with one huge bucket all communication waits for the end of backward.
+* **where the result holds.** With gloo on two CPU cores, gloo's reduction and the backward
+  share the same cores, so there is little overlap to lose and every cap from a few buckets up
+  costs about the same. NCCL on GPUs reduces on the GPU while backward runs, so overlap matters
+  and too-large buckets cost time. The DDP paper (Li et al., VLDB 2020) found 10-50 MB all
+  near-best on NCCL, while on gloo 5 MB was best and 25 MB and 50 MB were worse (ResNet50 on 16
+  GPUs: 0.16 s at 5 MB, 0.175 s at 25 MB, 0.21 s at 50 MB, 0.243 s with one all_reduce per
+  gradient). Measure on the machine you train on.
+
+The model is lesson 00's task learned by a deep, narrow student (a Linear, 24 residual layers of
+width 128 and a Linear head: 52 tensors, 1.5 MiB of gradients): small enough that a step takes
+milliseconds, with enough tensors that one all_reduce each is costly. The caps: one bucket per
+parameter, 0.125 MiB, torch's default (``bucket_cap_mb=None``: a 1 MiB first bucket, then
+25 MiB) and an explicit 25, which applies to every bucket and so makes a single one. Only
+orderings that survive a busy machine are checked; the times are printed. The full sweep (a
+49 MB model, caps 1 to 250 MiB, 30 rounds, 95% intervals) is ``benchmarks/bucket_sweep.py``;
+its saved results in ``benchmarks/results/`` are summarized at the end.
+
+Run it:
+
+    python lessons/11_benchmarking_buckets.py               # forks 2 ranks, gloo on CPU
+    python lessons/11_benchmarking_buckets.py --rounds 100  # more rounds: steadier medians
+    torchrun --standalone --nproc_per_node=2 lessons/11_benchmarking_buckets.py
+
+With one GPU per rank (``--nproc N`` on N GPUs, or torchrun) it runs NCCL on the GPUs, where
+``alpha`` is tens of microseconds: expect the buckets to matter less, as in the saved sweep.
+``--nproc 1`` on one GPU times the machinery with nothing to exchange.
+
+What you will see: ``alpha`` and ``beta`` on this machine; the loss falling and "bit-identical"
+for every cap; a table of median step times, miniddp / torch and each cap / the default (both
+medians of per-round ratios), and the model's prediction; the A/A control's spread next to the
+spread of absolute times; ``runs/11_benchmarking_buckets.png`` (every step as a dot, and the
+medians); a summary of ``benchmarks/results``; and ``OK: ...``. 10-20 seconds, a third of it
+starting up, the rest 30 rounds of 9 contestants.
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader
+
+from miniddp import DistributedDataParallel
+from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset, shard
+from miniddp.launch import launch, rank_device
+from miniddp.report import check, ok, print0, save_figure
+
+HIDDEN_LAYERS, WIDTH = 24, 128
+BATCH_SIZE = 16  # per rank
+LR = 0.02
+WARMUP = 3  # untimed rounds: the buckets are rebuilt at the second step
+MIB = 2**20
+DEFAULT = "default"
+# bucket_cap_mb for each label. None is torch's default: a 1 MiB first bucket, then 25 MiB.
+# An explicit cap applies to every bucket, so 25 makes a single bucket of this 1.5 MiB model.
+CAPS = {"per-parameter": 1 / MIB,  # a 1-byte cap: every tensor closes a bucket of its own
+        "0.125": 0.125, DEFAULT: None, "25": 25.0}
+SAVED = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+class Residual(nn.Linear):
+    """``x + tanh(W x + b) / sqrt(depth)``: a deep stack that still learns in a few dozen steps
+    (a plain stack of 26 tanh layers barely moves). Its parameters are a Linear's."""
+
+    def forward(self, x):
+        return x + torch.tanh(super().forward(x)) / HIDDEN_LAYERS**0.5
+
+
+def deep_student() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(IN_FEATURES, WIDTH),
+                             *[Residual(WIDTH, WIDTH) for _ in range(HIDDEN_LAYERS)],
+                             nn.Linear(WIDTH, OUT_FEATURES))
+
+
+class Contestant:
+    """A wrapped copy of the student, its optimizer, and the loss of every step it took."""
+
+    def __init__(self, ddp, batches):
+        self.ddp, self.batches, self.losses = ddp, batches, []
+        self.optimizer = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=0.9)
+
+    def step(self):
+        x, y = self.batches[len(self.losses) % len(self.batches)]
+        loss = F.mse_loss(self.ddp(x), y)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.losses.append(loss.detach())
+
+
+def synchronize(device):
+    if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
+        torch.cuda.synchronize(device)
+
+
+def slowest_rank(seconds: list[list[float]], device) -> list[list[float]]:
+    """Element-wise maximum over ranks: a step is over when its slowest rank is done."""
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def alternate(contestants: dict, rounds: int, device) -> dict[str, list[float]]:
+    """One step of every contestant per round, in turn, forwards then backwards; seconds per
+    timed step (the slowest rank's) of every contestant, round by round."""
+    names = list(contestants)
+    seconds = {name: [] for name in names}
+    for round_ in range(WARMUP + rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            synchronize(device)
+            dist.barrier()  # everyone starts the step together; not timed
+            start = time.perf_counter()
+            contestants[name].step()
+            synchronize(device)
+            if round_ >= WARMUP:
+                seconds[name].append(time.perf_counter() - start)
+    return dict(zip(names, slowest_rank([seconds[n] for n in names], device)))
+
+
+def alpha_and_beta(nbytes: int, device, calls: int = 30) -> tuple[float, float]:
+    """Median time of a 4-byte all_reduce (``alpha``) and of one holding every gradient, which
+    gives ``beta`` (seconds per byte). Alternated too; the slowest rank's times."""
+    tiny, full = torch.zeros(1, device=device), torch.zeros(nbytes // 4, device=device)
+    times = [[], []]
+    for k in range(calls + 2):
+        for i, t in enumerate((tiny, full)):
+            synchronize(device)
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            synchronize(device)
+            if k >= 2:
+                times[i].append(time.perf_counter() - start)
+    alpha, full_time = (statistics.median(t) for t in slowest_rank(times, device))
+    return alpha, max(full_time - alpha, 0.0) / nbytes
+
+
+def same_buckets_as_torch(ours, theirs) -> bool:
+    logged = theirs._get_ddp_logging_data()["rebuilt_per_bucket_param_indices"]
+    torch_buckets = [[int(i) for i in b.split()] for b in logged.split(",")]
+    return [b.param_indices for b in ours.buckets] == torch_buckets
+
+
+def on_every_rank(rounds: int):
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    student = deep_student().to(device)
+    nbytes = sum(4 * p.numel() for p in student.parameters())
+    alpha, beta = alpha_and_beta(nbytes, device)
+    print0(f"all_reduce here: alpha = {1e6 * alpha:.0f} us per call, beta = "
+           f"{1e3 * beta * MIB:.2f} ms per MiB; all {nbytes / MIB:.2f} MiB of gradients in "
+           f"one call: {1e3 * (alpha + nbytes * beta):.2f} ms")
+
+    loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
+                        batch_size=BATCH_SIZE, drop_last=True)
+    batches = [(x.to(device), y.to(device)) for x, y in loader]  # step k trains on batch k
+    ids = [device] if device.type == "cuda" else None
+    contestants = {}
+    for label, cap in CAPS.items():
+        for name, ddp_class in (("miniddp", DistributedDataParallel), ("torch", TorchDDP)):
+            ddp = ddp_class(copy.deepcopy(student), device_ids=ids, bucket_cap_mb=cap)
+            contestants[name, label] = Contestant(ddp, batches)
+    contestants["torch again", DEFAULT] = Contestant(  # the A/A control: torch against itself
+        TorchDDP(copy.deepcopy(student), device_ids=ids), batches)
+    print0(f"{len(contestants)} contestants, {WARMUP} warm-up rounds, {rounds} timed rounds of "
+           f"one step each ({BATCH_SIZE} samples per rank)")
+    times = alternate(contestants, rounds, device)
+
+    for (name, label), contestant in contestants.items():  # before any time is looked at
+        theirs = contestants["torch", label].ddp
+        if name == "miniddp":
+            check(same_buckets_as_torch(contestant.ddp, theirs),
+                  f"bucket_cap_mb={label}: miniddp's buckets differ from torch's")
+        check(all(torch.equal(p, q) for p, q in zip(contestant.ddp.parameters(),
+                                                     theirs.parameters())),
+              f"rank {rank}: {name} at bucket_cap_mb={label} ended with other parameters than "
+              "torch's DDP at the same cap: its timings would compare different computations")
+    losses = torch.stack(contestants["torch", DEFAULT].losses).to(torch.float64)
+    dist.all_reduce(losses)
+    losses = (losses / world).tolist()
+    buckets = {label: len(contestants["miniddp", label].ddp.buckets) for label in CAPS}
+    return {"times": times, "buckets": buckets,
+            "alpha": alpha, "beta": beta, "nbytes": nbytes, "losses": losses,
+            "backend": dist.get_backend(), "world": world, "device": device.type}
+
+
+# ----- after the ranks: reading the numbers (rank 0 prints) -----
+
+def ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.2f}"
+
+
+def per_round(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b)]
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def read(result: dict) -> dict:
+    """Print the table, the model's prediction and the noise; check the robust orderings.
+    Returns, per cap, miniddp / torch and the cap's step over the default's (torch's)."""
+    times, alpha, buckets = result["times"], result["alpha"], result["buckets"]
+    default = times["torch", DEFAULT]
+    print0(f"\nmedian step times over {len(default)} rounds; ratios are medians of per-round "
+           "ratios; 'predicted' adds (buckets - default's buckets) x alpha to torch's default")
+    print0(f"{'bucket_cap_mb':<15} {'buckets':>7} {'miniddp ms':>10} {'torch ms':>9} "
+           f"{'miniddp/torch':>13} {'cap/default':>11} {'predicted':>9}")
+    ratios = {}
+    for label in CAPS:
+        ours, theirs = times["miniddp", label], times["torch", label]
+        extra = (buckets[label] - buckets[DEFAULT]) * alpha
+        ratios[label] = r = {
+            "miniddp/torch": statistics.median(per_round(ours, theirs)),
+            "torch vs default": statistics.median(per_round(theirs, default)),
+            "miniddp vs default": statistics.median(per_round(ours, times["miniddp", DEFAULT])),
+            "predicted": 1 + extra / statistics.median(default)}
+        print0(f"{label:<15} {buckets[label]:>7} {ms(statistics.median(ours)):>10} "
+               f"{ms(statistics.median(theirs)):>9} {r['miniddp/torch']:>13.3f} "
+               f"{r['torch vs default']:>11.2f} {r['predicted']:>9.2f}")
+
+    control = per_round(times["torch again", DEFAULT], default)
+    low, high = quartiles(default)
+    c_low, c_high = quartiles(control)
+    print0(f"\nnoise: torch's step at the default cap took {ms(min(default))}-{ms(max(default))} "
+           f"ms (middle half {ms(low)}-{ms(high)}: {high / low:.2f}x apart); the A/A control, "
+           f"an identical torch DDP in the same rounds, ran at {statistics.median(control):.3f} "
+           f"of it (middle half {c_low:.3f}-{c_high:.3f}). Differences inside that spread are "
+           "not findings.")
+
+    per_param, more = ratios["per-parameter"], buckets["per-parameter"] - buckets[DEFAULT]
+    if per_param["predicted"] >= 1.25:  # a clear prediction: the ordering must show
+        check(per_param["torch vs default"] > 1 and per_param["miniddp vs default"] > 1,
+              f"one bucket per parameter ({more} more all_reduces) was not slower than the "
+              f"default cap: {per_param['torch vs default']:.2f} (torch) and "
+              f"{per_param['miniddp vs default']:.2f} (miniddp) of its step, per round, where "
+              f"the model predicts {per_param['predicted']:.2f}")
+        print0(f"one all_reduce per parameter: {per_param['torch vs default']:.2f}x the "
+               f"default's step time (torch; miniddp {per_param['miniddp vs default']:.2f}x); "
+               f"the model says {per_param['predicted']:.2f}x for {more} more calls at alpha "
+               "each. It gets the ordering right and the size roughly: a bucket costs more "
+               "than alpha (a hook, a copy in and out, a wait), and calls in a row queue up")
+    else:
+        print0(f"alpha is small here: the model predicts only {per_param['predicted']:.2f}x for "
+               "one all_reduce per parameter, too little to check on a shared machine")
+    return ratios
+
+
+def plot(result: dict):
+    times = result["times"]
+
+    def draw(ax):
+        for shift, name in ((-0.12, "miniddp"), (0.12, "torch")):
+            for i, label in enumerate(CAPS):
+                t = [1e3 * s for s in times[name, label]]
+                ax.plot([i + shift] * len(t), t, ".", alpha=0.25,
+                        color="C0" if name == "miniddp" else "C1")
+            ax.plot([i + shift for i in range(len(CAPS))],
+                    [1e3 * statistics.median(times[name, c]) for c in CAPS], "o-",
+                    color="C0" if name == "miniddp" else "C1", label=f"{name}, median")
+        ax.set_xticks(range(len(CAPS)), [f"{c}\n{result['buckets'][c]} bucket"
+                                         + "s" * (result["buckets"][c] > 1) for c in CAPS])
+        ax.set(xlabel="bucket_cap_mb", ylabel="step time (ms), every timed round",
+               yscale="log", title=f"{result['backend']}, {result['world']} ranks, "
+                                   f"{result['device']}: dots are single steps")
+        ax.legend(fontsize=8)
+
+    save_figure("11_benchmarking_buckets", draw)
+
+
+def summarize_saved_results(alpha: float):
+    """What ``benchmarks/bucket_sweep.py`` measured on a larger model, read against the model."""
+    files = sorted(SAVED.glob("bucket_sweep-*.json"))
+    if not files:
+        print0(f"\nno saved sweep in {SAVED}: run python benchmarks/bucket_sweep.py")
+        return
+    for path in files:
+        saved = json.loads(path.read_text())
+        setup, machine, model = saved["setup"], saved["machine"], saved["model"]
+        torch_ms = {row["bucket_cap_mb"]: row["torch"]["median_ms"] for row in saved["sweep"]}
+        best = min(torch_ms, key=torch_ms.get)
+        print0(f"\nthe full sweep, {path.relative_to(SAVED.parents[1])}: {setup['backend']}, "
+               f"{setup['world_size']} ranks, {setup['device']}, {model['tensors']} tensors, "
+               f"{model['gradient_mb']} MB of gradients, {setup['pairs']} rounds, "
+               f"{machine['date'][:10]}, load {machine['load_average_before'][0]:.1f}")
+        for row in saved["sweep"]:
+            cap = row["bucket_cap_mb"]
+            low, high = row["ratio_ci95"]
+            print0(f"  {cap + ' MiB' * (cap != 'per-parameter'):>13} {row['buckets']:>3} "
+                   f"buckets: torch {torch_ms[cap]:6.1f} ms ({torch_ms[cap] / torch_ms[best]:.2f}"
+                   f" of the best), miniddp/torch {row['ratio']:.3f} (95%: {low:.3f}-{high:.3f})")
+        pooled = saved["all_caps"]
+        print0(f"  all caps pooled: miniddp/torch {pooled['ratio']:.3f} (95%: "
+               f"{pooled['ratio_ci95'][0]:.3f}-{pooled['ratio_ci95'][1]:.3f})")
+        caps = [t for cap, t in torch_ms.items() if cap != "per-parameter"]
+        print0(f"  reading it: the caps lie within {100 * (max(caps) / min(caps) - 1):.0f}% of "
+               "each other, about that machine's run-to-run noise per cap")
+        if "per-parameter" in torch_ms:
+            buckets = {row["bucket_cap_mb"]: row["buckets"] for row in saved["sweep"]}
+            extra = 1e3 * alpha * (buckets["per-parameter"] - buckets[best])
+            print0(f"  one bucket per parameter: {torch_ms['per-parameter'] / torch_ms[best]:.2f}x"
+                   f" the best cap's step. At this run's alpha the model says +{extra:.0f} ms on "
+                   f"{torch_ms[best]:.0f} ms (x{1 + extra / torch_ms[best]:.2f}): that step is "
+                   "mostly compute, so latency per call hardly shows")
+    print0("the method and all the numbers: benchmarks/README.md; rerun with "
+           "python benchmarks/bucket_sweep.py (--quick for a smoke run)")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=2,
+                        help="ranks to fork (ignored under torchrun, which sets its own)")
+    parser.add_argument("--rounds", type=int, default=30, help="timed rounds")
+    args = parser.parse_args()
+    result = launch(on_every_rank, args.nproc, args=(args.rounds,))[0]
+    losses = result["losses"]
+    print0(f"every cap: same buckets as torch's DDP, parameters bit-identical after all "
+           f"{len(losses)} steps; the loss fell {losses[0]:.3f} -> {losses[-1]:.4f}")
+    check(losses[-1] < 0.3 * losses[0],
+          f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 30% of it")
+    ratios = read(result)
+    plot(result)
+    summarize_saved_results(result["alpha"])
+    vs_torch = ", ".join(f"{label} {r['miniddp/torch']:.2f}" for label, r in ratios.items())
+    per_param = ratios["per-parameter"]
+    ok(f"miniddp bit-identical to torch's DDP at {len(CAPS)} bucket caps; per-round "
+       f"miniddp/torch: {vs_torch}; one bucket per parameter "
+       f"{per_param['torch vs default']:.1f}x the default's step (model: "
+       f"{per_param['predicted']:.1f}x)")
+
+
+if __name__ == "__main__":
+    main()
