@@ -1,0 +1,422 @@
+"""Lesson 09: checkpoints and restarts: a job killed mid-run goes on as if nothing happened.
+
+What this adds since lesson 08: survival. A job on many machines fails sooner or later (a node
+dies, a process is killed, the network drops). Without a snapshot everything is lost; with a
+careless one, the job resumes *differently*. This lesson shows what a snapshot must hold, how to
+write it, and proves it: a worker is SIGKILLed mid-run, torchrun restarts the job, and its final
+weights are bit-identical to those of a run that was never interrupted.
+
+* **Rank 0 writes, atomically.** After every synchronized step all replicas hold the same
+  weights, so one copy is enough: N ranks writing one path would race. ``torch.save(obj, path)``
+  empties the file the moment it opens it: a process killed while writing leaves no snapshot at
+  all, not even the previous one. ``miniddp.checkpoint.write_atomic`` writes a temporary file,
+  fsyncs it, swaps it in with ``os.replace`` (atomic) and fsyncs the directory: a crash at any
+  moment leaves the old snapshot or the new one. ``checkpoint.save`` gathers every rank's random
+  generators (they differ per rank), rank 0 writes, and everyone waits at a barrier, so nobody
+  goes on, or dies, before the snapshot is on disk. The lesson kills a writer halfway both ways.
+* **The ``module.`` prefix.** A DDP (torch's or miniddp's) holds your model as ``.module``, so
+  its ``state_dict()`` keys are ``module.0.weight``...; the bare model's are ``0.weight``...
+  ``load_state_dict`` refuses the one in the other. ``checkpoint.save`` stores the bare model's
+  keys, and ``checkpoint.load_model_state`` takes either into either. Shown both ways.
+* **Everything that decides the future.** Weights, the optimizer's state (SGD's momentum), the
+  epoch and step, the sampler's position *inside* the epoch (``miniddp.DistributedSampler``
+  has one; torch's does not, so a resume replays the epoch from its start), and every rank's
+  random generators (here each rank adds its own noise to its inputs). Three controls resume
+  without one of them each, and each ends with other weights. The DataLoader gets a generator of
+  its own: ``iter(loader)`` would otherwise draw from the global one and shift every later draw.
+* **Restarts under torchrun.** With ``--max-restarts=N`` torchrun restarts every worker when
+  one dies (N times at most); each starts again from the top of the script and finds the
+  snapshot. On gloo there is a trap: the restarted workers meet in the agent's store, which
+  outlives the restart, and can read the dead workers' keys, then hang or fail (pytorch issue
+  135712; 5 runs in 10 here). The cure used here is ``miniddp.train.join_torchrun_group``: a
+  ``PrefixStore`` named after ``TORCHELASTIC_RESTART_COUNT``, a fresh namespace per attempt.
+  Setting ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun cures it too.
+
+Run it:
+
+    python lessons/09_checkpoints_and_restarts.py     # starts torchrun itself, with a restart
+    torchrun --standalone --nproc_per_node=2 lessons/09_checkpoints_and_restarts.py
+
+Run plainly, it starts one torchrun agent, ``python -m torch.distributed.run --standalone
+--nproc_per_node=2 --max-restarts=1 --monitor_interval=0.1 lessons/09_checkpoints_and_restarts.py
+--workdir DIR``; rank 1 SIGKILLs itself at step 45 (the last snapshot was at step 40, mid-epoch)
+and the agent restarts both workers, which resume from the snapshot and finish. The agent has a
+deadline; on failure it is stopped with its workers (and the workers die with their agent), and
+the lesson exits non-zero. The same happens by hand with ``--max-restarts=1`` added to the
+torchrun line above. Without restarts (that line as it is) nobody may die, so each worker plays
+the crash itself: it stops at step 45, drops everything, and resumes from the snapshot. On GPUs
+(one per worker) the workers use NCCL; ``checkpoint.load`` maps the tensors to the model's device.
+Bit-identity after a resume holds here, at 2 ranks; at 3 or more, gloo's sums depend on the
+bucket layout, which DDP rebuilds after a resume's first step, so that step may differ in the
+last bits (lesson 08).
+
+What you will see: a writer killed halfway (the naive file gone, the atomic one intact), the
+``module.`` prefix refused and then loaded both ways, the loss falling and a snapshot every 10
+steps, rank 1 killed, torchrun's restart, the resume (epoch 2, 256 of 512 samples done), the
+same weights as an uninterrupted run bit for bit, the three controls differing, and ``OK: ...``.
+8-15 seconds, nearly all of it processes starting: the agent, then two workers twice, each
+importing torch. (For that reason the SGD here is written out: torch.optim's would import
+``torch._dynamo`` in every worker, seconds more each time; it computes the same bits.)
+"""
+
+import argparse
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+# Who runs this file: a worker that torchrun started, or you, with plain python (see lesson 12).
+IS_WORKER = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+if IS_WORKER:  # run plainly, the file only starts torchrun and never needs torch
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader
+
+    from miniddp import DistributedDataParallel, DistributedSampler, checkpoint
+    from miniddp.data import make_dataset, make_model
+    from miniddp.launch import default_backend, rank_device
+    from miniddp.report import check, mean_over_ranks, ok, print0
+    from miniddp.train import join_torchrun_group
+
+EPOCHS, DATASET_SIZE, BATCH_SIZE = 4, 1024, 32  # 16 steps an epoch on 2 ranks, 64 in all
+LR, NOISE = 0.2, 0.05
+SAVE_EVERY = 10  # steps; 40 is half way through epoch 2
+KILL_AT, KILLED_RANK = 45, 1
+FILES = ("naive.pt", "atomic.pt", ".atomic.pt.tmp", "snapshot.pt", ".snapshot.pt.tmp",
+         "resumed_from.pt")  # what the lesson writes into its --workdir
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                      "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def die_with_parent(sig: int) -> None:
+    """Linux: get ``sig`` when the parent process dies, however it dies."""
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
+
+
+# ----- part 1, on rank 0 before the process group exists: a writer killed halfway -----
+
+class KilledHere:
+    """Pickling this object SIGKILLs the process: a crash at a known point inside a write."""
+
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def killed_while_writing(write, state: dict, path: Path) -> int:
+    """Fork a child that runs ``write(state + KilledHere, path)``; return its exit status."""
+    pid = os.fork()  # no process group, no GPU yet: nothing that a fork would break
+    if pid == 0:
+        try:
+            write({**state, "crash": KilledHere()}, path)
+        finally:
+            os._exit(0)  # not reached: the child dies inside write()
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+
+def loads(path: Path):
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as error:  # what a resume would meet
+        return f"{type(error).__name__}{': ' * bool(str(error))}{str(error)[:60]}"
+
+
+def writers_killed_halfway(workdir: Path):
+    print0("1. a snapshot writer SIGKILLed halfway, two ways (in a forked child):")
+    old, new = make_model(seed=0).state_dict(), make_model(seed=1).state_dict()
+    naive, atomic = workdir / "naive.pt", workdir / "atomic.pt"
+    torch.save(old, naive)
+    checkpoint.write_atomic(old, atomic)
+    statuses = [killed_while_writing(torch.save, new, naive),
+                killed_while_writing(checkpoint.write_atomic, new, atomic)]
+    check(statuses == [-signal.SIGKILL] * 2, f"the writers should have been SIGKILLed: {statuses}")
+    after = loads(naive)
+    print0(f"   torch.save(obj, path): {naive.name} has {naive.stat().st_size} bytes and does not "
+           f"load ({after}). The file was emptied when it was opened; the old snapshot is gone")
+    check(isinstance(after, str), "a file whose writer was killed should not load")
+    kept, leftover = loads(atomic), atomic.with_name(f".{atomic.name}.tmp")
+    check(isinstance(kept, dict) and all(torch.equal(kept[k], old[k]) for k in old),
+          f"{atomic.name} should still hold the previous snapshot, got {kept}")
+    print0(f"   checkpoint.write_atomic(obj, path): {atomic.name} still loads the previous "
+           f"snapshot; the unfinished {leftover.name} is left behind for the next save to "
+           "overwrite")
+    check(leftover.exists(), f"the killed atomic writer should have left {leftover.name}")
+
+
+# ----- part 2, on every rank: the module. prefix -----
+
+def the_module_prefix(device):
+    print0("\n2. the module. prefix:")
+    ids = [device] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(make_model(seed=0).to(device), device_ids=ids)
+    wrapped, bare = ddp.state_dict(), make_model(seed=1).to(device)
+    print0(f"   DDP's keys: {', '.join(list(wrapped)[:2])}, ...  the bare model's: "
+           f"{', '.join(list(bare.state_dict())[:2])}, ...")
+    try:
+        bare.load_state_dict(wrapped)
+        error = "nothing"
+    except RuntimeError as e:
+        error = str(e)
+    print0(f"   bare.load_state_dict(ddp.state_dict()) raises: {error.splitlines()[1].strip()[:60]}"
+           f"... {error.splitlines()[2].strip()[:50]}...")
+    check("Missing key(s)" in error and "Unexpected key(s)" in error,
+          f"loading DDP's keys into the bare model should fail, got: {error[:200]}")
+    checkpoint.load_model_state(bare, wrapped)
+    other = DistributedDataParallel(make_model(seed=2).to(device), device_ids=ids)
+    checkpoint.load_model_state(other, bare.state_dict())  # and the other way round
+    same = all(torch.equal(p, q) and torch.equal(p, r) for p, q, r in
+               zip(ddp.module.parameters(), bare.parameters(), other.module.parameters()))
+    check(same, "load_model_state should load a DDP state dict into the bare model and back")
+    check(list(checkpoint.model_state(ddp)) == list(bare.state_dict()),
+          "checkpoint.model_state(ddp) should have the bare model's keys")
+    print0("   checkpoint.load_model_state loaded DDP's state into the bare model and the bare "
+           "model's into a DDP; snapshots store the bare keys (checkpoint.model_state)")
+
+
+# ----- part 3, on every rank: the job, its snapshots, the crash and the resume -----
+
+class SGD:
+    """``torch.optim.SGD(params, lr, momentum)``, written out, with the ``state_dict`` and
+    ``load_state_dict`` a snapshot needs (torch's saves the same momentum buffers). Why not
+    torch's: its constructor imports ``torch._dynamo``, 2-4 s of CPU in each fresh worker, and
+    this lesson starts four."""
+
+    def __init__(self, params, lr: float, momentum: float):
+        self.params, self.lr, self.momentum = list(params), lr, momentum
+        self.buffers = [None] * len(self.params)
+
+    def zero_grad(self):
+        for p in self.params:
+            p.grad = None
+
+    def step(self):
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                if self.buffers[i] is None:  # the first step: the buffer is the gradient
+                    self.buffers[i] = p.grad.clone()
+                else:
+                    self.buffers[i].mul_(self.momentum).add_(p.grad)
+                p.add_(self.buffers[i], alpha=-self.lr)
+
+    def state_dict(self) -> dict:
+        return {"momentum_buffers": [None if b is None else b.clone() for b in self.buffers]}
+
+    def load_state_dict(self, state: dict):
+        self.buffers = [None if b is None else b.clone() for b in state["momentum_buffers"]]
+
+
+def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kill_at=None,
+          verbose=False):
+    """The job: miniddp's DDP, the sampler, SGD with momentum, per-rank input noise.
+
+    Snapshots go to ``save_to`` every SAVE_EVERY steps; ``resume_from`` restores one, except
+    what ``forget`` names ("optimizer", "sampler" or "rng"). ``stop_at`` returns None at that
+    step (a crash played in-process); at ``kill_at`` rank KILLED_RANK SIGKILLs itself. Returns
+    the final parameters (flattened) and this rank's losses.
+    """
+    rank = dist.get_rank()
+    dataset = make_dataset(n=DATASET_SIZE, seed=0)
+    sampler = DistributedSampler(dataset, seed=0)
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, sampler=sampler,
+                        generator=torch.Generator())  # keeps iter(loader) off the global RNG
+    ids = [device] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(make_model(seed=0).to(device), device_ids=ids)
+    optimizer = SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    torch.manual_seed(1000 + rank)  # each rank its own noise
+    epoch = step = 0
+    if resume_from:
+        snapshot = checkpoint.load(resume_from, ddp, None if forget == "optimizer" else optimizer,
+                                   None if forget == "sampler" else sampler,
+                                   restore_rng=forget != "rng")
+        epoch, step = snapshot["epoch"], snapshot["step"]
+        if verbose:
+            print0(f"   resuming from {Path(resume_from).name}: epoch {epoch}, step {step}, "
+                   f"{sampler.state_dict()['consumed']} of {sampler.num_samples} samples of the "
+                   "epoch done on each rank")
+    losses = []
+    while epoch < EPOCHS:
+        sampler.set_epoch(epoch)  # the epoch a snapshot stopped in keeps its position
+        seen, first = 0, len(losses)
+        for x, y in loader:
+            if step == stop_at:
+                return None
+            if step == kill_at and rank == KILLED_RANK:
+                print(f"   rank {rank}: SIGKILL to myself at step {step}", flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+            x, y = x.to(device), y.to(device)
+            loss = F.mse_loss(ddp(x + NOISE * torch.randn_like(x)), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step, seen = step + 1, seen + len(x)
+            losses.append(loss.detach())
+            if save_to and step % SAVE_EVERY == 0:
+                checkpoint.save(save_to, ddp, optimizer, sampler, epoch=epoch, step=step,
+                                trained=seen)
+        epoch += 1
+        if verbose:
+            mean = mean_over_ranks(torch.stack(losses[first:]).mean())
+            print0(f"   epoch {epoch}/{EPOCHS} | step {step} | loss {mean:.4f} | snapshots "
+                   f"every {SAVE_EVERY} steps")
+    return torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]), losses
+
+
+def resume_and_prove(device, snapshot: Path, attempt: int) -> str:
+    """Resume the job from ``snapshot``, then run it again uninterrupted: the same bits."""
+    kept = snapshot.with_name("resumed_from.pt")  # the job overwrites its snapshot as it goes
+    if dist.get_rank() == 0:
+        shutil.copy(snapshot, kept)
+    dist.barrier()
+    resumed, _ = train(device, save_to=snapshot, resume_from=snapshot, verbose=True)
+    reference, losses = train(device)
+    losses = [mean_over_ranks(loss) for loss in (losses[0], losses[-1])]
+    check(losses[1] < 0.3 * losses[0],
+          f"the loss went from {losses[0]:.4f} to {losses[1]:.4f}, not below 30% of it")
+    check(torch.equal(resumed, reference), f"rank {dist.get_rank()}: the resumed job ended "
+          f"{(resumed - reference).abs().max():.3g} away from an uninterrupted run")
+    print0(f"   an uninterrupted run (loss {losses[0]:.3f} -> {losses[1]:.4f}) ended with the "
+           "same weights, bit for bit")
+
+    print0("   resumed from the same snapshot without one thing each:")
+    for forget, what in (("sampler", "the sampler's position: epoch 2 starts over"),
+                         ("optimizer", "the optimizer's state: momentum starts from zero"),
+                         ("rng", "the random generators: other noise on every rank")):
+        other, _ = train(device, resume_from=kept, forget=forget)
+        differs = (other - reference).abs().max().item()
+        print0(f"     without {what}: max difference {differs:.2g}")
+        check(differs > 0, f"resuming without {forget} state gave the very same weights: "
+                           "the controls prove nothing")
+    how = (f"was restarted by torchrun (restart {attempt}) after rank {KILLED_RANK} was "
+           f"SIGKILLed at step {KILL_AT}" if attempt else
+           f"stopped at step {KILL_AT} (a crash played in-process)")
+    return (f"the job {how}, resumed from the step-{(KILL_AT // SAVE_EVERY) * SAVE_EVERY} "
+            "snapshot mid-epoch and ended bit-identical to an uninterrupted run; without the "
+            "sampler's, optimizer's or RNG state it does not")
+
+
+def on_every_rank(workdir: Path, attempt: int, restarts: int) -> str:
+    device = rank_device()
+    snapshot = workdir / "snapshot.pt"
+    if attempt > 0:
+        print0(f"\n3. (continued) attempt {attempt}: torchrun restarted every worker; each "
+               "runs the script from the top and finds the snapshot")
+        return resume_and_prove(device, snapshot, attempt)
+    the_module_prefix(device)
+    print0(f"\n3. the job: {EPOCHS} epochs of {DATASET_SIZE // (BATCH_SIZE * 2)} steps, a "
+           f"snapshot every {SAVE_EVERY} steps to {snapshot}")
+    if restarts > 0:
+        print0(f"   torchrun may restart {restarts} time(s): rank {KILLED_RANK} will be "
+               f"SIGKILLed at step {KILL_AT}")
+        try:
+            train(device, save_to=snapshot, kill_at=KILL_AT, verbose=True)
+        except RuntimeError as error:  # rank 0: its peer vanished in the middle of a collective
+            print0(f"   rank 0, at step {KILL_AT}: {str(error).split('] ')[-1][:80]}"
+                   "... It exits too, and torchrun restarts both")
+            sys.exit(1)
+        check(False, f"rank {KILLED_RANK} should have been killed at step {KILL_AT}")
+    print0(f"   torchrun may not restart (--max-restarts=0), so nobody may die: the workers "
+           f"stop at step {KILL_AT}, drop everything, and resume as a restarted job would")
+    check(train(device, save_to=snapshot, stop_at=KILL_AT, verbose=True) is None,
+          f"the job should have stopped at step {KILL_AT}")
+    return resume_and_prove(device, snapshot, attempt)
+
+
+def worker(workdir: Path | None, backend: str | None):
+    """One worker of one attempt, started by torchrun."""
+    die_with_parent(signal.SIGKILL)  # the agent: no worker outlives it
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    temporary = workdir is None
+    if temporary:  # by hand under torchrun: a directory per torchrun run, shared by attempts
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", os.environ["MASTER_PORT"])
+        workdir = Path(tempfile.gettempdir()) / f"miniddp-lesson09-{run_id}"
+    if attempt == 0 and os.environ["RANK"] == "0":  # attempt 0 starts from scratch
+        workdir.mkdir(parents=True, exist_ok=True)
+        for name in FILES:
+            (workdir / name).unlink(missing_ok=True)
+        writers_killed_halfway(workdir)
+    join_torchrun_group(backend or default_backend(int(os.environ["LOCAL_WORLD_SIZE"])),
+                        timeout=30)
+    try:
+        message = on_every_rank(workdir, attempt, restarts)
+    finally:
+        dist.destroy_process_group()
+    if temporary and os.environ["RANK"] == "0":
+        shutil.rmtree(workdir, ignore_errors=True)
+    ok(message)
+
+
+# ----- run plainly: one torchrun agent that may restart its workers once -----
+
+def run_torchrun(workdir: Path, timeout: float) -> tuple[int, str]:
+    """Run the agent, relay its output, stop it (and its workers) past ``timeout`` seconds."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node=2", "--max-restarts=1", "--monitor_interval=0.1",
+               str(Path(__file__).resolve()), "--workdir", str(workdir)]
+    print(f"starting: torchrun {' '.join(command[3:])}", flush=True)
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
+    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, env=env, start_new_session=True,
+                             preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    lines = []
+
+    def relay():
+        for line in agent.stdout:
+            lines.append(line)
+            print(f"[torchrun] {line}", end="", flush=True)
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
+    try:
+        agent.wait(timeout)
+    except subprocess.TimeoutExpired:
+        print(f"stopping torchrun: still running after {timeout:.0f} s", flush=True)
+    finally:
+        if agent.poll() is None:  # SIGTERM: torchrun stops its workers; SIGKILL if it will not
+            os.killpg(agent.pid, signal.SIGTERM)
+            try:
+                agent.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(agent.pid, signal.SIGKILL)
+                agent.wait()
+        reader.join(5)
+    return agent.returncode, "".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, help="where snapshots go (default: a temporary "
+                        "directory, removed at the end)")
+    parser.add_argument("--timeout", type=float, default=90.0,
+                        help="seconds before torchrun is stopped (run plainly)")
+    parser.add_argument("--backend", help="process group backend (default: NCCL when every "
+                        "worker has a GPU, gloo otherwise)")
+    args = parser.parse_args()
+    if IS_WORKER:
+        worker(args.workdir, args.backend)
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="miniddp-lesson09-"))
+    try:
+        code, output = run_torchrun(workdir, args.timeout)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    said = [line for line in output.splitlines() if line.startswith("OK:")]
+    if code != 0:
+        sys.exit(f"FAILED: torchrun exited with status {code} (negative: stopped by that "
+                 "signal); its output is above")
+    if len(said) != 1 or "restarted by torchrun" not in said[0]:
+        sys.exit(f"FAILED: expected one OK line from a restarted worker, got {said}")
+    print(said[0])  # the workers' verdict, as this script's last line
+
+
+if __name__ == "__main__":
+    main()
