@@ -35,8 +35,9 @@ timed, and the lesson shows how to turn noisy step times into a conclusion:
 The model is lesson 00's task learned by a deep, narrow student (a Linear, 24 residual layers of
 width 128 and a Linear head: 52 tensors, 1.5 MiB of gradients): small enough that a step takes
 milliseconds, with enough tensors that one all_reduce each is costly. The caps: one bucket per
-parameter, 0.125 MiB, torch's default (``bucket_cap_mb=None``: a 1 MiB first bucket, then
-25 MiB) and an explicit 25, which applies to every bucket and so makes a single one. Only
+parameter, 0.125 MiB, torch's default (no ``bucket_cap_mb``: a 1 MiB first bucket, then 25 MiB)
+and an explicit 25, which in current torch (and miniddp) applies to the first bucket too, and so
+makes a single one. Only
 orderings that survive a busy machine are checked; the times are printed. The full sweep (a
 49 MB model, caps 1 to 250 MiB, 30 rounds, 95% intervals) is ``benchmarks/bucket_sweep.py``;
 its saved results in ``benchmarks/results/`` are summarized at the end.
@@ -84,7 +85,7 @@ LR = 0.02
 WARMUP = 3  # untimed rounds: the buckets are rebuilt at the second step
 MIB = 2**20
 DEFAULT = "default"
-# bucket_cap_mb for each label. None is torch's default: a 1 MiB first bucket, then 25 MiB.
+# bucket_cap_mb for each label. None: not passed, torch's default (1 MiB first, then 25 MiB).
 # An explicit cap applies to every bucket, so 25 makes a single bucket of this 1.5 MiB model.
 CAPS = {"per-parameter": 1 / MIB,  # a 1-byte cap: every tensor closes a bucket of its own
         "0.125": 0.125, DEFAULT: None, "25": 25.0}
@@ -192,7 +193,8 @@ def on_every_rank(rounds: int):
     contestants = {}
     for label, cap in CAPS.items():
         for name, ddp_class in (("miniddp", DistributedDataParallel), ("torch", TorchDDP)):
-            ddp = ddp_class(copy.deepcopy(student), device_ids=ids, bucket_cap_mb=cap)
+            cap_kwargs = {} if cap is None else {"bucket_cap_mb": cap}
+            ddp = ddp_class(copy.deepcopy(student), device_ids=ids, **cap_kwargs)
             contestants[name, label] = Contestant(ddp, batches)
     contestants["torch again", DEFAULT] = Contestant(  # the A/A control: torch against itself
         TorchDDP(copy.deepcopy(student), device_ids=ids), batches)
@@ -348,6 +350,8 @@ def main():
                         help="ranks to fork (ignored under torchrun, which sets its own)")
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds")
     args = parser.parse_args()
+    if args.rounds < 4:
+        parser.error("--rounds must be at least 4: medians and quartiles need a few rounds")
     result = launch(on_every_rank, args.nproc, args=(args.rounds,))[0]
     losses = result["losses"]
     print0(f"every cap: same buckets as torch's DDP, parameters bit-identical after all "
