@@ -1,51 +1,24 @@
 """Start ranks on this machine, or join the ranks torchrun started.
 
-Every lesson, test and benchmark needs N processes that form one process group. Starting
-them with ``spawn`` costs seconds of ``import torch`` per rank; ``fork`` costs tens of
-milliseconds, so ranks here are forked (explicitly: Python 3.14 changes the default).
-
-The rules that keep a failing run from hanging or leaving orphans:
-
-* each rank dies with its parent (``PR_SET_PDEATHSIG``), so a killed test leaves nothing behind;
-* the process group has a short timeout, shorter than the parent's, so a collective that one
-  rank skipped fails inside the ranks with torch's own message first;
-* the first rank that raises sends its traceback to the parent, which kills every rank and
-  raises :class:`RankError` naming that rank;
-* a rank that dies without a word (segfault, SIGKILL) is reported with its exit code;
-* past the parent's deadline the ranks still running dump their Python stacks (faulthandler)
-  into the error, then are killed.
-
-:class:`RankGroup` keeps its ranks (and their process group) alive across many calls, which
-is what makes hundreds of distributed test cases affordable; :func:`spawn` is the one-shot form.
-Functions and arguments travel by pickle, so functions must be importable at module level.
+``launch(fn, world_size)`` is how every lesson, the reference job and the benchmarks run code
+on N ranks: started plainly, it forks the ranks itself (see ``miniddp.rank_group``: timeouts,
+rank-named errors, no orphans); started by torchrun, this process *is* one rank, and it joins
+the group torchrun describes in its environment. The same script works both ways.
 """
 
 from __future__ import annotations
 
-import ctypes
-import faulthandler
-import multiprocessing as mp
+import gc
 import os
-import pickle
-import shutil
-import signal
-import sys
-import tempfile
-import time
-import traceback
 from datetime import timedelta
-from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 
+from miniddp.rank_group import RankError, RankGroup
 
-class RankError(RuntimeError):
-    """A rank raised, died or timed out. ``rank`` says which one."""
-
-    def __init__(self, rank: int, world_size: int, what: str, details: str):
-        self.rank, self.world_size, self.details = rank, world_size, details
-        super().__init__(f"rank {rank} of {world_size} {what}:\n{details}")
+__all__ = ["RankError", "RankGroup", "default_backend", "join_torchrun_group", "launch",
+           "launched_by_torchrun", "leave_group", "rank_device", "spawn"]
 
 
 def launched_by_torchrun() -> bool:
@@ -70,220 +43,67 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+def _store_for_this_attempt(store: dist.Store) -> dist.Store:
+    """A fresh key space in torchrun's store for each restart attempt.
 
-
-def _send(conn, message) -> None:
-    try:
-        payload = pickle.dumps(message)
-    except Exception as exc:  # an unpicklable result must not look like a hang
-        payload = pickle.dumps(("error", f"result could not be pickled: {exc!r}"))
-    conn.send_bytes(payload)
-
-
-def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads):
-    """The life of one forked rank: join the group, run tasks until told to stop."""
-    _die_with_parent()
-    torch.set_num_threads(threads)
-    with open(stack_path, "w") as stack_file:
-        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-        try:
-            if backend == "nccl":
-                torch.cuda.set_device(rank % torch.cuda.device_count())
-            store = dist.FileStore(store_path, world_size)
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout))
-        except BaseException:
-            _send(conn, ("error", traceback.format_exc()))
-            os._exit(1)
-        while True:
-            task = pickle.loads(conn.recv_bytes())
-            if task is None:
-                break
-            fn, args, kwargs = task
-            try:
-                _send(conn, ("ok", fn(*args, **kwargs)))
-            except BaseException:
-                _send(conn, ("error", traceback.format_exc()))
-        dist.destroy_process_group()
-    conn.close()
-    os._exit(0)
-
-
-class RankGroup:
-    """``world_size`` forked ranks in one process group, kept alive between :meth:`run` calls.
-
-    After any failure the group is closed (its state is unknowable); create a new one.
+    torchrun's agent keeps one rendezvous store across ``--max-restarts`` attempts. Restarted
+    gloo workers would read the dead workers' addresses left in it and hang or fail (pytorch
+    issue 135712), so each attempt uses keys of its own. ``TORCHELASTIC_RESTART_COUNT`` agrees
+    across the ranks of one node only; across nodes set ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``.
     """
-
-    #: After the first failure, how long to wait for the other ranks' reports. A rank that
-    #: dies makes its peers fail within milliseconds ("Connection reset by peer"); waiting a
-    #: moment lets the error name the rank that failed first, not a bystander.
-    GRACE_S = 1.0
-
-    def __init__(self, world_size: int = 2, backend: str = "gloo", pg_timeout: float = 30.0,
-                 threads: int = 1):
-        if world_size < 1:
-            raise ValueError(f"world_size must be at least 1, got {world_size}")
-        self.world_size, self.backend = world_size, backend
-        # torch imports torch._dynamo lazily (DDP construction, optimizers): seconds of CPU in
-        # every rank unless it is imported once here, before the fork.
-        import torch._dynamo  # noqa: F401
-        self._dir = tempfile.mkdtemp(prefix="miniddp-")
-        ctx = mp.get_context("fork")
-        self._procs, self._conns = [], []
-        for rank in range(world_size):
-            parent_end, child_end = ctx.Pipe()
-            stack_path = os.path.join(self._dir, f"stack-{rank}.txt")
-            proc = ctx.Process(
-                target=_rank_main, name=f"miniddp-rank{rank}", daemon=True,
-                args=(rank, world_size, child_end, os.path.join(self._dir, "store"), backend,
-                      pg_timeout, stack_path, threads))
-            proc.start()
-            child_end.close()
-            self._procs.append(proc)
-            self._conns.append(parent_end)
-
-    @property
-    def alive(self) -> bool:
-        return bool(self._procs) and all(p.is_alive() for p in self._procs)
-
-    def run(self, fn, *args, timeout: float = 120.0, **kwargs) -> list:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
-        if not self.alive:
-            raise RuntimeError("this RankGroup is closed (a rank failed earlier); start a new one")
-        task = pickle.dumps((fn, args, kwargs))
-        for conn in self._conns:
-            conn.send_bytes(task)
-        try:
-            return self._collect(timeout)
-        except BaseException:
-            self.close(kill=True)
-            raise
-
-    def _collect(self, timeout: float) -> list:
-        results: dict[int, object] = {}
-        failures: dict[int, tuple[str, str]] = {}  # rank -> (what happened, details)
-        deadline = time.monotonic() + timeout
-        by_conn = {conn: r for r, conn in enumerate(self._conns)}
-        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while len(results) + len(failures) < self.world_size:
-            pending = [r for r in range(self.world_size) if r not in results and r not in failures]
-            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel
-                                                            for r in pending]
-            ready = wait(waitables, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                if failures:
-                    break
-                raise RankError(pending[0], self.world_size,
-                                f"did not finish within {timeout:.0f} s",
-                                self._stacks(pending))
-            for obj in ready:
-                rank = by_conn.get(obj, by_sentinel.get(obj))
-                if rank in results or rank in failures:
-                    continue
-                try:
-                    status, value = pickle.loads(self._conns[rank].recv_bytes())
-                except EOFError:  # its end of the pipe closed: the process is gone
-                    self._procs[rank].join(1)
-                    status, value = "died", f"exit code {self._procs[rank].exitcode}"
-                if status == "ok":
-                    results[rank] = value
-                else:
-                    failures[rank] = ("raised" if status == "error" else "died without reporting",
-                                      value)
-            if failures:  # give the other ranks a moment to report, then blame the likeliest
-                deadline = min(deadline, time.monotonic() + self.GRACE_S)
-        if failures:
-            raise _root_cause(failures, self.world_size)
-        return [results[r] for r in range(self.world_size)]
-
-    def _stacks(self, ranks) -> str:
-        """Ask hung ranks for their Python stacks, so a timeout says where each one was."""
-        for r in ranks:
-            if self._procs[r].is_alive():
-                os.kill(self._procs[r].pid, signal.SIGUSR1)
-        time.sleep(0.5)
-        parts = []
-        for r in ranks:
-            with open(os.path.join(self._dir, f"stack-{r}.txt")) as f:
-                parts.append(f"--- rank {r} stack ---\n{f.read().strip() or '(no stack)'}")
-        return "\n".join(parts)
-
-    def close(self, kill: bool = False) -> None:
-        """Stop every rank (politely unless ``kill``) and remove the group's files."""
-        if not kill:
-            for conn, proc in zip(self._conns, self._procs):
-                if proc.is_alive():
-                    try:
-                        conn.send_bytes(pickle.dumps(None))
-                    except OSError:
-                        pass
-            for proc in self._procs:
-                proc.join(10)
-        for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-            proc.join(5)
-        for conn in self._conns:
-            conn.close()
-        self._procs, self._conns = [], []
-        shutil.rmtree(self._dir, ignore_errors=True)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close(kill=exc[0] is not None)
+    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    one_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
+    if not (shared and one_node):
+        return store
+    return dist.PrefixStore(f"miniddp/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
 
 
-# Errors that a rank raises because a *peer* failed, not because of its own code.
-_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                 "NCCL communicator was aborted", "Socket Timeout")
+def join_torchrun_group(backend: str | None = None, pg_timeout: float = 30.0) -> None:
+    """Form the process group torchrun describes in the environment (restart-safe)."""
+    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    limit = timedelta(seconds=pg_timeout)
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=limit))
+    dist.init_process_group(backend, store=_store_for_this_attempt(store), rank=rank,
+                            world_size=world_size, timeout=limit)
 
 
-def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankError:
-    """The failure most likely to be the cause: a death, then an error of the rank's own."""
-    def rank_key(rank):
-        what, details = failures[rank]
-        own = not any(marker in details for marker in _PEER_FAILURE)
-        return (what != "died without reporting", not own, rank)
+def leave_group() -> None:
+    """Destroy the process group, after collecting garbage that may still hold it.
 
-    culprit = min(failures, key=rank_key)
-    what, details = failures[culprit]
-    others = [f"rank {r} {failures[r][0]}: {failures[r][1].strip().splitlines()[-1]}"
-              for r in sorted(failures) if r != culprit]
-    if others:
-        details += "\n(then " + "; ".join(others) + ")"
-    return RankError(culprit, world_size, what, details)
+    Wrappers such as torch's DDP can keep a process group alive in a reference cycle; freed at
+    interpreter exit instead, its threads are torn down too late ("terminate called without an
+    active exception", SIGABRT), or its destructor deadlocks on the GIL (pytorch issue 56297).
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
-def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo", timeout: float = 120.0,
-          pg_timeout: float = 30.0) -> list:
-    """Fork ``world_size`` ranks, run ``fn(*args)`` on each, return their results."""
+def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo",
+          timeout: float | None = 120.0, pg_timeout: float = 30.0) -> list:
+    """Fork ``world_size`` ranks, run ``fn(*args)`` on each, return their results.
+
+    ``timeout`` bounds the whole call (``None``: no bound, for long training jobs; a rank that
+    stops taking part still fails after ``pg_timeout``).
+    """
     with RankGroup(world_size, backend=backend, pg_timeout=pg_timeout) as group:
         return group.run(fn, *args, timeout=timeout)
 
 
 def launch(fn, world_size: int = 2, args=(), backend: str | None = None,
-           timeout: float = 120.0, pg_timeout: float = 30.0) -> list:
+           timeout: float | None = 120.0, pg_timeout: float = 30.0) -> list:
     """Run ``fn(*args)`` on every rank, whoever starts the ranks.
 
     Under torchrun this process is one rank: it joins the group from torchrun's environment,
     runs ``fn`` and returns ``[its result]``. Started plainly, it forks ``world_size`` ranks.
-    ``backend=None`` picks NCCL when a GPU is present, gloo otherwise.
+    ``backend=None`` picks NCCL when every rank on this machine gets a GPU, gloo otherwise.
     """
     if not launched_by_torchrun():
         backend = backend or default_backend(world_size)
         return spawn(fn, world_size, args, backend, timeout, pg_timeout)
-    backend = backend or default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend, timeout=timedelta(seconds=pg_timeout))
+    join_torchrun_group(backend, pg_timeout)
     try:
         return [fn(*args)]
     finally:
-        dist.destroy_process_group()
+        leave_group()

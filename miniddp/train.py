@@ -51,7 +51,6 @@ import socket
 import sys
 import time
 from contextlib import contextmanager
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -61,14 +60,20 @@ from torch.utils.data import DataLoader
 from miniddp import checkpoint
 from miniddp.data import make_dataset, make_model
 from miniddp.ddp import DistributedDataParallel
-from miniddp.launch import RankError, default_backend, launch, launched_by_torchrun
+from miniddp.launch import (
+    RankError,
+    join_torchrun_group,
+    launch,
+    launched_by_torchrun,
+    leave_group,
+    rank_device,
+)
 from miniddp.report import mean_over_ranks, print0
 from miniddp.sampler import DistributedSampler
 
 LR = 3e-3
 NOISE = 0.05  # std of the noise each rank adds to its inputs: the job's use of the global RNG
 PEER_GRACE = 3.0  # seconds a rank whose peer vanished waits, so the peer's error is seen first
-JOB_DEADLINE = 7 * 24 * 3600.0  # started by itself, the whole job must end within this
 
 
 class CollectiveFailed(RuntimeError):
@@ -194,10 +199,7 @@ def _save(args, model, optimizer, sampler, epoch, step, trained=None) -> None:
 
 def _train(args) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = rank_device()
     if args.pid_dir:
         _write_pid_file(args.pid_dir, rank)
 
@@ -268,38 +270,17 @@ def _train(args) -> dict:
     return {"steps": step, "held_out_loss": held_out_loss}
 
 
-def _store_for_this_attempt(store: dist.Store) -> dist.Store:
-    """Keys of a fresh namespace when torchrun's store outlives a restart (see the docstring)."""
-    shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    one_node = int(os.environ.get("GROUP_WORLD_SIZE", "1")) == 1
-    if not (shared and one_node):
-        return store
-    return dist.PrefixStore(f"miniddp/attempt{os.environ['TORCHELASTIC_RESTART_COUNT']}/", store)
-
-
-def join_torchrun_group(backend: str, timeout: float) -> None:
-    """Form the process group torchrun describes in the environment, on a per-attempt store."""
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    limit = timedelta(seconds=timeout)
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=limit))
-    dist.init_process_group(backend, store=_store_for_this_attempt(store), rank=rank,
-                            world_size=world_size, timeout=limit)
-
-
 def _run_under_torchrun(args) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record  # torchrun's summary then shows this rank's traceback, not only its exit code
     def run():
-        backend = args.backend
-        if backend == "auto":
-            backend = default_backend(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        backend = None if args.backend == "auto" else args.backend
         join_torchrun_group(backend, args.timeout)
         try:
             train(args)
         finally:
-            dist.destroy_process_group()
+            leave_group()
 
     run()
 
@@ -312,7 +293,7 @@ def main(argv=None) -> int:
     backend = None if args.backend == "auto" else args.backend
     try:
         launch(train, world_size=args.nproc, args=(args,), backend=backend,
-               timeout=JOB_DEADLINE, pg_timeout=args.timeout)
+               timeout=None, pg_timeout=args.timeout)
     except RankError as error:
         print(f"miniddp.train failed: {error}", file=sys.stderr, flush=True)
         return 1

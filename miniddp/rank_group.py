@@ -1,0 +1,244 @@
+"""Forked ranks in one process group: the machinery under ``miniddp.launch``.
+
+Every lesson, test and benchmark needs N processes that form one process group. Starting
+them with ``spawn`` costs seconds of ``import torch`` per rank; ``fork`` costs tens of
+milliseconds, so ranks here are forked (explicitly: Python 3.14 changes the default).
+
+The rules that keep a failing run from hanging or leaving orphans:
+
+* each rank dies with its parent (``PR_SET_PDEATHSIG``), so a killed test leaves nothing behind;
+* the process group has a short timeout, shorter than the parent's, so a collective that one
+  rank skipped fails inside the ranks with torch's own message first;
+* the first rank that raises sends its traceback to the parent, which kills every rank and
+  raises :class:`RankError` naming that rank (the likeliest cause, not a bystander);
+* a rank that dies without a word (segfault, SIGKILL) is reported with its exit code;
+* past the parent's deadline the ranks still running dump their Python stacks (faulthandler)
+  into the error, then are killed.
+
+:class:`RankGroup` keeps its ranks (and their process group) alive across many calls, which
+is what makes hundreds of distributed test cases affordable.
+Functions and arguments travel by pickle, so functions must be importable at module level.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import faulthandler
+import math
+import multiprocessing as mp
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+
+class RankError(RuntimeError):
+    """A rank raised, died or timed out. ``rank`` says which one."""
+
+    def __init__(self, rank: int, world_size: int, what: str, details: str):
+        self.rank, self.world_size, self.details = rank, world_size, details
+        super().__init__(f"rank {rank} of {world_size} {what}:\n{details}")
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _send(conn, message) -> None:
+    try:
+        payload = pickle.dumps(message)
+    except Exception as exc:  # an unpicklable result must not look like a hang
+        payload = pickle.dumps(("error", f"result could not be pickled: {exc!r}"))
+    conn.send_bytes(payload)
+
+
+def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads):
+    """The life of one forked rank: join the group, run tasks until told to stop."""
+    _die_with_parent()
+    torch.set_num_threads(threads)
+    with open(stack_path, "w") as stack_file:
+        faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+        try:
+            if backend == "nccl":
+                torch.cuda.set_device(rank % torch.cuda.device_count())
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout))
+        except BaseException:
+            _send(conn, ("error", traceback.format_exc()))
+            os._exit(1)
+        while True:
+            task = pickle.loads(conn.recv_bytes())
+            if task is None:
+                break
+            fn, args, kwargs = task
+            try:
+                _send(conn, ("ok", fn(*args, **kwargs)))
+            except BaseException:
+                _send(conn, ("error", traceback.format_exc()))
+        dist.destroy_process_group()
+    conn.close()
+    os._exit(0)
+
+
+class RankGroup:
+    """``world_size`` forked ranks in one process group, kept alive between :meth:`run` calls.
+
+    After any failure the group is closed (its state is unknowable); create a new one.
+    """
+
+    #: After the first failure, how long to wait for the other ranks' reports. A rank that
+    #: dies makes its peers fail within milliseconds ("Connection reset by peer"); waiting a
+    #: moment lets the error name the rank that failed first, not a bystander.
+    GRACE_S = 1.0
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", pg_timeout: float = 30.0,
+                 threads: int = 1):
+        if world_size < 1:
+            raise ValueError(f"world_size must be at least 1, got {world_size}")
+        self.world_size, self.backend = world_size, backend
+        # torch imports torch._dynamo lazily (DDP construction, optimizers): seconds of CPU in
+        # every rank unless it is imported once here, before the fork.
+        import torch._dynamo  # noqa: F401
+        self._dir = tempfile.mkdtemp(prefix="miniddp-")
+        ctx = mp.get_context("fork")
+        self._procs, self._conns = [], []
+        for rank in range(world_size):
+            parent_end, child_end = ctx.Pipe()
+            stack_path = os.path.join(self._dir, f"stack-{rank}.txt")
+            proc = ctx.Process(
+                target=_rank_main, name=f"miniddp-rank{rank}", daemon=True,
+                args=(rank, world_size, child_end, os.path.join(self._dir, "store"), backend,
+                      pg_timeout, stack_path, threads))
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def run(self, fn, *args, timeout: float | None = 120.0, **kwargs) -> list:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        ``timeout`` (seconds, or ``None`` for no limit) bounds the whole call.
+        """
+        if not self.alive:
+            raise RuntimeError("this RankGroup is closed (a rank failed earlier); start a new one")
+        task = pickle.dumps((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send_bytes(task)
+        try:
+            return self._collect(math.inf if timeout is None else timeout)
+        except BaseException:
+            self.close(kill=True)
+            raise
+
+    def _collect(self, timeout: float) -> list:
+        results: dict[int, object] = {}
+        failures: dict[int, tuple[str, str]] = {}  # rank -> (what happened, details)
+        deadline = time.monotonic() + timeout
+        by_conn = {conn: r for r, conn in enumerate(self._conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
+        while len(results) + len(failures) < self.world_size:
+            pending = [r for r in range(self.world_size) if r not in results and r not in failures]
+            waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel
+                                                            for r in pending]
+            left = deadline - time.monotonic()
+            ready = wait(waitables, timeout=None if left == math.inf else max(0.0, left))
+            if not ready:
+                if failures:
+                    break
+                raise RankError(pending[0], self.world_size,
+                                f"did not finish within {timeout:.0f} s",
+                                self._stacks(pending))
+            for obj in ready:
+                rank = by_conn.get(obj, by_sentinel.get(obj))
+                if rank in results or rank in failures:
+                    continue
+                try:
+                    status, value = pickle.loads(self._conns[rank].recv_bytes())
+                except EOFError:  # its end of the pipe closed: the process is gone
+                    self._procs[rank].join(1)
+                    status, value = "died", f"exit code {self._procs[rank].exitcode}"
+                if status == "ok":
+                    results[rank] = value
+                else:
+                    failures[rank] = ("raised" if status == "error" else "died without reporting",
+                                      value)
+            if failures:  # give the other ranks a moment to report, then blame the likeliest
+                deadline = min(deadline, time.monotonic() + self.GRACE_S)
+        if failures:
+            raise _root_cause(failures, self.world_size)
+        return [results[r] for r in range(self.world_size)]
+
+    def _stacks(self, ranks) -> str:
+        """Ask hung ranks for their Python stacks, so a timeout says where each one was."""
+        for r in ranks:
+            if self._procs[r].is_alive():
+                os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        parts = []
+        for r in ranks:
+            with open(os.path.join(self._dir, f"stack-{r}.txt")) as f:
+                parts.append(f"--- rank {r} stack ---\n{f.read().strip() or '(no stack)'}")
+        return "\n".join(parts)
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank (politely unless ``kill``) and remove the group's files."""
+        if not kill:
+            for conn, proc in zip(self._conns, self._procs):
+                if proc.is_alive():
+                    try:
+                        conn.send_bytes(pickle.dumps(None))
+                    except OSError:
+                        pass
+            for proc in self._procs:
+                proc.join(10)
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close(kill=exc[0] is not None)
+
+
+# Errors that a rank raises because a *peer* failed, not because of its own code.
+_PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                 "NCCL communicator was aborted", "Socket Timeout")
+
+
+def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankError:
+    """The failure most likely to be the cause: a death, then an error of the rank's own."""
+    def rank_key(rank):
+        what, details = failures[rank]
+        own = not any(marker in details for marker in _PEER_FAILURE)
+        return (what != "died without reporting", not own, rank)
+
+    culprit = min(failures, key=rank_key)
+    what, details = failures[culprit]
+    others = [f"rank {r} {failures[r][0]}: {failures[r][1].strip().splitlines()[-1]}"
+              for r in sorted(failures) if r != culprit]
+    if others:
+        details += "\n(then " + "; ".join(others) + ")"
+    return RankError(culprit, world_size, what, details)
