@@ -342,8 +342,7 @@ def worker(workdir: Path | None, backend: str | None):
         for name in FILES:
             (workdir / name).unlink(missing_ok=True)
         writers_killed_halfway(workdir)
-    join_torchrun_group(backend or default_backend(int(os.environ["LOCAL_WORLD_SIZE"])),
-                        timeout=30)
+    join_torchrun_group(backend or default_backend(int(os.environ["LOCAL_WORLD_SIZE"])), 30)
     try:
         message = on_every_rank(workdir, attempt, restarts)
     finally:
