@@ -35,20 +35,14 @@ import weakref
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from miniddp.buckets import ONE_BUCKET, Bucket, BucketInfo, assign_buckets, bucket_limits
+from miniddp.sync import group_rank0
+from miniddp.unused import output_grad_fns, unreached_parameters, watch_outputs
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _group_rank0(group) -> int:
-    """The global rank of ``group``'s rank 0, as ``dist.broadcast`` wants it."""
-    if group is None or group is dist.group.WORLD:
-        return 0
-    return dist.get_global_rank(group, 0)
 
 
 class Reducer:
@@ -102,7 +96,6 @@ class Reducer:
         # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
         self.buckets, self.locate = [], {}
         self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(assignment)]
-        self.locate = {}
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
                 self.locate[i] = (bucket, slot)
@@ -135,7 +128,7 @@ class Reducer:
         sizes = [len(b) for b in assignment] + [0] * (n - len(assignment))
         flat = torch.tensor([len(assignment)] + sizes + [i for b in assignment for i in b],
                             dtype=torch.int64, device=self.params[0].device)
-        dist.broadcast(flat, src=_group_rank0(self.group), group=self.group)
+        dist.broadcast(flat, src=group_rank0(self.group), group=self.group)
         values = flat.tolist()
         count, sizes, indices = values[0], values[1:n + 1], values[n + 1:]
         result, start = [], 0
@@ -150,10 +143,8 @@ class Reducer:
         """Called at the end of a synced forward: expect hooks; return the outputs to use.
 
         With ``find_unused_parameters``, parameters that no output reaches are found now, and
-        the outputs come back wrapped in an identity autograd function. Its backward runs
-        before any parameter's gradient and schedules :meth:`_sweep_unready` for the end of
-        backward: a parameter reachable only from an output the loss ignored gets no hook,
-        and must not keep its bucket waiting forever.
+        the outputs come back watched, so that :meth:`_sweep_unready` runs at the end of
+        backward (see ``miniddp.unused``).
         """
         self.expect_hooks = True
         self.ready.clear()
@@ -164,16 +155,8 @@ class Reducer:
             bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
         if not self.find_unused:
             return outputs
-        leaves, spec = tree_flatten(outputs)
-        tracked = [k for k, t in enumerate(leaves)
-                   if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-        self.unused = self.unreached_parameters([leaves[k].grad_fn for k in tracked])
-        if not tracked:
-            return outputs
-        watched = _WatchOutputs.apply(self, *(leaves[k] for k in tracked))
-        for k, t in zip(tracked, watched):
-            leaves[k] = t
-        return tree_unflatten(leaves, spec)
+        self.unused = unreached_parameters(self.params, output_grad_fns(outputs))
+        return watch_outputs(outputs, self._sweep_unready)
 
     def _sweep_unready(self) -> None:
         """End of backward (find_unused only): parameters that got no hook are ready now."""
@@ -181,21 +164,6 @@ class Reducer:
             for i in range(len(self.params)):
                 if i not in self.ready:
                     self._mark_ready(i)
-
-    def unreached_parameters(self, grad_fns) -> list[int]:
-        """Indices of parameters that the autograd graphs below ``grad_fns`` do not reach."""
-        stack = [fn for fn in grad_fns if fn is not None]
-        seen, reached = set(stack), set()
-        while stack:
-            node = stack.pop()
-            variable = getattr(node, "variable", None)  # an AccumulateGrad node
-            if variable is not None:
-                reached.add(id(variable))
-            for next_node, _ in node.next_functions:
-                if next_node is not None and next_node not in seen:
-                    seen.add(next_node)
-                    stack.append(next_node)
-        return [i for i, p in enumerate(self.params) if id(p) not in reached]
 
     def _hook(self, index: int, _param: torch.Tensor) -> None:
         # A parameter used in a no_sync step counts as used at the next synced step (as torch).
@@ -329,19 +297,3 @@ def _call_hook(reducer_ref, index: int, param: torch.Tensor) -> None:
     reducer = reducer_ref()
     if reducer is not None:
         reducer._hook(index, param)
-
-
-class _WatchOutputs(torch.autograd.Function):
-    """Identity on forward's outputs; its backward, the first step of backward, schedules the
-    sweep for parameters that only outputs ignored by the loss would have reached."""
-
-    @staticmethod
-    def forward(ctx, reducer, *outputs):
-        ctx.reducer = reducer
-        ctx.set_materialize_grads(False)
-        return tuple(t.clone() for t in outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        torch.autograd.Variable._execution_engine.queue_callback(ctx.reducer._sweep_unready)
-        return (None, *grads)

@@ -33,12 +33,19 @@ def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None
             + ". Build the model the same way on every rank (same sizes, same order).")
 
 
+def group_rank0(group=None) -> int:
+    """The global rank of ``group``'s rank 0, which is what ``dist.broadcast``'s ``src`` means."""
+    if group is None or group is dist.group.WORLD:
+        return 0
+    return dist.get_global_rank(group, 0)
+
+
 def broadcast_from_rank0(tensors: list[torch.Tensor], group=None) -> None:
     """Overwrite ``tensors`` in place with rank 0's values, one broadcast per dtype/device.
 
     Flattening into one buffer per dtype turns hundreds of small broadcasts into a few.
     """
-    src = 0 if group is None or group is dist.group.WORLD else dist.get_global_rank(group, 0)
+    src = group_rank0(group)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)

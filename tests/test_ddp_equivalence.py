@@ -7,6 +7,7 @@ ring sums an element in an order that depends on its offset in the bucket.
 """
 
 import pytest
+import torch.distributed as dist
 from ddp_cases import compare_with_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -85,3 +86,18 @@ def test_property_random_models_match_torch(ranks, world_size, width, depth, cap
                                     optimizer=optimizer, bucket_cap_mb=cap,
                                     gradient_as_bucket_view=as_view)
     check(results)
+
+
+def compare_in_two_subgroups(world_size):
+    """Ranks {0, 1} and {2, 3} train separately; the second group's rank 0 is global rank 2."""
+    half = world_size // 2
+    groups = [dist.new_group(list(range(half))), dist.new_group(list(range(half, world_size)))]
+    result = compare_with_torch(process_group=groups[dist.get_rank() // half],
+                                bucket_cap_mb=0.001, model_name="conv_bn")
+    for group in groups:
+        dist.destroy_process_group(group)
+    return result
+
+
+def test_bit_identical_on_a_subgroup(ranks):
+    check(ranks(4).run(compare_in_two_subgroups, 4), "subgroups")
