@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -17,8 +19,9 @@ import torch.distributed as dist
 
 from miniddp.rank_group import RankError, RankGroup
 
-__all__ = ["RankError", "RankGroup", "default_backend", "join_torchrun_group", "launch",
-           "launched_by_torchrun", "leave_group", "rank_device", "spawn"]
+__all__ = ["CollectiveFailed", "RankError", "RankGroup", "collective", "default_backend",
+           "join_torchrun_group", "launch", "launched_by_torchrun", "leave_group", "rank_device",
+           "spawn"]
 
 
 def launched_by_torchrun() -> bool:
@@ -78,6 +81,48 @@ def leave_group() -> None:
     """
     gc.collect()
     dist.destroy_process_group()
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective did not complete: a rank stopped taking part, or left the group."""
+
+    def __init__(self, message: str, peer_gone: bool):
+        super().__init__(message)
+        self.peer_gone = peer_gone
+
+
+def _is_communication_error(error: BaseException) -> bool:
+    if isinstance(error, getattr(dist, "DistError", ())):
+        return True
+    text = str(error).lower()
+    return any(s in text for s in ("gloo", "nccl", "timed out", "timeout", "connection",
+                                   "broken pipe", "socket"))
+
+
+@contextmanager
+def collective(what: str, timeout: float):
+    """Name the operation when a collective inside fails, and say which way it failed.
+
+    torch's own message says a socket timed out or a peer closed a connection; the user needs
+    to know which step of their job was waiting, for how long, and whether a peer vanished
+    (its own error is the cause) or stopped taking part (hung, deadlocked, far slower).
+    """
+    start = time.monotonic()
+    try:
+        yield
+    except RuntimeError as error:
+        if isinstance(error, CollectiveFailed) or not _is_communication_error(error):
+            raise
+        waited = time.monotonic() - start
+        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        if timed_out:
+            why = (f"timed out after {waited:.1f} s (--timeout {timeout:g}): a rank stopped "
+                   "taking part (hung, deadlocked, or far slower than the others)")
+        else:
+            why = (f"another rank left the group after {waited:.1f} s (it failed or was killed; "
+                   "its own error is the cause)")
+        raise CollectiveFailed(f"rank {dist.get_rank()}: {what} did not complete: {why}.",
+                               peer_gone=not timed_out) from error  # torch's error is chained
 
 
 def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo",

@@ -50,7 +50,6 @@ import os
 import socket
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -61,7 +60,9 @@ from miniddp import checkpoint
 from miniddp.data import make_dataset, make_model
 from miniddp.ddp import DistributedDataParallel
 from miniddp.launch import (
+    CollectiveFailed,
     RankError,
+    collective,
     join_torchrun_group,
     launch,
     launched_by_torchrun,
@@ -74,43 +75,6 @@ from miniddp.sampler import DistributedSampler
 LR = 3e-3
 NOISE = 0.05  # std of the noise each rank adds to its inputs: the job's use of the global RNG
 PEER_GRACE = 3.0  # seconds a rank whose peer vanished waits, so the peer's error is seen first
-
-
-class CollectiveFailed(RuntimeError):
-    """A collective did not complete: a rank stopped taking part, or left the group."""
-
-    def __init__(self, message: str, peer_gone: bool):
-        super().__init__(message)
-        self.peer_gone = peer_gone
-
-
-def _is_communication_error(error: BaseException) -> bool:
-    if isinstance(error, getattr(dist, "DistError", ())):
-        return True
-    text = str(error).lower()
-    return any(s in text for s in ("gloo", "nccl", "timed out", "timeout", "connection",
-                                   "broken pipe", "socket"))
-
-
-@contextmanager
-def collective(what: str, timeout: float):
-    """Name the operation when a collective inside fails, and say which way it failed."""
-    start = time.monotonic()
-    try:
-        yield
-    except RuntimeError as error:
-        if isinstance(error, CollectiveFailed) or not _is_communication_error(error):
-            raise
-        waited = time.monotonic() - start
-        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
-        if timed_out:
-            why = (f"timed out after {waited:.1f} s (--timeout {timeout:g}): a rank stopped "
-                   "taking part (hung, deadlocked, or far slower than the others)")
-        else:
-            why = (f"another rank left the group after {waited:.1f} s (it failed or was killed; "
-                   "its own error is the cause)")
-        raise CollectiveFailed(f"rank {dist.get_rank()}: {what} did not complete: {why}.",
-                               peer_gone=not timed_out) from error  # torch's error is chained
 
 
 def parse_fault(text: str) -> tuple[str, int, int]:
