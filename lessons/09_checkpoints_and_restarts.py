@@ -28,7 +28,7 @@ weights are bit-identical to those of a run that was never interrupted.
   one dies (N times at most); each starts again from the top of the script and finds the
   snapshot. On gloo there is a trap: the restarted workers meet in the agent's store, which
   outlives the restart, and can read the dead workers' keys, then hang or fail (pytorch issue
-  135712; 5 runs in 10 here). The cure used here is ``miniddp.train.join_torchrun_group``: a
+  135712; 5 runs in 10 here). The cure used here is ``miniddp.launch.join_torchrun_group``: a
   ``PrefixStore`` named after ``TORCHELASTIC_RESTART_COUNT``, a fresh namespace per attempt.
   Setting ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun cures it too.
 
@@ -80,9 +80,8 @@ if IS_WORKER:  # run plainly, the file only starts torchrun and never needs torc
 
     from miniddp import DistributedDataParallel, DistributedSampler, checkpoint
     from miniddp.data import make_dataset, make_model
-    from miniddp.launch import default_backend, rank_device
+    from miniddp.launch import join_torchrun_group, leave_group, rank_device
     from miniddp.report import check, mean_over_ranks, ok, print0
-    from miniddp.train import join_torchrun_group
 
 EPOCHS, DATASET_SIZE, BATCH_SIZE = 4, 1024, 32  # 16 steps an epoch on 2 ranks, 64 in all
 LR, NOISE = 0.2, 0.05
@@ -342,11 +341,11 @@ def worker(workdir: Path | None, backend: str | None):
         for name in FILES:
             (workdir / name).unlink(missing_ok=True)
         writers_killed_halfway(workdir)
-    join_torchrun_group(backend or default_backend(int(os.environ["LOCAL_WORLD_SIZE"])), 30)
+    join_torchrun_group(backend, pg_timeout=30)  # None: NCCL if each local rank has a GPU
     try:
         message = on_every_rank(workdir, attempt, restarts)
     finally:
-        dist.destroy_process_group()
+        leave_group()
     if temporary and os.environ["RANK"] == "0":
         shutil.rmtree(workdir, ignore_errors=True)
     ok(message)
