@@ -8,7 +8,7 @@ bucket is full.
 To give the same bits as torch's DDP, the buckets must be torch's buckets exactly: for world
 size 3 and up, gloo's ring sums an element in an order that depends on where the element sits
 in the flat buffer and how long the buffer is. So :func:`assign_buckets` reproduces the rules of
-torch's ``_compute_bucket_assignment_by_size`` (see ``shared/notes/ddp-internals.md``):
+torch's ``_compute_bucket_assignment_by_size`` (in ``torch/csrc/distributed/c10d/reducer.cpp``):
 
 * parameters are grouped by (dtype, device), each group filling its own open bucket;
 * a bucket closes when its size in bytes becomes >= the current limit (the parameter that
