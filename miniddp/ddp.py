@@ -80,6 +80,13 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel got a module with no parameter that requires grad: "
                 "there is nothing to synchronize. Train it without DDP, or unfreeze a "
                 "parameter.")
+        sparse = [name for name, m in module.named_modules()
+                  if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                  and m.weight.requires_grad]
+        if sparse:
+            raise ValueError(
+                f"miniddp does not reduce sparse gradients, and {', '.join(sparse)} "
+                "produce them: build those embeddings with sparse=False.")
         devices = {p.device for _, p in all_params}
         self.device = trainable[0][1].device
         self.device_ids, self.output_device = self._check_devices(device_ids, output_device,
@@ -98,6 +105,10 @@ class DistributedDataParallel(nn.Module):
 
     @staticmethod
     def _check_devices(device_ids, output_device, devices):
+        if len({d.type for d in devices}) > 1:
+            raise ValueError(
+                "DistributedDataParallel needs a module whose parameters are all on one kind "
+                f"of device, got {sorted(map(str, devices))}: move the module with .to(device).")
         on_gpu = all(d.type == "cuda" for d in devices)
         if device_ids is None or len(device_ids) == 0:
             return None, None

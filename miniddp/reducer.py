@@ -5,11 +5,15 @@ The life of one synchronized step:
 1. ``prepare_for_backward`` (end of forward): expect one hook per parameter; with
    ``find_unused_parameters`` walk the autograd graph to find parameters the output does not
    depend on.
-2. A post-accumulate-grad hook fires for each parameter once its ``.grad`` is final for this
-   backward. It copies ``grad * (1 / world_size)`` into the parameter's slot of its bucket
-   (multiplying by the reciprocal before a SUM is exactly what torch does, and what makes the
-   bits match). When a bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts —
-   buckets strictly in order, so every rank issues the same collectives in the same order.
+2. A hook fires for each parameter once its gradient has been accumulated into ``.grad``. It
+   is a post-hook on the parameter's AccumulateGrad node, as in torch's reducer, rather than
+   ``Tensor.register_post_accumulate_grad_hook``: it runs after any such hook of the user's (so
+   it reduces the gradient those hooks leave), and it also fires when the gradient that arrives
+   is undefined (how parameters behind outputs the loss ignored are found). It copies
+   ``grad * (1 / world_size)`` into the parameter's slot of its bucket (multiplying by the
+   reciprocal before a SUM is exactly what torch does, and what makes the bits match). When a
+   bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets strictly in
+   order, so every rank issues the same collectives in the same order.
 3. When every parameter is ready, a callback is queued on the autograd engine. It runs after
    the last gradient is computed, waits for every bucket, and writes the averages back into
    ``.grad``. So when ``loss.backward()`` returns, gradients are synchronized.
@@ -30,6 +34,7 @@ after backward" baselines share this code instead of copying it.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 import weakref
 
@@ -53,8 +58,7 @@ class Reducer:
                  gradient_as_bucket_view: bool = False, overlap: bool = True):
         self.params, self.names = params, names
         self.group = process_group
-        # Buckets are launched through the process group's own method: dist.all_reduce's
-        # argument checks cost ~3 us a call, paid once per bucket per step.
+        # Launch through the group's own allreduce: dist.all_reduce's checks cost ~3 us a call.
         self._process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(process_group)
         self.first_bucket_bytes, self.bucket_bytes = bucket_limits(bucket_cap_mb)
@@ -73,11 +77,14 @@ class Reducer:
         self.has_rebuilt = False
         self.allreduce_calls = 0  # launched since the last forward (reset by the DDP wrapper)
         self.timeline: list[tuple] | None = None  # set to [] to record (event, id, time) tuples
-        # The hooks hold the reducer weakly, so a dropped DDP wrapper leaves no live hook behind
-        # on a module that is trained on (or wrapped again) afterwards.
+        self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
+        # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
+        # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
+        # weakly, so a dropped DDP wrapper leaves no live hook on a module used afterwards.
+        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
         me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_call_hook, me, i))
-                       for i, p in enumerate(params)]
+        self._hooks = [node.register_hook(functools.partial(_call_hook, me, i))
+                       for i, node in enumerate(self._accumulators)]
         self._init_buckets(self.initial_assignment())
 
     # ----- bucket layout -----
@@ -143,8 +150,8 @@ class Reducer:
         """Called at the end of a synced forward: expect hooks; return the outputs to use.
 
         With ``find_unused_parameters``, parameters that no output reaches are found now, and
-        the outputs come back watched, so that :meth:`_sweep_unready` runs at the end of
-        backward (see ``miniddp.unused``).
+        the outputs come back watched, so that outputs the loss ignores still lead backward to
+        their parameters' hooks (see ``miniddp.unused``).
         """
         self.expect_hooks = True
         self.ready.clear()
@@ -156,29 +163,23 @@ class Reducer:
         if not self.find_unused:
             return outputs
         self.unused = unreached_parameters(self.params, output_grad_fns(outputs))
-        return watch_outputs(outputs, self._sweep_unready)
+        return watch_outputs(outputs)
 
-    def _sweep_unready(self) -> None:
-        """End of backward (find_unused only): parameters that got no hook are ready now."""
-        if self.expect_hooks:
-            for i in range(len(self.params)):
-                if i not in self.ready:
-                    self._mark_ready(i)
-
-    def _hook(self, index: int, _param: torch.Tensor) -> None:
-        # A parameter used in a no_sync step counts as used at the next synced step (as torch).
-        if self.find_unused:
-            self.locally_used[index] = 1
-        if not self.expect_hooks:
-            return  # inside no_sync: gradients just accumulate
-        self._record("ready", index)
-        if not self.marked_unused:
-            self.marked_unused = True
-            for unused in self.unused:
-                self._mark_ready(unused)
-        if self.should_rebuild:
-            self.ready_order.append(index)
-        self._mark_ready(index)
+    def _hook(self, index: int) -> None:
+        with self._lock:
+            # Used = has a gradient; one from a no_sync step counts too, as in torch.
+            if self.find_unused and self.params[index].grad is not None:
+                self.locally_used[index] = 1
+            if not self.expect_hooks:
+                return  # inside no_sync: gradients just accumulate
+            self._record("ready", index)
+            if not self.marked_unused:
+                self.marked_unused = True
+                for unused in self.unused:
+                    self._mark_ready(unused)
+            if self.should_rebuild:
+                self.ready_order.append(index)
+            self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
         if index in self.ready:
@@ -264,8 +265,8 @@ class Reducer:
         """Raise, naming the parameters, if the last synced backward never completed."""
         if not self.require_finalize:
             return
-        for bucket in self.buckets[:self.next_bucket]:
-            bucket.work.wait()  # leave no collective half-done behind the error
+        # Raise at once, as torch does: waiting for the launched buckets could hang, since a
+        # rank missing a different parameter never launched some of them.
         missing = [self.names[i] for i in range(len(self.params)) if i not in self.ready]
         if self.find_unused:
             advice = ("find_unused_parameters=True is set, so probably not every output of "
@@ -293,7 +294,7 @@ class Reducer:
         self.remove_hooks()
 
 
-def _call_hook(reducer_ref, index: int, param: torch.Tensor) -> None:
+def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
     reducer = reducer_ref()
     if reducer is not None:
-        reducer._hook(index, param)
+        reducer._hook(index)

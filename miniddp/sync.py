@@ -4,33 +4,39 @@ Data parallelism only works if every rank holds the same parameters. Checking sh
 matters: broadcasting tensors of different sizes does not fail cleanly in every backend, it
 can hang or corrupt memory. So shapes are gathered from every rank, and every rank raises the
 same error (naming the parameter, its shape on each rank, and the ranks) before any broadcast.
+Strides are compared too: a bucket view copies its parameter's memory layout, so a
+``channels_last`` parameter on one rank only would have the ranks sum mismatched elements.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 
 
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
-    """Raise on every rank if any rank's parameter names or shapes differ from the others'."""
-    mine = [(name, tuple(t.shape)) for name, t in named_tensors]
+    """Raise on every rank if any rank's parameter names, shapes or strides differ."""
+    mine = [(name, tuple(t.shape), tuple(t.stride())) for name, t in named_tensors]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     problems = []
     if len({len(shapes) for shapes in everyone}) > 1:
         counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(everyone))
         problems.append(f"the number of parameters differs across ranks ({counts})")
-    for k, (name, _) in enumerate(everyone[0]):
+    for k, (name, _, _) in enumerate(everyone[0]):
         seen = {r: shapes[k] for r, shapes in enumerate(everyone) if k < len(shapes)}
-        if len({entry for entry in seen.values()}) > 1:
-            detail = "; ".join(f"rank {r}: {n} {list(s)}" for r, (n, s) in seen.items())
+        if len(set(seen.values())) > 1:
+            detail = "; ".join(f"rank {r}: {n} {list(shape)} strides {list(stride)}"
+                               for r, (n, shape, stride) in seen.items())
             problems.append(f"parameter {name!r} differs across ranks ({detail})")
     if problems:
         raise ValueError(
             "DistributedDataParallel needs the same model on every rank, but "
             + "; and ".join(problems[:5])
-            + ". Build the model the same way on every rank (same sizes, same order).")
+            + ". Build the model the same way on every rank (same sizes, same order, same "
+            "memory format).")
 
 
 def group_rank0(group=None) -> int:
@@ -43,13 +49,19 @@ def group_rank0(group=None) -> int:
 def broadcast_from_rank0(tensors: list[torch.Tensor], group=None) -> None:
     """Overwrite ``tensors`` in place with rank 0's values, one broadcast per dtype/device.
 
-    Flattening into one buffer per dtype turns hundreds of small broadcasts into a few.
+    Flattening into one buffer per dtype turns hundreds of small broadcasts into a few. The
+    copies keep the tensors' autograd version counters: a buffer saved for backward by an
+    earlier forward (BatchNorm in eval mode, say) must not look modified to that backward.
     """
     src = group_rank0(group)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    with torch.no_grad():
+    preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
+    with torch.no_grad(), contextlib.ExitStack() as versions:
+        if preserve is not None:  # one tensor each: older torch takes no tuple
+            for t in tensors:
+                versions.enter_context(preserve(t))
         for same_kind in by_kind.values():
             flat = torch.cat([t.reshape(-1) for t in same_kind])
             dist.broadcast(flat, src=src, group=group)

@@ -1,19 +1,19 @@
 """Finding parameters that take no part in this step's loss (``find_unused_parameters``).
 
-A parameter the loss does not depend on gets no gradient, so its hook never fires and its
-bucket would wait forever. Two cases, as in torch's DDP:
+A parameter the loss does not depend on gets no gradient, so without help its hook never fires
+and its bucket waits forever. Two cases, handled as torch's DDP handles them:
 
 * no output of forward reaches it: found at the end of forward by walking the autograd graph
-  from the outputs (:func:`unreached_parameters`), and marked ready at the first hook;
-* only outputs that the loss ignores reach it: nobody can know that before backward. The outputs
-  are returned wrapped in an identity autograd function (:func:`watch_outputs`) whose backward,
-  the first step of every backward through them, schedules a sweep for the end of backward that
-  marks whatever is still not ready (torch's ``DDPSink`` plays this part).
+  from the outputs (:func:`unreached_parameters`); the reducer marks it ready at the first hook;
+* it is reached only through outputs that the loss ignores. Forward cannot know that. So the
+  outputs are returned through one identity autograd function (:func:`watch_outputs`, torch's
+  ``DDPSink``): backward from any used output passes through it, and it hands an *undefined*
+  gradient to each ignored output. Backward then still walks those outputs' graphs, with
+  nothing to compute, and each parameter's AccumulateGrad node runs and fires the reducer's
+  hook with no gradient: ready, contributing zeros, not counted as used.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -35,35 +35,46 @@ def unreached_parameters(params: list[torch.Tensor], grad_fns) -> list[int]:
     return [i for i, p in enumerate(params) if id(p) not in reached]
 
 
-def output_grad_fns(outputs) -> list:
-    """The autograd nodes of every tensor in a (nested) forward output."""
-    leaves, _ = tree_flatten(outputs)
-    return [t.grad_fn for t in leaves if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+def output_grad_fns(obj) -> list:
+    """The autograd nodes of every tensor in a forward output: tensors inside lists, tuples,
+    dicts and dataclasses, subclasses included (what torch's DDP searches)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj.grad_fn] if obj.grad_fn is not None else []
+    if isinstance(obj, dict):
+        obj = list(obj.values())
+    elif hasattr(obj, "__dataclass_fields__"):
+        obj = [getattr(obj, name) for name in obj.__dataclass_fields__]
+    if isinstance(obj, (list, tuple)):
+        return [fn for item in obj for fn in output_grad_fns(item)]
+    return []
 
 
-def watch_outputs(outputs, at_end_of_backward: Callable[[], None]):
-    """``outputs`` with every tensor that has a grad_fn passed through :class:`_WatchOutputs`."""
+def watch_outputs(outputs):
+    """``outputs`` with every tensor that has a grad_fn passed through :class:`_WatchOutputs`.
+
+    The structure is taken apart with torch's pytree (as torch's DDP does): tensors inside
+    containers it does not know, such as dataclasses, are left as they are.
+    """
     leaves, spec = tree_flatten(outputs)
     tracked = [k for k, t in enumerate(leaves)
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not tracked:
         return outputs
-    watched = _WatchOutputs.apply(at_end_of_backward, *(leaves[k] for k in tracked))
+    watched = _WatchOutputs.apply(*(leaves[k] for k in tracked))
     for k, t in zip(tracked, watched):
         leaves[k] = t
     return tree_unflatten(leaves, spec)
 
 
 class _WatchOutputs(torch.autograd.Function):
-    """Identity on forward's outputs; its backward queues ``at_end_of_backward``."""
+    """Identity on forward's outputs; in backward, an ignored output's gradient stays undefined
+    (not materialized as zeros) on its way to the parameters behind it."""
 
     @staticmethod
-    def forward(ctx, at_end_of_backward, *outputs):
-        ctx.at_end_of_backward = at_end_of_backward
+    def forward(ctx, *outputs):
         ctx.set_materialize_grads(False)
         return tuple(t.clone() for t in outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        torch.autograd.Variable._execution_engine.queue_callback(ctx.at_end_of_backward)
-        return (None, *grads)
+        return grads

@@ -8,7 +8,9 @@ bit-identical (``torch.equal``) after every backward and every optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -88,6 +90,20 @@ class TwoHeads(nn.Module):
         return {"a": self.head_a(h), "b": self.head_b(h)}
 
 
+@dataclass
+class Heads:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class DataclassOut(TwoHeads):
+    """TwoHeads returning a dataclass, which torch's pytree cannot take apart."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        return Heads(out["a"], out["b"])
+
+
 class Big(nn.Sequential):
     """About 4 MiB of fp32 parameters: the default 1 MiB first bucket and the rebuild matter."""
 
@@ -98,7 +114,7 @@ class Big(nn.Sequential):
 
 
 MODELS = {"mlp": MLP, "conv_bn": ConvBN, "tied_frozen": TiedFrozen, "branchy": Branchy,
-          "two_heads": TwoHeads, "big": Big}
+          "two_heads": TwoHeads, "dataclass_out": DataclassOut, "big": Big}
 
 
 def batch(model_name: str, step: int, micro: int, rank: int):
@@ -111,9 +127,12 @@ def batch(model_name: str, step: int, micro: int, rank: int):
         return (torch.randn(6, 3, 4, 4, generator=g),), {}, torch.randn(6, 4, generator=g)
     x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
     if model_name == "branchy":
-        return (x,), {"use_branch": (rank + step) % 3 == 0}, y
+        # also per micro-batch: a parameter used only in a no_sync micro-batch counts as used
+        return (x,), {"use_branch": (rank + step + micro) % 3 == 0}, y
     if model_name == "two_heads":
         return (x,), {}, (y, (rank + step) % 2 == 0)
+    if model_name == "dataclass_out":
+        return (x,), {}, y
     return (x,), {}, y
 
 
@@ -128,6 +147,8 @@ def to_device(obj, device):
 
 
 def loss_of(model_name: str, out, y):
+    if model_name == "dataclass_out":
+        return F.mse_loss(out.a, y) + F.mse_loss(out.b, y)
     if model_name == "two_heads":
         y, use_b = y
         return F.mse_loss(out["a"], y) + (F.mse_loss(out["b"], y) if use_b else 0)
@@ -152,9 +173,13 @@ def _diff(tag, step, name, a, b, problems):
 
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
-                       **ddp_kwargs) -> dict:
+                       penalty=False, user_hook=False, **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
+    Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
+    after every one (so a rebuild at the wrong forward is caught). ``penalty`` adds a gradient
+    penalty (``torch.autograd.grad`` with ``create_graph`` through the outputs, as WGAN-GP does);
+    ``user_hook`` registers, after wrapping, a post-accumulate-grad hook halving every gradient.
     ``sabotage`` breaks miniddp on purpose (negative controls, proving the check can fail):
     ``"divide"`` scales gradients by ``/ world_size`` instead of ``* (1 / world_size)``;
     ``"layout"`` gives miniddp a different bucket cap from torch's.
@@ -172,31 +197,49 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
             view.copy_(param.grad / dist.get_world_size())
         ours.reducer._copy_into_bucket = divide_instead
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
-    opt_ours = make_optimizer(optimizer, ours.parameters())
-    opt_theirs = make_optimizer(optimizer, theirs.parameters())
+    both = [(ours, make_optimizer(optimizer, ours.parameters())),
+            (theirs, make_optimizer(optimizer, theirs.parameters()))]
+    if user_hook:
+        for ddp, _ in both:
+            for p in ddp.parameters():
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(halve_grad)
     problems, layouts = [], []
     state = lambda m: list(m.module.named_parameters()) + list(m.module.named_buffers())
     for name, a in state(ours):
         _diff("initial", -1, name, a, dict(state(theirs))[name], problems)
     for step in range(steps):
-        for ddp, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+        for _, opt in both:
             opt.zero_grad(set_to_none=set_to_none)
-            for micro in range(micro_batches):
-                args, kwargs, y = to_device(batch(model_name, step, micro, rank), device)
-                if micro < micro_batches - 1:
-                    with ddp.no_sync():
-                        loss_of(model_name, ddp(*args, **kwargs), y).backward()
-                else:
-                    loss_of(model_name, ddp(*args, **kwargs), y).backward()
+        for micro in range(micro_batches):
+            args, kwargs, y = to_device(batch(model_name, step, micro, rank), device)
+            for ddp, _ in both:
+                sync = micro == micro_batches - 1
+                with contextlib.nullcontext() if sync else ddp.no_sync():
+                    if penalty:
+                        x = args[0].clone().requires_grad_(True)
+                        out = ddp(x, *args[1:], **kwargs)
+                        slope, = torch.autograd.grad(out.sum(), x, create_graph=True)
+                        loss = loss_of(model_name, out, y) + 0.1 * slope.pow(2).sum()
+                    else:
+                        loss = loss_of(model_name, ddp(*args, **kwargs), y)
+                    loss.backward()
+            ours_now = [info.param_indices for info in ours.buckets]
+            if ours_now != torch_bucket_layout(theirs):
+                problems.append(f"step {step} micro {micro}: bucket layout differs from torch's")
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
             _diff("grad", step, name, a.grad, b.grad, problems)
-        opt_ours.step()
-        opt_theirs.step()
+        for _, opt in both:
+            opt.step()
         for (name, a), (_, b) in zip(state(ours), state(theirs)):
             _diff("param", step, name, a, b, problems)
         layouts.append([info.param_indices for info in ours.buckets])
     return {"problems": problems[:10], "layouts": layouts,
             "torch_layout": torch_bucket_layout(theirs)}
+
+
+def halve_grad(param) -> None:
+    param.grad.mul_(0.5)
 
 
 def torch_bucket_layout(theirs) -> list[list[int]]:

@@ -1,5 +1,8 @@
 """What miniddp's DDP promises besides equal bits: overlap, no_sync, buffers, names, errors."""
 
+import copy
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -8,6 +11,7 @@ from ddp_cases import MLP, Branchy, TiedFrozen
 from torch import nn
 
 import miniddp
+from miniddp.launch import spawn
 from miniddp.naive import AllReduceBucketsAfterBackward
 
 
@@ -98,30 +102,55 @@ def test_no_sync_is_decided_at_forward_time(ranks):
 
 
 def buffer_sync():
+    """Rank-dependent inputs make the ranks' running stats differ; inputs equal on every rank
+    (zeros) then update them equally, so equality afterwards shows whether a broadcast ran."""
     torch.manual_seed(dist.get_rank())
     ddp = miniddp.DistributedDataParallel(nn.Sequential(nn.Linear(16, 4), nn.BatchNorm1d(4)))
-    bn = ddp.module[1]
-    report = {"after_construction": gathered(bn.running_mean.clone())}
+    stats = lambda: gathered(ddp.module[1].running_mean.clone())
     x, _ = data()
+    zeros = torch.zeros_like(x)
+    report = {"after_construction": stats()}
     with ddp.no_sync():
-        ddp(x).sum().backward()  # each rank updates its own running stats
-    report["after_no_sync"] = gathered(bn.running_mean.clone())
-    ddp(x).sum().backward()  # not broadcast before this forward: the last one was no_sync
-    report["after_next"] = gathered(bn.running_mean.clone())
-    # broadcast from rank 0 first; an input equal on every rank then updates equally
-    ddp(torch.zeros_like(x)).sum().backward()
-    report["after_third"] = gathered(bn.running_mean.clone())
+        ddp(x).sum().backward()
+    ddp(zeros).sum().backward()  # right after a no_sync forward: no broadcast
+    report["after_no_sync"] = stats()
+    ddp(zeros).sum().backward()  # the previous forward was synced: broadcast first
+    report["after_synced"] = stats()
+    with torch.no_grad():
+        ddp(x)  # updates each rank's stats its own way
+    ddp(zeros).sum().backward()  # right after a no_grad forward: no broadcast
+    report["after_no_grad"] = stats()
+    ddp(zeros).sum().backward()
+    report["after_synced_again"] = stats()
     return report
 
 
-def test_buffers_follow_rank0_except_right_after_no_sync(ranks):
+def test_buffers_follow_rank0_except_right_after_no_sync_or_no_grad(ranks):
     r = ranks(2).run(buffer_sync)[0]
     same = lambda ts: all(torch.equal(t, ts[0]) for t in ts)
     assert same(r["after_construction"])
-    assert not same(r["after_no_sync"]) and not same(r["after_next"])
-    assert same(r["after_third"])
+    assert not same(r["after_no_sync"]), "broadcast right after a no_sync forward"
+    assert same(r["after_synced"]), "no broadcast before a forward that follows a synced one"
+    assert not same(r["after_no_grad"]), "broadcast right after a no_grad forward"
+    assert same(r["after_synced_again"])
 
 
+def two_forwards_one_backward():
+    """A siamese loss through a model whose eval-mode BatchNorm saves its buffers for backward:
+    the buffer broadcast before the second forward must not break the first one's backward."""
+    torch.manual_seed(dist.get_rank())
+    module = nn.Sequential(nn.Linear(16, 8), nn.BatchNorm1d(8), nn.Linear(8, 4)).eval()
+    grads = []
+    for ddp in (miniddp.DistributedDataParallel(copy.deepcopy(module)),
+                nn.parallel.DistributedDataParallel(copy.deepcopy(module))):
+        x1, x2 = data(0)[0], data(1)[0]
+        (ddp(x1) - ddp(x2)).pow(2).mean().backward()
+        grads.append([p.grad for p in ddp.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_two_forwards_then_one_backward_with_saved_buffers(ranks):
+    assert all(ranks(2).run(two_forwards_one_backward))
 def names_and_buckets():
     torch.manual_seed(0)
     model = TiedFrozen()
@@ -193,6 +222,79 @@ def test_unused_parameters_without_the_flag_raise_at_next_forward(ranks):
         assert "trunk.weight" not in message
 
 
+def stride_mismatch():
+    conv = nn.Conv2d(3, 4, 3)
+    if dist.get_rank() == 1:
+        conv = conv.to(memory_format=torch.channels_last)
+    try:
+        miniddp.DistributedDataParallel(conv)
+    except ValueError as e:
+        return str(e)
+
+
+def test_parameter_strides_must_match_across_ranks(ranks):
+    for message in ranks(2).run(stride_mismatch, timeout=30):
+        assert message and "'weight' differs across ranks" in message
+        assert "strides [27, 9, 3, 1]" in message and "strides [27, 1, 9, 3]" in message
+
+
+def different_parameters_unused():
+    """After a step using both branches (buckets rebuilt, one per tensor), rank 0 uses only
+    branch a and rank 1 only branch b: one of them launched buckets the other never will."""
+    torch.manual_seed(0)
+
+    class Pick(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+
+        def forward(self, x, branches):
+            return sum(self.layers[name](x) for name in branches)
+
+    ddp = miniddp.DistributedDataParallel(Pick(), bucket_cap_mb=0.00001)
+    ddp(torch.randn(2, 4), "ab").sum().backward()
+    ddp(torch.randn(2, 4), "a" if dist.get_rank() == 0 else "b").sum().backward()
+    start = time.monotonic()
+    try:
+        ddp(torch.randn(2, 4), "ab")
+    except RuntimeError as e:
+        return str(e), time.monotonic() - start
+    return None, 0.0
+
+
+def test_unfinished_reduction_raises_at_once_on_every_rank():
+    # Its own ranks: the half-launched collectives leave this process group unusable after.
+    results = spawn(different_parameters_unused, 2, timeout=30, pg_timeout=20)
+    assert "layers.b.weight" in results[0][0] and "layers.a.weight" in results[1][0]
+    assert all(seconds < 5 for _, seconds in results), "must not wait for the other rank"
+
+
+def sparse_embedding():
+    try:
+        miniddp.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 3, sparse=True)))
+    except ValueError as e:
+        return str(e)
+
+
+def test_sparse_gradients_are_rejected_clearly(ranks):
+    for message in ranks(2).run(sparse_embedding):
+        assert message and "sparse=False" in message and "0" in message
+
+
+def mixed_devices():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    model[1].to("meta")
+    try:
+        miniddp.DistributedDataParallel(model)
+    except ValueError as e:
+        return str(e)
+
+
+def test_parameters_on_mixed_device_types_are_rejected(ranks):
+    for message in ranks(2).run(mixed_devices):
+        assert message and "one kind of device" in message and "meta" in message
+
+
 def frozen_module():
     model = nn.Linear(3, 3).requires_grad_(False)
     try:
@@ -225,7 +327,7 @@ def test_without_a_process_group_the_error_says_what_to_do():
         miniddp.DistributedDataParallel(nn.Linear(3, 3))
 
 
-def rewrap_after_drop():
+def hooks_after_drop_and_removal():
     import gc
     import weakref
     torch.manual_seed(0)
@@ -238,12 +340,18 @@ def rewrap_after_drop():
     gc.collect()
     model.zero_grad()
     second = miniddp.DistributedDataParallel(model)
-    F.mse_loss(second(x), y).backward()
-    hooks = getattr(model[0].weight, "_post_accumulate_grad_hooks", None) or {}
-    return old_reducer() is None, len(hooks), second.allreduce_calls
+    calls = []
+    second.reducer._hook = lambda index: calls.append(index)  # count what reaches it
+    with second.no_sync():
+        F.mse_loss(second(x), y).backward()
+    fired = len(calls)
+    second.reducer.remove_hooks()
+    with second.no_sync():
+        F.mse_loss(second(x), y).backward()
+    return old_reducer() is None, fired, len(calls)
 
 
-def test_a_dropped_wrapper_leaves_no_hooks_behind(ranks):
-    for collected, hooks_on_weight, calls in ranks(2).run(rewrap_after_drop):
+def test_a_dropped_wrapper_is_collected_and_removed_hooks_stay_removed(ranks):
+    for collected, fired, after_removal in ranks(2).run(hooks_after_drop_and_removal):
         assert collected, "the dropped wrapper's reducer must be garbage collected"
-        assert hooks_on_weight == 1 and calls == 1
+        assert fired == 6 and after_removal == 6
