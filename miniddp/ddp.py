@@ -110,18 +110,22 @@ class DistributedDataParallel(nn.Module):
                 "DistributedDataParallel needs a module whose parameters are all on one kind "
                 f"of device, got {sorted(map(str, devices))}: move the module with .to(device).")
         on_gpu = all(d.type == "cuda" for d in devices)
-        if device_ids is None or len(device_ids) == 0:
+        if not device_ids:
+            if output_device is not None:
+                raise ValueError("output_device only works together with device_ids, for a "
+                                 f"module on one GPU; got output_device={output_device}.")
             return None, None
         if not on_gpu or len(devices) > 1 or len(device_ids) != 1:
             raise ValueError(
                 "device_ids must be None for CPU or multi-device modules and a single GPU "
                 f"for a module on one GPU; got device_ids={device_ids} for a module on "
                 f"{sorted(map(str, devices))}.")
-        def as_device(d):
-            return torch.device("cuda", d) if isinstance(d, int) else torch.device(d)
 
-        ids = [as_device(d) for d in device_ids]
-        return ids, ids[0] if output_device is None else as_device(output_device)
+        def index(d):  # torch keeps GPU indices: 0, "cuda:0" and torch.device("cuda", 0) alike
+            return d if isinstance(d, int) else torch.device(d).index
+
+        return [index(device_ids[0])], index(device_ids[0] if output_device is None
+                                             else output_device)
 
     @property
     def buckets(self) -> list[BucketInfo]:
@@ -159,8 +163,8 @@ class DistributedDataParallel(nn.Module):
             if buffers:
                 broadcast_from_rank0(buffers, self.process_group)
         if self.device_ids:
-            inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs,
-                                                                            self.device_ids[0])
+            device = torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         output = self.module(*inputs, **kwargs)
         sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = sync

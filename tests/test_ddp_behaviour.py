@@ -355,3 +355,18 @@ def test_a_dropped_wrapper_is_collected_and_removed_hooks_stay_removed(ranks):
     for collected, fired, after_removal in ranks(2).run(hooks_after_drop_and_removal):
         assert collected, "the dropped wrapper's reducer must be garbage collected"
         assert fired == 6 and after_removal == 6
+
+
+def test_device_arguments_follow_torch():
+    """torch's rules, checked without a GPU: ids kept as GPU indices, CPU modules take none."""
+    check = miniddp.DistributedDataParallel._check_devices
+    cpu, gpu = {torch.device("cpu")}, {torch.device("cuda", 1)}
+    assert check(None, None, cpu) == (None, None)
+    assert check([1], None, gpu) == ([1], 1)
+    assert check(["cuda:1"], torch.device("cuda", 1), gpu) == ([1], 1)
+    with pytest.raises(ValueError, match="device_ids must be None for CPU"):
+        check([0], None, cpu)
+    with pytest.raises(ValueError, match="output_device only works together with device_ids"):
+        check(None, 0, cpu)
+    with pytest.raises(ValueError, match="one kind of device"):
+        check(None, None, cpu | gpu)
