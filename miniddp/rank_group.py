@@ -79,11 +79,11 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
             _send(conn, ("error", traceback.format_exc()))
             os._exit(1)
         while True:
-            task = pickle.loads(conn.recv_bytes())
-            if task is None:
-                break
-            fn, args, kwargs = task
             try:
+                task = pickle.loads(conn.recv_bytes())  # a function defined after the fork
+                if task is None:                         # fails here: report it too
+                    break
+                fn, args, kwargs = task
                 _send(conn, ("ok", fn(*args, **kwargs)))
             except BaseException:
                 _send(conn, ("error", traceback.format_exc()))
@@ -135,12 +135,15 @@ class RankGroup:
 
         ``timeout`` (seconds, or ``None`` for no limit) bounds the whole call.
         """
-        if not self.alive:
+        if not self._procs:
             raise RuntimeError("this RankGroup is closed (a rank failed earlier); start a new one")
-        task = pickle.dumps((fn, args, kwargs))
-        for conn in self._conns:
-            conn.send_bytes(task)
         try:
+            if not self.alive:  # a rank died before this call, e.g. joining the group: say why
+                self._collect(self.GRACE_S)
+                raise RuntimeError("a rank of this RankGroup exited before the call")
+            task = pickle.dumps((fn, args, kwargs))
+            for conn in self._conns:
+                conn.send_bytes(task)
             return self._collect(math.inf if timeout is None else timeout)
         except BaseException:
             self.close(kill=True)
@@ -162,8 +165,8 @@ class RankGroup:
                 if failures:
                     break
                 raise RankError(pending[0], self.world_size,
-                                f"did not finish within {timeout:.0f} s",
-                                self._stacks(pending))
+                                f"did not finish within {timeout:.0f} s (still running: ranks "
+                                f"{pending})", self._stacks(pending))
             for obj in ready:
                 rank = by_conn.get(obj, by_sentinel.get(obj))
                 if rank in results or rank in failures:
@@ -181,6 +184,14 @@ class RankGroup:
             if failures:  # give the other ranks a moment to report, then blame the likeliest
                 deadline = min(deadline, time.monotonic() + self.GRACE_S)
         if failures:
+            silent = [r for r in range(self.world_size) if r not in results and r not in failures]
+            if silent and all(_peer_failure(details) for _, details in failures.values()):
+                # The others gave up waiting for ranks that are still busy: blame those.
+                waited = "\n".join(f"rank {r} {what}: {details.strip().splitlines()[-1]}"
+                                    for r, (what, details) in sorted(failures.items()))
+                raise RankError(silent[0], self.world_size,
+                                "stopped taking part (the others' collectives failed waiting)",
+                                f"{self._stacks(silent)}\n{waited}")
             raise _root_cause(failures, self.world_size)
         return [results[r] for r in range(self.world_size)]
 
@@ -223,17 +234,21 @@ class RankGroup:
         self.close(kill=exc[0] is not None)
 
 
-# Errors that a rank raises because a *peer* failed, not because of its own code.
+# Errors that a rank raises because a *peer* failed or stalled, not because of its own code.
 _PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
-                 "NCCL communicator was aborted", "Socket Timeout")
+                 "NCCL communicator was aborted", "Socket Timeout", "Timed out waiting",
+                 "Application timeout caused pair closure", "timed out")
+
+
+def _peer_failure(details: str) -> bool:
+    return any(marker in details for marker in _PEER_FAILURE)
 
 
 def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankError:
     """The failure most likely to be the cause: a death, then an error of the rank's own."""
     def rank_key(rank):
         what, details = failures[rank]
-        own = not any(marker in details for marker in _PEER_FAILURE)
-        return (what != "died without reporting", not own, rank)
+        return (what != "died without reporting", _peer_failure(details), rank)
 
     culprit = min(failures, key=rank_key)
     what, details = failures[culprit]

@@ -72,7 +72,9 @@ def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(
         run_job([*JOB, "--fault", "hang:1:3", "--timeout", "3", "--pid-dir", str(tmp_path)])
     took = time.monotonic() - start
     message = str(info.value)
-    assert info.value.rank == 0, message  # rank 1 is asleep: rank 0 reports the wait
+    # rank 1 is asleep: it is blamed, with its stack, and rank 0's wait is named too
+    assert info.value.rank == 1 and "rank 1 of 2 stopped taking part" in message, message
+    assert "_inject_fault" in message  # where rank 1 was
     assert ("step 3: DDP's forward and the gradient all_reduce in backward did not complete: "
             "timed out after") in message
     assert "--timeout 3" in message

@@ -28,12 +28,6 @@ def rank1_dies():
     dist.barrier()
 
 
-def rank0_sleeps():
-    if dist.get_rank() == 0:
-        time.sleep(60)
-    dist.barrier()
-
-
 def my_pid():
     return os.getpid()
 
@@ -84,17 +78,61 @@ def test_dead_rank_is_named_with_its_exit_code():
     _assert_all_dead(pids)
 
 
+def rank1_sleeps():
+    if dist.get_rank() == 1:
+        time.sleep(60)
+    dist.barrier()
+
+
 def test_timeout_reports_where_each_rank_was():
     group = RankGroup(2)
     pids = group.run(my_pid)
     start = time.monotonic()
-    with pytest.raises(RankError, match="did not finish within 2 s") as info:
-        group.run(rank0_sleeps, timeout=2)
+    with pytest.raises(RankError, match=r"did not finish within 2 s \(still running: ranks "
+                                        r"\[0, 1\]\)") as info:
+        group.run(rank1_sleeps, timeout=2)
     assert time.monotonic() - start < 10
     message = str(info.value)
-    assert "--- rank 0 stack ---" in message and "rank0_sleeps" in message
-    assert "--- rank 1 stack ---" in message and "barrier" in message
+    assert "--- rank 1 stack ---" in message and "rank1_sleeps" in message
+    assert "--- rank 0 stack ---" in message and "barrier" in message
     _assert_all_dead(pids)
+
+
+def test_a_rank_that_stops_taking_part_is_blamed_not_the_ones_that_waited():
+    group = RankGroup(2, pg_timeout=2)
+    pids = group.run(my_pid)
+    with pytest.raises(RankError, match="rank 1 of 2 stopped taking part") as info:
+        group.run(rank1_sleeps, timeout=30)
+    assert "rank1_sleeps" in str(info.value) and "rank 0 raised" in str(info.value)
+    _assert_all_dead(pids)
+
+
+def test_a_rank_that_fails_to_join_is_reported_with_its_traceback():
+    group = RankGroup(2, backend="no-such-backend")
+    time.sleep(1)  # let the ranks fail while nobody is listening
+    with pytest.raises(RankError, match="raised") as info:
+        group.run(my_pid)
+    assert "no-such-backend" in str(info.value)
+
+
+def late_function():
+    return "never runs"
+
+
+def test_a_task_the_ranks_cannot_unpickle_is_reported():
+    import sys
+    group = RankGroup(2)
+    group.run(my_pid)
+    module = sys.modules[__name__]
+    try:
+        module.defined_after_fork = late_function  # the forked ranks do not have this name
+        late_function.__qualname__ = late_function.__name__ = "defined_after_fork"
+        with pytest.raises(RankError, match="raised") as info:
+            group.run(module.defined_after_fork)
+        assert "defined_after_fork" in str(info.value)
+    finally:
+        late_function.__qualname__ = late_function.__name__ = "late_function"
+        del module.defined_after_fork
 
 
 def test_the_blamed_rank_is_the_cause_not_a_bystander():
