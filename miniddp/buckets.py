@@ -26,6 +26,7 @@ import sys
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
@@ -40,8 +41,9 @@ def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
 
     ``None`` means torch's defaults, 1 MiB then 25 MiB; an explicit cap applies to every bucket.
     """
-    if bucket_cap_mb is None:
-        return DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_MB * MIB
+    if bucket_cap_mb is None:  # torch's constant may be changed by its users: read it
+        first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", DEFAULT_FIRST_BUCKET_BYTES)
+        return first, DEFAULT_BUCKET_CAP_MB * MIB
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
     cap = int(bucket_cap_mb * MIB)

@@ -46,6 +46,8 @@ class DistributedDataParallel(nn.Module):
     ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB).
     ``find_unused_parameters``: allow parameters that take no part in the loss.
     ``gradient_as_bucket_view``: ``.grad`` aliases the bucket (saves one copy of the gradients).
+    ``init_sync=False`` skips the construction-time check and broadcast. The arguments are
+    torch's (2.13), in torch's order.
 
     Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
     layout) or ``overlap`` (launch during backward, or only after it); see ``miniddp.naive``.
@@ -54,11 +56,19 @@ class DistributedDataParallel(nn.Module):
     reducer_class = Reducer
     overlap = True
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None,
-                 broadcast_buffers: bool = True, process_group=None,
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False):
+                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
+                 static_graph: bool = False):
         super().__init__()
+        # dim and check_reduction are accepted (in torch's positions) so that scripts written
+        # for torch's DDP run unchanged: dim only matters to single-process DataParallel, and
+        # torch ignores check_reduction. static_graph changes behaviour, and is not built here.
+        if static_graph:
+            raise NotImplementedError("miniddp does not implement static_graph=True; leave it "
+                                      "False (use find_unused_parameters for unused ones)")
+        self.dim = dim
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "DistributedDataParallel needs a process group: call "
@@ -92,11 +102,12 @@ class DistributedDataParallel(nn.Module):
         self.device_ids, self.output_device = self._check_devices(device_ids, output_device,
                                                                   devices)
 
-        verify_same_shapes(all_params, process_group)
-        broadcast_from_rank0([p.detach() for _, p in all_params], process_group)
-        buffers = [b for _, b in module.named_buffers()]
-        if broadcast_buffers and buffers:
-            broadcast_from_rank0(buffers, process_group)
+        if init_sync:  # torch's opt-out, for models already identical on every rank
+            verify_same_shapes(all_params, process_group)
+            broadcast_from_rank0([p.detach() for _, p in all_params], process_group)
+            buffers = [b for _, b in module.named_buffers()]
+            if broadcast_buffers and buffers:
+                broadcast_from_rank0(buffers, process_group)
 
         self.reducer = self.reducer_class(
             [p for _, p in trainable], [name for name, _ in trainable], process_group,

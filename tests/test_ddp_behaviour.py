@@ -370,3 +370,31 @@ def test_device_arguments_follow_torch():
         check(None, 0, cpu)
     with pytest.raises(ValueError, match="one kind of device"):
         check(None, None, cpu | gpu)
+
+
+def positional_like_torch():
+    import inspect
+    ours = list(inspect.signature(miniddp.DistributedDataParallel).parameters)
+    theirs = list(inspect.signature(nn.parallel.DistributedDataParallel).parameters)
+    try:
+        miniddp.DistributedDataParallel(nn.Linear(2, 2), static_graph=True)
+    except NotImplementedError as e:
+        return ours, theirs[:len(ours)], str(e)
+
+
+def test_arguments_are_torchs_in_torchs_order(ranks):
+    ours, theirs, message = ranks(2).run(positional_like_torch)[0]
+    assert ours == theirs
+    assert "static_graph" in message
+
+
+def construction_sync(init_sync):
+    torch.manual_seed(dist.get_rank())  # every rank starts from different weights
+    ddp = miniddp.DistributedDataParallel(MLP(), init_sync=init_sync)
+    weight = ddp.module[0].weight.detach()
+    return all(torch.equal(w, weight) for w in gathered(weight))
+
+
+def test_construction_broadcasts_unless_init_sync_is_false(ranks):
+    assert ranks(2).run(construction_sync, True) == [True, True]
+    assert ranks(2).run(construction_sync, False) == [False, False]
