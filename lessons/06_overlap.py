@@ -1,15 +1,15 @@
 """Lesson 06: overlapping communication with the backward pass, seen on a timeline.
 
-What this adds since lesson 05: buckets made communication cheaper; this makes it start
-earlier. Backward computes gradients from the last layer to the first, so the last layers'
-gradients are final long before backward ends. ``miniddp.DistributedDataParallel`` puts a hook
-on every parameter (a post-hook on its AccumulateGrad node, as torch's DDP does) that fires
-as soon as that parameter's gradient is final, and copies it into its bucket. When a bucket is
-full, its all_reduce is launched at once, asynchronously (``async_op=True``), while backward
-carries on with earlier layers. When the last gradient is done, a callback queued on the
-autograd engine waits for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns
-with synchronized gradients, exactly as with ``miniddp.AllReduceBucketsAfterBackward``, the
-rung before this one: lesson 05's buckets, launched only once backward has ended.
+What this adds since lesson 05: buckets made communication cheaper; this makes it start earlier.
+Backward computes gradients from the last layer to the first, so the last layers' gradients are
+final long before backward ends. ``miniddp.DistributedDataParallel`` puts a hook on every
+parameter (a post-hook on its AccumulateGrad node, as torch's DDP does) that fires as soon as
+that parameter's gradient is final, and copies it into its bucket. When a bucket is full, its
+all_reduce is launched at once, asynchronously (``async_op=True``), while backward carries on
+with earlier layers. When the last gradient is done, a callback queued on the autograd engine
+waits for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns
+with synchronized gradients, exactly as with ``miniddp.AllReduceBucketsAfterBackward``, the rung
+before this one: lesson 05's buckets, launched only once backward has ended.
 
 Why it matters: with overlap a step costs about max(compute, communication) instead of their
 sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
