@@ -36,18 +36,35 @@ DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB
 ONE_BUCKET = sys.maxsize
 
 
-def bucket_limits(bucket_cap_mb: float | None) -> tuple[int, int]:
+def _torch_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+#: Whether an explicit ``bucket_cap_mb`` also caps the first bucket. Until torch 2.3 the first
+#: bucket was ``_DEFAULT_FIRST_BUCKET_BYTES`` whatever the user asked for; torch 2.4 made an
+#: explicit cap apply to every bucket. miniddp follows the torch it runs on, so that its buckets
+#: (and so, at 3 ranks and more, its bits) stay those of the torch it is compared with.
+EXPLICIT_CAP_COVERS_FIRST_BUCKET = _torch_release() >= (2, 4)
+
+
+def bucket_limits(bucket_cap_mb: float | None,
+                  explicit_cap_covers_first: bool = EXPLICIT_CAP_COVERS_FIRST_BUCKET
+                  ) -> tuple[int, int]:
     """Return ``(first_bucket_bytes, bucket_bytes)`` for a ``bucket_cap_mb`` argument.
 
-    ``None`` means torch's defaults, 1 MiB then 25 MiB; an explicit cap applies to every bucket.
+    ``None`` means torch's defaults, 1 MiB then 25 MiB. An explicit cap applies to every bucket
+    from torch 2.4 on; before, to every bucket but the first (see
+    :data:`EXPLICIT_CAP_COVERS_FIRST_BUCKET`).
     """
-    if bucket_cap_mb is None:  # torch's constant may be changed by its users: read it
-        first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", DEFAULT_FIRST_BUCKET_BYTES)
+    # torch's first-bucket constant may be changed by its users: read it, don't copy it.
+    first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", DEFAULT_FIRST_BUCKET_BYTES)
+    if bucket_cap_mb is None:
         return first, DEFAULT_BUCKET_CAP_MB * MIB
     if not bucket_cap_mb > 0:
         raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
     cap = int(bucket_cap_mb * MIB)
-    return cap, cap
+    return (cap if explicit_cap_covers_first else first), cap
 
 
 def assign_buckets(tensors: list[torch.Tensor], limits: list[int],

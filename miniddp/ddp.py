@@ -43,7 +43,8 @@ class DistributedDataParallel(nn.Module):
 
     ``device_ids`` / ``output_device``: for a module on one GPU, ``[gpu]`` (as torch); ``None``
     for CPU modules. ``broadcast_buffers``: copy rank 0's buffers before each synced forward.
-    ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB).
+    ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB; an explicit cap
+    covers the first bucket too from torch 2.4, as in torch).
     ``find_unused_parameters``: allow parameters that take no part in the loss.
     ``gradient_as_bucket_view``: ``.grad`` aliases the bucket (saves one copy of the gradients).
     ``init_sync=False`` skips the construction-time check and broadcast. The arguments are

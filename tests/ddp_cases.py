@@ -18,6 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
+from miniddp.buckets import EXPLICIT_CAP_COVERS_FIRST_BUCKET, MIB
+
+#: torch 2.4 changed two things the comparisons see: an explicit bucket cap now covers the first
+#: bucket (``miniddp.buckets`` follows whichever torch is installed), and a parameter used only
+#: inside ``no_sync`` is now averaged (miniddp always averages it).
+TORCH_AT_LEAST_2_4 = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4)
+assert TORCH_AT_LEAST_2_4 == EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
 
 class MLP(nn.Sequential):
@@ -191,12 +198,15 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     our_kwargs = dict(ddp_kwargs)
     if sabotage == "layout":
         our_kwargs["bucket_cap_mb"] = 0.0002
-    ours = miniddp.DistributedDataParallel(copy.deepcopy(module), **our_kwargs)
+    if ddp_kwargs.get("bucket_cap_mb", 0) is None:
+        del ddp_kwargs["bucket_cap_mb"]  # torch < 2.4 takes no None: its default is 25
+    with first_bucket_as_small_as(ddp_kwargs.get("bucket_cap_mb")):
+        ours = miniddp.DistributedDataParallel(copy.deepcopy(module), **our_kwargs)
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
     if sabotage == "divide":
         def divide_instead(param, view):
             view.copy_(param.grad / dist.get_world_size())
         ours.reducer._copy_into_bucket = divide_instead
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
     both = [(ours, make_optimizer(optimizer, ours.parameters())),
             (theirs, make_optimizer(optimizer, theirs.parameters()))]
     if user_hook:
@@ -236,6 +246,27 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         layouts.append([info.param_indices for info in ours.buckets])
     return {"problems": problems[:10], "layouts": layouts,
             "torch_layout": torch_bucket_layout(theirs)}
+
+
+@contextlib.contextmanager
+def first_bucket_as_small_as(bucket_cap_mb):
+    """Make a cap below 1 MiB cover the first bucket too, on any torch.
+
+    torch < 2.4 keeps the first bucket at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB) whatever
+    the cap, so the small test models would sit in one bucket and the cases about many buckets
+    would test nothing. Lowering that constant while both DDPs are built (each reads it at
+    construction) gives them torch 2.4's buckets. Caps of 1 MiB and more are left alone, so
+    that a case with such a cap compares the installed torch's own rule.
+    """
+    if EXPLICIT_CAP_COVERS_FIRST_BUCKET or bucket_cap_mb is None or bucket_cap_mb >= 1:
+        yield
+        return
+    saved = dist._DEFAULT_FIRST_BUCKET_BYTES
+    dist._DEFAULT_FIRST_BUCKET_BYTES = int(bucket_cap_mb * MIB)
+    try:
+        yield
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved
 
 
 def halve_grad(param) -> None:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from miniddp.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
+    EXPLICIT_CAP_COVERS_FIRST_BUCKET,
     MIB,
     ONE_BUCKET,
     Bucket,
@@ -55,9 +56,19 @@ def test_the_tensor_that_crosses_the_limit_stays_and_the_last_limit_repeats():
 
 
 def test_limits_from_bucket_cap_mb():
-    assert bucket_limits(None) == (DEFAULT_FIRST_BUCKET_BYTES, 25 * MIB)
-    assert bucket_limits(5) == (5 * MIB, 5 * MIB)
-    assert bucket_limits(0.5) == (MIB // 2, MIB // 2)
+    for covers_first in (True, False):
+        assert bucket_limits(None, covers_first) == (DEFAULT_FIRST_BUCKET_BYTES, 25 * MIB)
+    assert bucket_limits(5, explicit_cap_covers_first=True) == (5 * MIB, 5 * MIB)
+    assert bucket_limits(0.5, explicit_cap_covers_first=True) == (MIB // 2, MIB // 2)
+    # torch < 2.4: the first bucket stays 1 MiB whatever the cap
+    assert bucket_limits(5, explicit_cap_covers_first=False) == (MIB, 5 * MIB)
+    assert bucket_limits(0.5, explicit_cap_covers_first=False) == (MIB, MIB // 2)
+
+
+def test_the_first_bucket_rule_follows_the_installed_torch():
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert EXPLICIT_CAP_COVERS_FIRST_BUCKET == ((major, minor) >= (2, 4))
+    assert bucket_limits(5)[0] == (5 * MIB if (major, minor) >= (2, 4) else MIB)
     for bad in (0, -3, float("nan")):
         with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
             bucket_limits(bad)

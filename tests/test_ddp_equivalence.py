@@ -8,7 +8,7 @@ ring sums an element in an order that depends on its offset in the bucket.
 
 import pytest
 import torch.distributed as dist
-from ddp_cases import compare_with_torch
+from ddp_cases import TORCH_AT_LEAST_2_4, compare_with_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,6 +27,8 @@ CASES = {
     "two_buckets": {"bucket_cap_mb": TWO_BUCKETS_MB},
     "many_buckets": {"bucket_cap_mb": 0.0001},
     "default_cap_above_1mib": {"model_name": "big", "steps": 3},
+    # torch >= 2.4: 2 MiB buckets from the first; before: 1 MiB first, then 2 MiB
+    "explicit_cap_above_1mib": {"model_name": "big", "steps": 3, "bucket_cap_mb": 2},
     "gradient_as_bucket_view": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001},
     "gradient_as_bucket_view_zero_in_place": {"gradient_as_bucket_view": True,
                                               "set_to_none": False},
@@ -62,6 +64,10 @@ def check(results, case=""):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_bit_identical_to_torch_ddp(ranks, world_size, case):
+    if case == "no_sync_with_unused" and not TORCH_AT_LEAST_2_4:
+        pytest.skip("torch < 2.4 leaves a parameter used only inside no_sync unsynchronized "
+                    "(replicas drift apart); miniddp averages it as torch >= 2.4 does "
+                    "(test_ddp_behaviour checks that without torch)")
     results = ranks(world_size).run(compare_with_torch, **CASES[case])
     check(results, case)
     if case in EXPECTED_BUCKETS:
