@@ -112,7 +112,7 @@ def test_a_rank_that_fails_to_join_is_reported_with_its_traceback():
     time.sleep(1)  # let the ranks fail while nobody is listening
     with pytest.raises(RankError, match="raised") as info:
         group.run(my_pid)
-    assert "no-such-backend" in str(info.value)
+    assert "no-such-backend" in str(info.value).lower()  # torch <= 2.4 writes it in capitals
 
 
 def late_function():
