@@ -28,24 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
+
 MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
 #: torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts communication early.
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB
 #: The limit that puts every parameter of a dtype/device in one bucket (iteration 0).
 ONE_BUCKET = sys.maxsize
-
-
-def _torch_release() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
-#: Whether an explicit ``bucket_cap_mb`` also caps the first bucket. Until torch 2.3 the first
-#: bucket was ``_DEFAULT_FIRST_BUCKET_BYTES`` whatever the user asked for; torch 2.4 made an
-#: explicit cap apply to every bucket. miniddp follows the torch it runs on, so that its buckets
-#: (and so, at 3 ranks and more, its bits) stay those of the torch it is compared with.
-EXPLICIT_CAP_COVERS_FIRST_BUCKET = _torch_release() >= (2, 4)
 
 
 def bucket_limits(bucket_cap_mb: float | None,
@@ -55,7 +45,7 @@ def bucket_limits(bucket_cap_mb: float | None,
 
     ``None`` means torch's defaults, 1 MiB then 25 MiB. An explicit cap applies to every bucket
     from torch 2.4 on; before, to every bucket but the first (see
-    :data:`EXPLICIT_CAP_COVERS_FIRST_BUCKET`).
+    :data:`miniddp.torch_versions.EXPLICIT_CAP_COVERS_FIRST_BUCKET`).
     """
     # torch's first-bucket constant may be changed by its users: read it, don't copy it.
     first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", DEFAULT_FIRST_BUCKET_BYTES)

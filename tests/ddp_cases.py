@@ -18,13 +18,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
-from miniddp.buckets import EXPLICIT_CAP_COVERS_FIRST_BUCKET, MIB
-
-#: torch 2.4 changed two things the comparisons see: an explicit bucket cap now covers the first
-#: bucket (``miniddp.buckets`` follows whichever torch is installed), and a parameter used only
-#: inside ``no_sync`` is now averaged (miniddp always averages it).
-TORCH_AT_LEAST_2_4 = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 4)
-assert TORCH_AT_LEAST_2_4 == EXPLICIT_CAP_COVERS_FIRST_BUCKET
+from miniddp.buckets import MIB
+from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
 
 class MLP(nn.Sequential):

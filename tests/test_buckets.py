@@ -8,13 +8,13 @@ from hypothesis import strategies as st
 
 from miniddp.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
-    EXPLICIT_CAP_COVERS_FIRST_BUCKET,
     MIB,
     ONE_BUCKET,
     Bucket,
     assign_buckets,
     bucket_limits,
 )
+from miniddp.torch_versions import TORCH_RELEASE, _release
 
 sizes = st.lists(st.integers(1, 4000), min_size=1, max_size=14)
 limits = st.one_of(st.just([ONE_BUCKET]), st.lists(st.integers(4, 20_000), min_size=1,
@@ -63,15 +63,21 @@ def test_limits_from_bucket_cap_mb():
     # torch < 2.4: the first bucket stays 1 MiB whatever the cap
     assert bucket_limits(5, explicit_cap_covers_first=False) == (MIB, 5 * MIB)
     assert bucket_limits(0.5, explicit_cap_covers_first=False) == (MIB, MIB // 2)
+    for bad in (0, -3, float("nan")):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
+            bucket_limits(bad)
 
 
 def test_the_first_bucket_rule_follows_the_installed_torch():
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    assert EXPLICIT_CAP_COVERS_FIRST_BUCKET == ((major, minor) >= (2, 4))
+    assert TORCH_RELEASE == (major, minor)
     assert bucket_limits(5)[0] == (5 * MIB if (major, minor) >= (2, 4) else MIB)
-    for bad in (0, -3, float("nan")):
-        with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
-            bucket_limits(bad)
+
+
+def test_torch_releases_are_read_with_any_suffix():
+    assert _release("2.13.0+cpu") == (2, 13)
+    assert _release("2.4.0a0+git1234") == (2, 4)
+    assert _release("2.10.0rc1") == (2, 10)
 
 
 def test_views_alias_the_flat_buffer_with_each_parameters_layout():

@@ -8,9 +8,11 @@ ring sums an element in an order that depends on its offset in the bucket.
 
 import pytest
 import torch.distributed as dist
-from ddp_cases import TORCH_AT_LEAST_2_4, compare_with_torch
+from ddp_cases import compare_with_torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from miniddp.torch_versions import TORCH_AVERAGES_PARAMETERS_USED_ONLY_IN_NO_SYNC
 
 TWO_BUCKETS_MB = 4000 / 2**20  # for the default 16-32-32-4 MLP: 4 tensors, then 2
 
@@ -64,7 +66,7 @@ def check(results, case=""):
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("case", list(CASES))
 def test_bit_identical_to_torch_ddp(ranks, world_size, case):
-    if case == "no_sync_with_unused" and not TORCH_AT_LEAST_2_4:
+    if case == "no_sync_with_unused" and not TORCH_AVERAGES_PARAMETERS_USED_ONLY_IN_NO_SYNC:
         pytest.skip("torch < 2.4 leaves a parameter used only inside no_sync unsynchronized "
                     "(replicas drift apart); miniddp averages it as torch >= 2.4 does "
                     "(test_ddp_behaviour checks that without torch)")
