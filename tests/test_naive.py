@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from ddp_cases import MLP, TiedFrozen, batch, loss_of
+from ddp_cases import MLP, TiedFrozen, batch, first_bucket_as_small_as, loss_of
 
 from miniddp.naive import STRATEGIES
 
@@ -15,7 +15,8 @@ def train_all_strategies(model_name, bucket_cap_mb, steps=3):
     module = MLP(48, 4) if model_name == "mlp" else TiedFrozen()
     runs = {}
     for name, cls in STRATEGIES.items():
-        ddp = cls(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb)
+        with first_bucket_as_small_as(bucket_cap_mb):
+            ddp = cls(copy.deepcopy(module), bucket_cap_mb=bucket_cap_mb)
         opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
         calls = []
         for step in range(steps):
