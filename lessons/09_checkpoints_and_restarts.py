@@ -68,6 +68,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+from importlib.metadata import version
 from pathlib import Path
 
 # Who runs this file: a worker that torchrun started, or you, with plain python (see lesson 12).
@@ -89,6 +90,10 @@ SAVE_EVERY = 10  # steps; 40 is half way through epoch 2
 KILL_AT, KILLED_RANK = 45, 1
 FILES = ("naive.pt", "atomic.pt", ".atomic.pt.tmp", "snapshot.pt", ".snapshot.pt.tmp",
          "resumed_from.pt")  # what the lesson writes into its --workdir
+# torch 2.3's torchrun closes its rendezvous while stopping the workers for a restart, so
+# --max-restarts ends the job instead (pytorch issue 123678, fixed in 2.4; see
+# miniddp.torch_versions). There the lesson plays the crash in-process, as without restarts.
+TORCHRUN_CAN_RESTART = not version("torch").startswith("2.3.")
 LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                       "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -355,8 +360,12 @@ def worker(workdir: Path | None, backend: str | None):
 
 def run_torchrun(workdir: Path, timeout: float) -> tuple[int, str]:
     """Run the agent, relay its output, stop it (and its workers) past ``timeout`` seconds."""
+    restarts = 1 if TORCHRUN_CAN_RESTART else 0
+    if not TORCHRUN_CAN_RESTART:
+        print(f"torch {version('torch')}: its torchrun cannot restart workers (pytorch issue "
+              "123678), so the crash is played in-process instead", flush=True)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", "--max-restarts=1", "--monitor_interval=0.1",
+               "--nproc_per_node=2", f"--max-restarts={restarts}", "--monitor_interval=0.1",
                str(Path(__file__).resolve()), "--workdir", str(workdir)]
     print(f"starting: torchrun {' '.join(command[3:])}", flush=True)
     env = {k: v for k, v in os.environ.items()
@@ -411,8 +420,9 @@ def main():
     if code != 0:
         sys.exit(f"FAILED: torchrun exited with status {code} (negative: stopped by that "
                  "signal); its output is above")
-    if len(said) != 1 or "restarted by torchrun" not in said[0]:
-        sys.exit(f"FAILED: expected one OK line from a restarted worker, got {said}")
+    expected = "restarted by torchrun" if TORCHRUN_CAN_RESTART else "played in-process"
+    if len(said) != 1 or expected not in said[0]:
+        sys.exit(f"FAILED: expected one OK line saying the job {expected}, got {said}")
     print(said[0])  # the workers' verdict, as this script's last line
 
 
