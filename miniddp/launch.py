@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.rank_group import RankError, RankGroup
+from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL
 
 __all__ = ["CollectiveFailed", "RankError", "RankGroup", "collective", "default_backend",
            "join_torchrun_group", "launch", "launched_by_torchrun", "leave_group", "rank_device",
@@ -78,8 +79,12 @@ def leave_group() -> None:
     Wrappers such as torch's DDP can keep a process group alive in a reference cycle; freed at
     interpreter exit instead, its threads are torn down too late ("terminate called without an
     active exception", SIGABRT), or its destructor deadlocks on the GIL (pytorch issue 56297).
+    Where torch's destructor holds the GIL (:data:`miniddp.torch_versions.DESTROY_HOLDS_THE_GIL`)
+    a short sleep first lets gloo's threads finish with the GIL free.
     """
     gc.collect()
+    if DESTROY_HOLDS_THE_GIL:
+        time.sleep(0.2)
     dist.destroy_process_group()
 
 

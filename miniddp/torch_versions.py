@@ -39,6 +39,6 @@ TORCHRUN_CAN_RESTART_WORKERS = TORCH_RELEASE != (2, 3)
 #: A bug, fixed mid-2025 (pytorch PR 154976; assumed here from 2.8): destroying a gloo process
 #: group held the GIL while waiting for gloo's worker threads. A worker still dropping its last
 #: collective, whose tensors need the GIL to be freed, then waits for the main thread, and the
-#: main thread for it, forever (pytorch issue 56297). Seen here on 2.1 in about one torchrun
-#: exit in five; ``miniddp.launch.leave_group`` works around it.
+#: main thread for it, forever (pytorch issue 56297). Seen here on 2.1 (2 of 8 torchrun runs of
+#: lesson 07) and 2.4; ``miniddp.launch.leave_group`` works around it (tests/test_launch.py).
 DESTROY_HOLDS_THE_GIL = TORCH_RELEASE < (2, 8)
