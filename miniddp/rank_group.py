@@ -87,7 +87,8 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
                 _send(conn, ("ok", fn(*args, **kwargs)))
             except BaseException:
                 _send(conn, ("error", traceback.format_exc()))
-        dist.destroy_process_group()
+        from miniddp.launch import leave_group  # launch imports this module: import late
+        leave_group()  # not a bare destroy: older torch can deadlock there (see leave_group)
     conn.close()
     os._exit(0)
 
