@@ -208,9 +208,22 @@ class Reducer:
         elif self.grad_as_view and _same_storage(grad, view):
             view.div_(self.world_size)  # torch divides in place when grad already is the view
         else:
-            torch.mul(grad, 1.0 / self.world_size, out=view)
+            try:
+                torch.mul(grad, 1.0 / self.world_size, out=view)
+            except RuntimeError:
+                if grad.requires_grad:
+                    raise self._higher_order_error(param) from None
+                raise
             if self.grad_as_view:
                 param.grad = view
+
+    def _higher_order_error(self, param: torch.Tensor) -> RuntimeError:
+        name = next(n for p, n in zip(self.params, self.names) if p is param)
+        return RuntimeError(
+            f"the gradient of {name!r} requires grad: backward(create_graph=True) is not "
+            "supported (torch's DDP fails here too; it never synchronizes higher-order "
+            "gradients). For a gradient penalty, take the inner gradient with "
+            "torch.autograd.grad(..., create_graph=True) and call loss.backward() plainly.")
 
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:

@@ -316,6 +316,22 @@ def test_unfinished_reduction_raises_at_once_on_every_rank():
     assert all(seconds < 5 for _, seconds in results), "must not wait for the other rank"
 
 
+def backward_with_create_graph():
+    ddp = miniddp.DistributedDataParallel(MLP())
+    x, y = data(0)
+    try:
+        F.mse_loss(ddp(x), y).backward(create_graph=True)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_backward_with_create_graph_is_refused_clearly(ranks):
+    for message in ranks(2).run(backward_with_create_graph):
+        assert message and "create_graph=True" in message and "torch.autograd.grad" in message
+        assert "the gradient of '4.bias' requires grad" in message  # the first to arrive
+
+
 def sparse_embedding():
     return nn.Sequential(nn.Embedding(10, 3, sparse=True))
 
