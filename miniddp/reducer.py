@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.buckets import ONE_BUCKET, Bucket, BucketInfo, assign_buckets, bucket_limits
-from miniddp.sync import group_rank0
+from miniddp.sync import rank0_assignment
 from miniddp.unused import output_grad_fns, unreached_parameters, watch_outputs
 
 
@@ -125,24 +125,10 @@ class Reducer:
         order = self.ready_order
         limits = [self.first_bucket_bytes, self.bucket_bytes]
         assignment = assign_buckets([self.params[i] for i in order], limits, order)
-        self._init_buckets(self._rank0_assignment(assignment))
+        n, device = len(self.params), self.params[0].device
+        self._init_buckets(rank0_assignment(assignment, n, device, self.group))
         self.has_rebuilt, self.ready_order = True, []
         return True
-
-    def _rank0_assignment(self, assignment: list[list[int]]) -> list[list[int]]:
-        """Every rank adopts rank 0's buckets; gradient order may differ across ranks."""
-        n = len(self.params)
-        sizes = [len(b) for b in assignment] + [0] * (n - len(assignment))
-        flat = torch.tensor([len(assignment)] + sizes + [i for b in assignment for i in b],
-                            dtype=torch.int64, device=self.params[0].device)
-        dist.broadcast(flat, src=group_rank0(self.group), group=self.group)
-        values = flat.tolist()
-        count, sizes, indices = values[0], values[1:n + 1], values[n + 1:]
-        result, start = [], 0
-        for size in sizes[:count]:
-            result.append(indices[start:start + size])
-            start += size
-        return result
 
     # ----- one backward pass -----
 
