@@ -18,6 +18,11 @@ torch's ``_compute_bucket_assignment_by_size`` (in ``torch/csrc/distributed/c10d
   index; the caller then reverses the list so the last layers, whose gradients are ready first,
   are reduced first. When rebuilding from the order gradients became ready, that order is
   kept as it is.
+
+When the layout changes is part of the bits too. Iteration 0 has one bucket per dtype/device
+(the order gradients arrive in is not known yet); during the first synchronized backward the
+reducer records that order, and at the next forward :func:`rebuilt_assignment` groups the
+parameters in it, once, with every rank adopting rank 0's grouping.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from miniddp.sync import group_rank0
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
 MIB = 1024 * 1024
@@ -83,6 +89,28 @@ def assign_buckets(tensors: list[torch.Tensor], limits: list[int],
     if indices is None:
         closed.sort(key=min)
     return closed
+
+
+def rebuilt_assignment(params: list[torch.Tensor], ready_order: list[int], limits: list[int],
+                       group=None) -> list[list[int]]:
+    """The buckets from iteration 1 on: ``params`` in the order their gradients became ready.
+
+    Each rank computes a grouping from its own order, and the orders may differ across ranks
+    (threads, unused parameters); the buckets must not, so every rank adopts rank 0's.
+    """
+    mine = assign_buckets([params[i] for i in ready_order], limits, ready_order)
+    count = len(params)
+    sizes = [len(b) for b in mine] + [0] * (count - len(mine))
+    flat = torch.tensor([len(mine)] + sizes + [i for b in mine for i in b],
+                        dtype=torch.int64, device=params[0].device)  # a GPU for NCCL
+    dist.broadcast(flat, src=group_rank0(group), group=group)
+    values = flat.tolist()
+    buckets, sizes, indices = values[0], values[1:count + 1], values[count + 1:]
+    result, start = [], 0
+    for size in sizes[:buckets]:
+        result.append(indices[start:start + size])
+        start += size
+    return result
 
 
 def _is_dense(t: torch.Tensor) -> bool:

@@ -9,7 +9,7 @@ changes nothing else. What happens where:
 * forward (here): rebuild buckets once, broadcast buffers from rank 0, run the module, and —
   when this forward will be followed by a synchronized backward — prepare the reducer;
 * backward (``miniddp.reducer``): hooks fill buckets and launch asynchronous all_reduces;
-* bucket layout (``miniddp.buckets``).
+* bucket layout and its one rebuild (``miniddp.buckets``).
 """
 
 from __future__ import annotations
@@ -168,8 +168,7 @@ class DistributedDataParallel(nn.Module):
     def forward(self, *inputs, **kwargs):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
-            self.reducer.rebuild_buckets_if_due()
-            self.reducer.allreduce_calls = 0
+            self.reducer.begin_forward()
         if self.require_forward_param_sync and self.broadcast_buffers:
             buffers = [b for _, b in self.module.named_buffers()]  # re-read: may be reassigned
             if buffers:

@@ -6,7 +6,6 @@ can hang or corrupt memory. So shapes are gathered from every rank, and every ra
 same error (naming the parameter, its shape on each rank, and the ranks) before any broadcast.
 Strides are compared too: a bucket view copies its parameter's memory layout, so a
 ``channels_last`` parameter on one rank only would have the ranks sum mismatched elements.
-The same goes for the buckets when they are rebuilt: every rank takes rank 0's.
 """
 
 from __future__ import annotations
@@ -70,24 +69,3 @@ def broadcast_from_rank0(tensors: list[torch.Tensor], group=None) -> None:
             for t in same_kind:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def rank0_assignment(assignment: list[list[int]], count: int, device: torch.device,
-                     group=None) -> list[list[int]]:
-    """Every rank adopts rank 0's bucket assignment of ``count`` parameters.
-
-    Each rank computes one from the order its gradients arrived, and that order may differ
-    across ranks (threads, unused parameters); the buckets must not. ``device``: where the
-    group's collectives run (a GPU for NCCL).
-    """
-    sizes = [len(b) for b in assignment] + [0] * (count - len(assignment))
-    flat = torch.tensor([len(assignment)] + sizes + [i for b in assignment for i in b],
-                        dtype=torch.int64, device=device)
-    dist.broadcast(flat, src=group_rank0(group), group=group)
-    values = flat.tolist()
-    buckets, sizes, indices = values[0], values[1:count + 1], values[count + 1:]
-    result, start = [], 0
-    for size in sizes[:buckets]:
-        result.append(indices[start:start + size])
-        start += size
-    return result

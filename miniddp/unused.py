@@ -11,12 +11,54 @@ and its bucket waits forever. Two cases, handled as torch's DDP handles them:
   gradient to each ignored output. Backward then still walks those outputs' graphs, with
   nothing to compute, and each parameter's AccumulateGrad node runs and fires the reducer's
   hook with no gradient: ready, contributing zeros, not counted as used.
+
+:class:`UnusedParameters` is what the reducer holds when the option is on. It also keeps a flag
+per parameter, "got a gradient on this rank since the last synchronized step" (``no_sync``
+steps count), summed across ranks once every parameter is ready: a parameter unused on *every*
+rank keeps its ``.grad`` as it was (``None`` stays ``None``), one used on some ranks gets the
+average of what they have.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class UnusedParameters:
+    """The reducer's side of ``find_unused_parameters=True``. See the module docstring."""
+
+    def __init__(self, params: list[torch.Tensor], group=None):
+        self.params, self.group = params, group
+        self.locally_used = torch.zeros(len(params), dtype=torch.int32)
+        self.unreached: list[int] = []
+        self.used_everywhere = self.work = None
+
+    def prepare(self, outputs):
+        """End of a synced forward: find what no output reaches; return the watched outputs."""
+        self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
+        return watch_outputs(outputs)
+
+    def note_use(self, index: int) -> None:
+        if self.params[index].grad is not None:
+            self.locally_used[index] = 1
+
+    def take_unreached(self) -> list[int]:
+        """The parameters to mark ready (with zeros) at the first hook: once per backward."""
+        unreached, self.unreached = self.unreached, []
+        return unreached
+
+    def share(self) -> None:
+        """Every parameter is ready: sum the flags across ranks, while the buckets fly."""
+        self.used_everywhere = self.locally_used.to(self.params[0].device, copy=True)
+        self.work = dist.all_reduce(self.used_everywhere, group=self.group, async_op=True)
+
+    def used_on_some_rank(self) -> list[bool]:
+        """End of backward: which parameters some rank used; the flags start over."""
+        self.work.wait()
+        self.locally_used.zero_()
+        return self.used_everywhere.cpu().bool().tolist()
 
 
 def unreached_parameters(params: list[torch.Tensor], grad_fns) -> list[int]:
