@@ -2,10 +2,13 @@
 
 For every cap in 1, 5, 10, 25, 50, 100, 250 MiB and one bucket per parameter, both DDPs wrap
 copies of the same model and train on the same batches, one step each in turn. Before any time
-is reported they must hold the same buckets and bit-identical parameters.
+is reported they must hold the same buckets and bit-identical parameters. Two models, one after
+the other: ``wide`` (46 tensors, 49 MB of gradients: bandwidth) and ``small_tensors`` (122
+tensors of 0.5 to 64 KiB, as a transformer's biases and norms: the per-tensor machinery).
 
-    python benchmarks/bucket_sweep.py           # no GPU: gloo, 2 CPU ranks, 2-5 minutes
-    python benchmarks/bucket_sweep.py --quick   # smoke run, seconds
+    python benchmarks/bucket_sweep.py                        # no GPU: gloo, 2 CPU ranks, 4-8 min
+    python benchmarks/bucket_sweep.py --model small_tensors  # one model
+    python benchmarks/bucket_sweep.py --quick                # smoke run, seconds
 
 With GPUs, see benchmarks/README.md (NCCL; torchrun for several GPUs).
 """
@@ -81,8 +84,8 @@ def plot(result: dict, ax) -> None:
     ax.set_xticks(list(x), [r["bucket_cap_mb"] for r in rows], rotation=30)
     s = result["setup"]
     ax.set(xlabel="bucket_cap_mb (MiB)", ylabel="step time, median (ms)",
-           title=f"{s['backend']}, {s['world_size']} ranks, {s['device']}, "
-                 f"{result['model']['gradient_mb']} MB of gradients")
+           title=f"{s['backend']}, {s['world_size']} ranks, {s['device']}, {s['model']} model: "
+                 f"{result['model']['tensors']} tensors, {result['model']['gradient_mb']} MB")
     ax.set_ylim(bottom=0)
     ax.legend()
 
@@ -99,7 +102,8 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    return harness.main("bucket_sweep", __doc__, measure, plot, report, argv, pairs=30)
+    return harness.main("bucket_sweep", __doc__, measure, plot, report, argv, pairs=30,
+                        models=("wide", "small_tensors"))
 
 
 if __name__ == "__main__":

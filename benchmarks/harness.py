@@ -48,6 +48,13 @@ CPU_WIDTHS = [512, 1024, 1024, 2048, 1024, 1024, 2048, 1024, 512, 512, 1024, 512
 WIDTHS = {"quick": [32, 64, 64, 32], "cpu": CPU_WIDTHS, "cuda": [2 * w for w in CPU_WIDTHS]}
 BATCH = {"quick": 8, "cpu": 64, "cuda": 256}  # samples per rank per micro-batch
 OUT_FEATURES = 16
+#: The models a benchmark can run on (``--model``): ``wide`` is a few large weights (the default),
+#: ``small_tensors`` what transformers look like to a reducer (every bias and norm a tensor of its
+#: own): 60 Linear(128, 128) layers and a head, 122 tensors of 0.5 to 64 KiB; ``tiny`` is 100
+#: Linear(16, 16) layers, 202 tensors that take almost no arithmetic (machinery only).
+MODELS = ("wide", "small_tensors", "tiny")
+DEEP = {"small_tensors": {"quick": (8, 32), "cpu": (60, 128), "cuda": (60, 256)},
+        "tiny": {"quick": (20, 16), "cpu": (100, 16), "cuda": (100, 16)}}
 
 
 @dataclass
@@ -62,6 +69,7 @@ class Setup:
     quick: bool
     warmup: int
     pairs: int
+    model: str = "wide"  # one of MODELS
 
     @property
     def size(self) -> str:
@@ -69,12 +77,17 @@ class Setup:
 
     @property
     def tag(self) -> str:
-        return f"{self.benchmark}-{self.device}-{self.backend}-ws{self.world_size}"
+        model = "" if self.model == "wide" else f"-{self.model}"
+        return f"{self.benchmark}{model}-{self.device}-{self.backend}-ws{self.world_size}"
 
 
-def parse_args(description: str, argv=None, pairs: int = 12) -> argparse.Namespace:
+def parse_args(description: str, argv=None, pairs: int = 12,
+               models: tuple[str, ...] = ("wide",)) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
+    p.add_argument("--model", choices=models, action="append", dest="models",
+                   help=f"model(s) to run on, repeatable (default: all of {', '.join(models)}; "
+                        f"with --quick, {models[0]})")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: chosen per setup")
     p.add_argument("--world-size", type=int, help="ranks to fork (default: see harness.py)")
@@ -84,12 +97,18 @@ def parse_args(description: str, argv=None, pairs: int = 12) -> argparse.Namespa
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per setup")
     args = p.parse_args(argv)
     args.pairs = args.pairs or (3 if args.quick else pairs)
+    args.models = args.models or list(models[:1] if args.quick else models)
     args.out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
     return args
 
 
 def setups(name: str, args) -> list[Setup]:
-    """The runs to make: chosen from the GPUs present, unless flags say otherwise."""
+    """The runs to make, per model: chosen from the GPUs present, unless flags say otherwise."""
+    return [Setup(**{**asdict(setup), "model": model})
+            for model in args.models for setup in _placements(name, args)]
+
+
+def _placements(name: str, args) -> list[Setup]:
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()
     if args.device == "cuda" and gpus == 0:
         raise SystemExit("--device cuda: no GPU is visible to this process")
@@ -122,14 +141,25 @@ def rank_device(setup: Setup) -> torch.device:
 
 
 def make_model(setup: Setup, device: torch.device, seed: int = 0) -> nn.Module:
-    """Linear + LayerNorm + ReLU blocks of mixed widths: 11 weights of 1 to 8 MiB (CPU; 4 to
-    32 MiB on GPU) between many small biases and LayerNorm vectors, 46 tensors in all."""
-    widths = WIDTHS[setup.size]
+    """``setup.model`` (see :data:`MODELS`). ``wide``: Linear + LayerNorm + ReLU blocks of mixed
+    widths, 11 weights of 1 to 8 MiB (CPU; 4 to 32 MiB on GPU) between many small biases and
+    LayerNorm vectors, 46 tensors in all. The others: a deep, narrow MLP of equal layers."""
     torch.manual_seed(seed)
     layers = []
-    for a, b in zip(widths, widths[1:]):
-        layers += [nn.Linear(a, b), nn.LayerNorm(b), nn.ReLU()]
+    if setup.model == "wide":
+        widths = WIDTHS[setup.size]
+        for a, b in zip(widths, widths[1:]):
+            layers += [nn.Linear(a, b), nn.LayerNorm(b), nn.ReLU()]
+    else:
+        depth, width = DEEP[setup.model][setup.size]
+        widths = [width] * (depth + 1)
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(widths[-1], OUT_FEATURES)).to(device)
+
+
+def input_features(setup: Setup) -> int:
+    return WIDTHS[setup.size][0] if setup.model == "wide" else DEEP[setup.model][setup.size][1]
 
 
 def model_info(model: nn.Module) -> dict:
@@ -143,7 +173,7 @@ def model_info(model: nn.Module) -> dict:
 def make_batches(setup: Setup, device: torch.device, rank: int, count: int = 4) -> list:
     """``count`` fixed (x, y) batches for ``rank``: a pure function of the rank."""
     g = torch.Generator().manual_seed(1000 + rank)
-    n, d = BATCH[setup.size], WIDTHS[setup.size][0]
+    n, d = BATCH[setup.size], input_features(setup)
     return [(torch.randn(n, d, generator=g).to(device),
              torch.randn(n, OUT_FEATURES, generator=g).to(device)) for _ in range(count)]
 
@@ -302,13 +332,15 @@ def table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
 
 
-def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12) -> list[dict]:
+def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12,
+         models: tuple[str, ...] = ("wide",)) -> list[dict]:
     """Run ``measure`` in every setup; save, plot and print each result; return them."""
-    args = parse_args(doc.splitlines()[0], argv, pairs)
+    args = parse_args(doc.splitlines()[0], argv, pairs, models)
     results = []
     for setup in setups(name, args):
         env = environment()
-        print0(f"== {name}: {setup.device}, {setup.backend}, {setup.world_size} ranks "
+        print0(f"== {name} ({setup.model} model): {setup.device}, {setup.backend}, "
+               f"{setup.world_size} ranks "
                f"({setup.launcher}){', quick' if setup.quick else ''}; load average "
                f"{env['load_average_before'][0]:.2f}")
         started = time.perf_counter()

@@ -1,14 +1,22 @@
 """Overhead: what a Python reducer costs per parameter and per bucket, next to torch's C++ one.
 
-A model of 100 tiny Linear layers (200 parameter tensors, 16 x 16) does almost no arithmetic,
-so a step's time is nearly all machinery: autograd, the hook per parameter, the copies into
-buckets and the all_reduce calls. Timed in turn: the bare module, then miniddp and torch's DDP
-with one bucket and with one bucket per parameter. The CPU time of rank 0's main thread is
-reported beside the step time: it is what the Python code costs, and it barely depends on the
-load of the machine. Parameters must end bit-identical between the two DDPs.
+Two models made of many tensors: ``tiny`` (100 Linear(16, 16) layers, 202 tensors, almost no
+arithmetic, so a step is nearly all machinery: autograd, a hook per parameter, the copies into
+buckets, the all_reduce calls) and ``small_tensors`` (60 Linear(128, 128), 122 tensors of 0.5
+to 64 KiB). Timed in turn: the bare module, then miniddp and torch's DDP with one bucket and with
+one bucket per parameter. The CPU time of rank 0's main thread is reported beside the step time:
+it is what the Python code costs, and it barely depends on the load of the machine. Parameters
+must end bit-identical between the two DDPs.
 
-    python benchmarks/overhead.py           # no GPU: gloo, 2 CPU ranks, under a minute
-    python benchmarks/overhead.py --quick   # smoke run, seconds
+The floor, what *any* reducer written in Python pays, is timed in the same rounds: the bare
+module with an empty Python hook on every parameter's AccumulateGrad node (the hook miniddp
+uses), and with a hook that does the least a reducer must, one ``torch.mul(grad, 1 / world,
+out=bucket_view)``. Their CPU time above the bare module's, per parameter, is the part of
+miniddp's extra cost that no Python reducer can avoid.
+
+    python benchmarks/overhead.py                       # no GPU: gloo, 2 CPU ranks, 1-2 minutes
+    python benchmarks/overhead.py --model small_tensors
+    python benchmarks/overhead.py --quick               # smoke run, seconds
 """
 
 from __future__ import annotations
@@ -27,17 +35,30 @@ from miniddp.report import print0
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
 
 
-def tiny_model(layers: int, device) -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)],
-                         nn.Linear(16, harness.OUT_FEATURES)).to(device)
+def with_python_hooks(module: nn.Module, copy_into_bucket: bool) -> nn.Module:
+    """``module`` with a Python post-hook on every parameter's AccumulateGrad node: empty, or
+    doing one multiply into a bucket view. The nodes are kept on the module (see the reducer)."""
+    scale = 1.0 / dist.get_world_size()
+    module.nodes = []
+    for p in module.parameters():
+        node = p.view_as(p).grad_fn.next_functions[0][0]
+        view = torch.empty_like(p)
+
+        def hook(_inputs, _outputs, p=p, view=view):
+            if copy_into_bucket:
+                torch.mul(p.grad, scale, out=view)
+
+        node.register_hook(hook)
+        module.nodes.append(node)
+    return module
 
 
 def measure(setup: harness.Setup) -> dict:
     device = harness.rank_device(setup)
-    base = tiny_model(20 if setup.quick else 100, device)
+    base = harness.make_model(setup, device)
     g = torch.Generator().manual_seed(dist.get_rank())
-    batches = [(torch.randn(4, 16, generator=g).to(device),
+    features = harness.input_features(setup)
+    batches = [(torch.randn(4, features, generator=g).to(device),
                 torch.randn(4, harness.OUT_FEATURES, generator=g).to(device))]
     kwargs = harness.ddp_kwargs(device)
     models = {}
@@ -46,7 +67,9 @@ def measure(setup: harness.Setup) -> dict:
             copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
         models[label, "torch"] = nn.parallel.DistributedDataParallel(
             copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
-    calls = {"local": Trainer(copy.deepcopy(base), batches).step}
+    calls = {"local": Trainer(copy.deepcopy(base), batches).step,
+             "empty_hooks": Trainer(with_python_hooks(copy.deepcopy(base), False), batches).step,
+             "copy_hooks": Trainer(with_python_hooks(copy.deepcopy(base), True), batches).step}
     calls.update({f"{label}/{impl}": Trainer(m, batches).step
                   for (label, impl), m in models.items()})
     tensors = len(list(base.parameters()))
@@ -64,14 +87,24 @@ def measure(setup: harness.Setup) -> dict:
         rows.append({"buckets": label, "bucket_count": len(ours.buckets), "bit_identical": True,
                      "extra_cpu_us_per_parameter": 1000 * extra_cpu / tensors,
                      "extra_wall_us_per_parameter": 1000 * extra_wall / tensors, **s})
+    bare = summarize({name: times[name] for name in ("local", "empty_hooks", "copy_hooks")})
+    floor = {name: 1000 * (bare[name]["cpu_median_ms"] - bare["local"]["cpu_median_ms"]) / tensors
+             for name in ("empty_hooks", "copy_hooks")}
     return {"model": harness.model_info(base), "batch_per_rank": 4,
             **harness.rank_facts(device), "bit_identical": True, "overhead": rows,
-            "local": summarize({"local": times["local"]})["local"]}
+            "local": bare["local"], "python_floor": {
+                "empty_hook_cpu_us_per_parameter": floor["empty_hooks"],
+                "hook_and_copy_cpu_us_per_parameter": floor["copy_hooks"],
+                "empty_hooks": bare["empty_hooks"], "copy_hooks": bare["copy_hooks"]}}
 
 
 def plot(result: dict, ax) -> None:
-    labels, walls, cpus = ["bare module"], [result["local"]["median_ms"]], \
-        [result["local"]["cpu_median_ms"]]
+    floor = result["python_floor"]
+    bare = [("bare module", result["local"]), ("empty hooks", floor["empty_hooks"]),
+            ("hooks + copy", floor["copy_hooks"])]
+    labels = [label for label, _ in bare]
+    walls = [t["median_ms"] for _, t in bare]
+    cpus = [t["cpu_median_ms"] for _, t in bare]
     for r in result["overhead"]:
         for impl in ("miniddp", "torch"):
             labels.append(f"{impl}\n{r['buckets'].replace('_', ' ')}")
@@ -82,23 +115,28 @@ def plot(result: dict, ax) -> None:
     ax.bar([i + 0.2 for i in x], cpus, 0.4, label="CPU time, rank 0 main thread")
     ax.set_xticks(list(x), labels, fontsize=7)
     s = result["setup"]
-    ax.set(ylabel="median per step (ms)", title=f"{result['model']['tensors']} tiny tensors: "
-           f"{s['backend']}, {s['world_size']} ranks, {s['device']}")
+    ax.set(ylabel="median per step (ms)", title=f"{s['model']} model, "
+           f"{result['model']['tensors']} tensors: {s['backend']}, {s['world_size']} ranks, "
+           f"{s['device']}")
     ax.legend(fontsize=8)
 
 
 def report(result: dict) -> str:
+    floor = result["python_floor"]
     rows = [[r["buckets"], r["bucket_count"], r["miniddp"]["median_ms"], r["torch"]["median_ms"],
              r["miniddp"]["cpu_median_ms"], r["torch"]["cpu_median_ms"],
              r["extra_cpu_us_per_parameter"]] for r in result["overhead"]]
     return (harness.table(["buckets", "count", "miniddp ms", "torch ms", "miniddp CPU ms",
                            "torch CPU ms", "extra CPU us / parameter"], rows)
             + f"\nbare module: {result['local']['median_ms']:.2f} ms "
-              f"({result['local']['cpu_median_ms']:.2f} ms CPU)")
+              f"({result['local']['cpu_median_ms']:.2f} ms CPU); Python floor per parameter: "
+              f"empty hook {floor['empty_hook_cpu_us_per_parameter']:.2f} us, hook + one "
+              f"copy {floor['hook_and_copy_cpu_us_per_parameter']:.2f} us CPU")
 
 
 def main(argv=None) -> list[dict]:
-    return harness.main("overhead", __doc__, measure, plot, report, argv, pairs=30)
+    return harness.main("overhead", __doc__, measure, plot, report, argv, pairs=30,
+                        models=("tiny", "small_tensors"))
 
 
 if __name__ == "__main__":

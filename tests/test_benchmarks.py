@@ -36,8 +36,9 @@ def run(module, tmp_path) -> dict:
     results = module.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
     assert len(results) == 1
     result = results[0]
-    name = result["benchmark"]
-    saved = json.loads((tmp_path / f"{name}-cpu-gloo-ws2.json").read_text())
+    tag = module.harness.Setup(**result["setup"]).tag
+    assert tag.startswith(result["benchmark"]) and tag.endswith("-cpu-gloo-ws2")
+    saved = json.loads((tmp_path / f"{tag}.json").read_text())
     assert saved == json.loads(json.dumps(result)), "the JSON file differs from the result"
     assert SETUP_FIELDS <= set(saved["setup"]) and saved["setup"]["quick"]
     assert saved["setup"]["backend"] == "gloo" and saved["setup"]["world_size"] == 2
@@ -45,7 +46,7 @@ def run(module, tmp_path) -> dict:
     assert saved["machine"]["torch"] == torch.__version__
     assert {"widths", "tensors", "parameters", "gradient_mb"} <= set(saved["model"])
     pytest.importorskip("matplotlib")
-    assert (tmp_path / f"{name}-cpu-gloo-ws2.png").stat().st_size > 0
+    assert (tmp_path / f"{tag}.png").stat().st_size > 0
     return saved
 
 
@@ -61,6 +62,18 @@ def test_bucket_sweep_checks_every_cap_against_torch(tmp_path):
         assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
     assert rows[-1]["buckets"] == result["model"]["tensors"]
     assert {"ratio", "ratio_ci95", "cpu_ratio"} <= set(result["all_caps"])
+
+
+def test_bucket_sweep_also_runs_on_a_model_of_many_small_tensors(tmp_path):
+    results = bucket_sweep.main(["--quick", "--device", "cpu", "--model", "small_tensors",
+                                 "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "bucket_sweep-small_tensors-cpu-gloo-ws2.json").read_text())
+    assert len(results) == 1 and saved["setup"]["model"] == "small_tensors"
+    depth, width = bucket_sweep.harness.DEEP["small_tensors"]["quick"]
+    assert saved["model"]["tensors"] == 2 * (depth + 1)
+    assert saved["model"]["widths"] == [width] * (depth + 1) + [bucket_sweep.harness.OUT_FEATURES]
+    assert all(r["bit_identical"] for r in saved["sweep"])
+    assert saved["sweep"][-1]["buckets"] == saved["model"]["tensors"]
 
 
 def test_ladder_has_every_rung_checked_and_its_call_count(tmp_path):
@@ -119,6 +132,10 @@ def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
     assert rows["one_bucket"]["bucket_count"] == 1
     assert rows["per_parameter"]["bucket_count"] == result["model"]["tensors"]
     assert all("extra_cpu_us_per_parameter" in r for r in rows.values())
+    floor = result["python_floor"]
+    assert {"empty_hook_cpu_us_per_parameter", "hook_and_copy_cpu_us_per_parameter"} <= set(floor)
+    for name in ("empty_hooks", "copy_hooks"):
+        assert len(floor[name]["times_ms"]) == result["setup"]["pairs"]
 
 
 def test_a_wrong_miniddp_is_refused_before_any_number_is_reported(tmp_path, monkeypatch):
