@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import re
 import warnings
 
 import pytest
@@ -39,11 +40,12 @@ class CheckpointTwice(nn.Module):
         self.middle = nn.Linear(32, 32)
         self.head = nn.Linear(32, 4)
 
-    def forward(self, x):
+    def forward(self, x, times: int = 2):
         h = torch.relu(self.embed(x))
         h = checkpoint(self.block, h, use_reentrant=True)
         h = torch.tanh(self.middle(h))
-        h = checkpoint(self.block, h, use_reentrant=True)
+        for _ in range(times - 1):
+            h = checkpoint(self.block, h, use_reentrant=True)
         return self.head(h)
 
 
@@ -56,8 +58,9 @@ class WithUnused(nn.Module):
         self.unused = nn.Linear(32, 32)
         self.head = nn.Linear(32, 4)
 
-    def forward(self, x):
-        return self.head(torch.relu(self.trunk(x)))
+    def forward(self, x, use_all: bool = False):
+        h = torch.relu(self.trunk(x))
+        return self.head(h + self.unused(h) if use_all else h)
 
 
 MODELS = {"checkpoint_twice": CheckpointTwice, "with_unused": WithUnused,
@@ -103,6 +106,9 @@ def train_side_by_side(model_name: str, steps: int = 5, micro_batches: int = 1,
     """
     kwargs = {"static_graph": True, "bucket_cap_mb": CAP_MB, **kwargs}
     ours, theirs = build_pair(model_name, **kwargs)
+    if not kwargs["static_graph"]:  # turned on after construction, as older scripts do
+        ours._set_static_graph()
+        theirs._set_static_graph()
     if sabotage == "rebuild_early":
         _record_order_in_first_backward(ours.reducer)
     both = [(ours, torch.optim.SGD(ours.parameters(), lr=0.1, momentum=0.9)),
@@ -200,3 +206,91 @@ def test_comparison_catches_buckets_rebuilt_one_iteration_early(ranks):
                            sabotage="rebuild_early")
     assert any(r["layouts"] for r in results), "the early rebuild went unnoticed"
     assert any(r["bits"] for r in results), "at 3 ranks the early rebuild must change bits"
+
+
+def test_static_graph_set_after_construction_matches_torch(ranks):
+    """``_set_static_graph()`` after construction keeps the first buckets of
+    ``find_unused_parameters=True`` (torch's rule), then rebuilds as a static graph."""
+    results = ranks(3).run(train_with_warnings, "with_unused", static_graph=False,
+                           find_unused_parameters=True)
+    check(results)
+    assert len(results[0]["torch_layouts"][0]) > 1
+
+
+# ----- a graph that changes -----
+
+def run_until_error(ddp, change: str):
+    """Three steps; the third changes the graph. Return the error, or None."""
+    try:
+        for step in range(4):
+            x, y = data(step, 0)
+            if change == "first_in_no_sync" and step == 0:
+                with ddp.no_sync():
+                    F.mse_loss(ddp(x), y).backward()
+            kwargs = {}
+            if step == 2:
+                kwargs = {"use_unused": {"use_all": True}, "block_once": {"times": 1},
+                          "block_thrice": {"times": 3}}.get(change, {})
+            F.mse_loss(ddp(x, **kwargs), y).backward()
+    except RuntimeError as e:
+        return f"step {step}: {e}"
+    return None
+
+
+def errors_on_changed_graph(change: str) -> dict:
+    model_name = "with_unused" if change == "use_unused" else "checkpoint_twice"
+    ours, theirs = build_pair(model_name, static_graph=True, bucket_cap_mb=CAP_MB)
+    return {"ours": run_until_error(ours, change), "torch": run_until_error(theirs, change)}
+
+
+@pytest.mark.parametrize("change, ours_says", [
+    ("use_unused", r"step 2: the gradient of 'unused.bias' arrived more often in this "
+                   r"backward than in the first one \(0 times\)"),
+    ("block_thrice", r"step 2: the gradient of 'block.2.bias' arrived more often in this "
+                     r"backward than in the first one \(2 times\)"),
+    ("block_once", r"step 3: Expected to have finished reduction in the prior iteration .*"
+                   r"block.0.weight, block.0.bias, block.2.weight, block.2.bias\. "
+                   r"static_graph=True is set"),
+    ("first_in_no_sync", r"step 0: with static_graph=True the first backward must follow a "
+                         r"synchronized forward"),
+])
+def test_a_changed_graph_is_an_error_as_in_torch(ranks, change, ours_says):
+    for result in ranks(2).run(errors_on_changed_graph, change):
+        assert result["torch"] is not None, "torch's DDP accepts this: the test is wrong"
+        assert result["torch"].split(":")[0] == ours_says.split(":")[0], result["torch"]
+        assert result["ours"] is not None and re.match(ours_says, result["ours"]), result
+
+
+def set_static_graph_after_first_forward():
+    ours, theirs = build_pair("mlp")
+    errors = []
+    for ddp in (ours, theirs):
+        x, y = data(0, 0)
+        F.mse_loss(ddp(x), y).backward()
+        with pytest.raises(RuntimeError) as caught:
+            ddp._set_static_graph()
+        errors.append(str(caught.value))
+    return errors
+
+
+def test_static_graph_cannot_be_set_after_training_started(ranks):
+    ours, _ = ranks(2).run(set_static_graph_after_first_forward)[0]
+    assert "static_graph can only be turned on before the first forward" in ours
+
+
+def checkpoint_twice_without_static_graph():
+    ours, theirs = build_pair("checkpoint_twice")
+    x, y = data(0, 0)
+    errors = []
+    for ddp in (ours, theirs):
+        with pytest.raises(RuntimeError) as caught:
+            F.mse_loss(ddp(x), y).backward()
+        errors.append(str(caught.value))
+    return errors
+
+
+def test_without_static_graph_a_layer_checkpointed_twice_is_refused(ranks):
+    """The reason static_graph exists: both DDPs refuse, and miniddp says what to do."""
+    ours, theirs = ranks(2).run(checkpoint_twice_without_static_graph)[0]
+    assert "marked ready twice" in ours and "pass static_graph=True" in ours
+    assert "marked as ready twice" in theirs
