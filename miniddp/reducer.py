@@ -137,7 +137,7 @@ class Reducer:
             bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
         if self.unused is not None:  # find the parameters no output reaches; watch outputs
             outputs = self.unused.prepare(outputs)
-        if self.static_graph is not None:  # expect its firings; delay the first backward's
+        if self.static_graph is not None:  # firings to expect; the first backward waits
             outputs = self.static_graph.prepare(outputs)
         return outputs
 
@@ -145,7 +145,7 @@ class Reducer:
         with self._lock:
             if self.static_graph is not None and not self.static_graph.final_firing(
                     index, self.expect_hooks):
-                return  # counted: not this parameter's last firing (miniddp.static_graph)
+                return  # static_graph: counted, not yet this parameter's last firing
             if self.expect_hooks:
                 self._gradient_ready(index)
             elif not self.reduced and self.unused is not None:
@@ -157,7 +157,7 @@ class Reducer:
             self.unused.note_use(index)
             for unreached in self.unused.take_unreached():
                 self._mark_ready(unreached)
-        if self.static_graph is not None:  # unused in its first backward: zeros
+        if self.static_graph is not None:  # unused in the first backward: ready, zeros
             for unused in self.static_graph.take_unused():
                 self._mark_ready(unused)
         if self.should_rebuild:
@@ -225,7 +225,7 @@ class Reducer:
         self.reduced = True
         self._launch_ready_buckets()  # overlap=False launches everything here
         used = self.unused.used_on_some_rank() if self.unused is not None else None
-        if self.static_graph is not None:  # used by some rank in its first backward
+        if self.static_graph is not None:  # used by some rank in the first backward
             used = self.static_graph.end_backward()
         for bucket in self.buckets:
             bucket.work.wait()

@@ -31,10 +31,11 @@ class CheckpointTwice(nn.Module):
     """One block applied twice, each time under reentrant checkpointing: the block is
     differentiated in two inner backward passes, so its parameters' hooks fire twice. Its
     gradients are ready at the second firing, after ``middle``'s: that order is the rebuilt
-    buckets' order."""
+    buckets' order. (Without reentrancy, each hook fires once: the plain case.)"""
 
-    def __init__(self):
+    def __init__(self, use_reentrant: bool = True):
         super().__init__()
+        self.use_reentrant = use_reentrant
         self.embed = nn.Linear(16, 32)
         self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 32))
         self.middle = nn.Linear(32, 32)
@@ -42,10 +43,10 @@ class CheckpointTwice(nn.Module):
 
     def forward(self, x, times: int = 2):
         h = torch.relu(self.embed(x))
-        h = checkpoint(self.block, h, use_reentrant=True)
+        h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)
         h = torch.tanh(self.middle(h))
         for _ in range(times - 1):
-            h = checkpoint(self.block, h, use_reentrant=True)
+            h = checkpoint(self.block, h, use_reentrant=self.use_reentrant)
         return self.head(h)
 
 
@@ -64,7 +65,8 @@ class WithUnused(nn.Module):
 
 
 MODELS = {"checkpoint_twice": CheckpointTwice, "with_unused": WithUnused,
-          "mlp": lambda: MLP(32, 3)}
+          "mlp": lambda: MLP(32, 3),
+          "checkpoint_twice_not_reentrant": lambda: CheckpointTwice(use_reentrant=False)}
 
 
 def data(step: int, micro: int):
@@ -155,7 +157,8 @@ def check(results):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("model_name", ["checkpoint_twice", "with_unused", "mlp"])
+@pytest.mark.parametrize("model_name", ["checkpoint_twice", "with_unused", "mlp",
+                                        "checkpoint_twice_not_reentrant"])
 def test_bit_identical_to_torch_with_static_graph(ranks, world_size, model_name):
     results = ranks(world_size).run(train_side_by_side, model_name)
     check(results)
