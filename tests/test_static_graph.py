@@ -64,9 +64,19 @@ class WithUnused(nn.Module):
         return self.head(h + self.unused(h) if use_all else h)
 
 
+class TwoOutputs(WithUnused):
+    """Returns two outputs; the loss uses only the first, so ``unused`` is reached from an
+    output yet gets no gradient."""
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        return self.head(h), self.unused(h)
+
+
 MODELS = {"checkpoint_twice": CheckpointTwice, "with_unused": WithUnused,
           "mlp": lambda: MLP(32, 3),
-          "checkpoint_twice_not_reentrant": lambda: CheckpointTwice(use_reentrant=False)}
+          "checkpoint_twice_not_reentrant": lambda: CheckpointTwice(use_reentrant=False),
+          "two_outputs": TwoOutputs}
 
 
 def data(step: int, micro: int):
@@ -98,13 +108,15 @@ def _differences(tag, ours, theirs):
 
 
 def train_side_by_side(model_name: str, steps: int = 5, micro_batches: int = 1,
-                       sabotage: str | None = None, **kwargs) -> dict:
+                       forwards: int = 1, sabotage: str | None = None, **kwargs) -> dict:
     """Train both DDPs; return the bit differences and the layout differences separately.
 
     The first step is always a single synchronized micro-batch (torch's DDP cannot start a
-    static graph inside ``no_sync``). ``sabotage`` makes miniddp subtly wrong on purpose:
-    ``"rebuild_early"`` records the ready order in the first backward, so the buckets are
-    rebuilt one iteration early (when the ordinary reducer would rebuild them).
+    static graph inside ``no_sync``). ``forwards`` forwards share each backward (torch
+    supports several forwards before a backward with a static graph). ``sabotage`` makes
+    miniddp subtly wrong on purpose: ``"rebuild_early"`` records the ready order in the first
+    backward, so the buckets are rebuilt one iteration early (when the ordinary reducer would
+    rebuild them).
     """
     kwargs = {"static_graph": True, "bucket_cap_mb": CAP_MB, **kwargs}
     ours, theirs = build_pair(model_name, **kwargs)
@@ -125,7 +137,7 @@ def train_side_by_side(model_name: str, steps: int = 5, micro_batches: int = 1,
             for ddp, _ in both:
                 sync = micro == micros - 1
                 with contextlib.nullcontext() if sync else ddp.no_sync():
-                    F.mse_loss(ddp(x), y).backward()
+                    sum(F.mse_loss(ddp(x + k), y) for k in range(forwards)).backward()
             if [b.param_indices for b in ours.buckets] != torch_bucket_layout(theirs):
                 layouts.append(f"step {step} micro {micro}: bucket layout differs")
         bits += _differences(f"step {step} after backward", ours, theirs)
@@ -172,6 +184,11 @@ def test_bit_identical_to_torch_with_static_graph(ranks, world_size, model_name)
 @pytest.mark.parametrize("model_name", ["checkpoint_twice", "with_unused"])
 def test_bit_identical_with_no_sync(ranks, world_size, model_name):
     check(ranks(world_size).run(train_side_by_side, model_name, micro_batches=3))
+
+
+@pytest.mark.parametrize("model_name", ["checkpoint_twice", "with_unused"])
+def test_bit_identical_with_two_forwards_per_backward(ranks, model_name):
+    check(ranks(3).run(train_side_by_side, model_name, forwards=2))
 
 
 @pytest.mark.parametrize("model_name", ["checkpoint_twice", "with_unused"])
@@ -234,14 +251,16 @@ def run_until_error(ddp, change: str):
             if step == 2:
                 kwargs = {"use_unused": {"use_all": True}, "block_once": {"times": 1},
                           "block_thrice": {"times": 3}}.get(change, {})
-            F.mse_loss(ddp(x, **kwargs), y).backward()
+            out = ddp(x, **kwargs)
+            F.mse_loss(out[0] if change == "ignored_output" else out, y).backward()
     except RuntimeError as e:
         return f"step {step}: {e}"
     return None
 
 
 def errors_on_changed_graph(change: str) -> dict:
-    model_name = "with_unused" if change == "use_unused" else "checkpoint_twice"
+    model_name = {"use_unused": "with_unused", "ignored_output": "two_outputs"}.get(
+        change, "checkpoint_twice")
     ours, theirs = build_pair(model_name, static_graph=True, bucket_cap_mb=CAP_MB)
     return {"ours": run_until_error(ours, change), "torch": run_until_error(theirs, change)}
 
@@ -254,6 +273,10 @@ def errors_on_changed_graph(change: str) -> dict:
     ("block_once", r"step 3: Expected to have finished reduction in the prior iteration .*"
                    r"block.0.weight, block.0.bias, block.2.weight, block.2.bias\. "
                    r"static_graph=True is set"),
+    # the first forward's outputs are watched, so a parameter behind an ignored output fires
+    # (without a gradient); later outputs are not, so it stops firing: a changed graph
+    ("ignored_output", r"step 2: Expected to have finished reduction in the prior iteration .*"
+                       r"unused.weight, unused.bias\. static_graph=True is set"),
     ("first_in_no_sync", r"step 0: with static_graph=True the first backward must follow a "
                          r"synchronized forward"),
 ])
