@@ -121,10 +121,11 @@ class StaticGraph:
         if self.remaining[index] == 0:
             raise RuntimeError(
                 f"the gradient of {self.names[index]!r} arrived more often in this backward "
-                f"than in the first one ({self.firings[index]} times): the training graph has "
-                "changed, which static_graph=True does not allow (e.g. a parameter unused in "
-                "the first iteration is used now). Make every iteration use the same "
-                "parameters the same number of times, or leave static_graph=False.")
+                f"than in the first, where it arrived {self.firings[index]} time(s): the "
+                "training graph has changed, which static_graph=True does not allow (e.g. a "
+                "parameter unused in the first iteration is used now). Make every iteration "
+                "use the same parameters the same number of times, or leave "
+                "static_graph=False.")
         self.remaining[index] -= 1
         return self.remaining[index] == 0
 
