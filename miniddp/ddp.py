@@ -14,6 +14,7 @@ changes nothing else. What happens where:
 
 from __future__ import annotations
 
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -22,6 +23,7 @@ from torch import nn
 
 from miniddp.buckets import BucketInfo, bucket_limits
 from miniddp.reducer import Reducer
+from miniddp.static_graph import StaticGraph
 from miniddp.sync import broadcast_from_rank0, verify_same_shapes
 
 
@@ -47,6 +49,8 @@ class DistributedDataParallel(nn.Module):
     covers the first bucket too from torch 2.4, as in torch).
     ``find_unused_parameters``: allow parameters that take no part in the loss.
     ``gradient_as_bucket_view``: ``.grad`` aliases the bucket (saves one copy of the gradients).
+    ``static_graph``: the graph is the same every iteration, which allows a layer used twice
+    under reentrant checkpointing and finds unused parameters once (``miniddp.static_graph``).
     ``init_sync=False`` skips the construction-time check and broadcast. The arguments are
     torch's (2.13), in torch's order.
 
@@ -65,10 +69,7 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         # dim and check_reduction are accepted (in torch's positions) so that scripts written
         # for torch's DDP run unchanged: dim only matters to single-process DataParallel, and
-        # torch ignores check_reduction. static_graph changes behaviour, and is not built here.
-        if static_graph:
-            raise NotImplementedError("miniddp does not implement static_graph=True; leave it "
-                                      "False (use find_unused_parameters for unused ones)")
+        # torch ignores check_reduction.
         self.dim = dim
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -114,6 +115,9 @@ class DistributedDataParallel(nn.Module):
             [p for _, p in trainable], [name for name, _ in trainable], process_group,
             bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, self.overlap)
         self.bucket_bytes_cap = self.reducer.bucket_bytes
+        self.static_graph = False
+        if static_graph:  # miniddp.static_graph
+            self._set_static_graph(initial_buckets=True)
 
     @staticmethod
     def _check_devices(device_ids, output_device, devices):
@@ -149,6 +153,19 @@ class DistributedDataParallel(nn.Module):
         """All_reduce calls made by the backward of the last forward with grad enabled: one
         per bucket after a synced forward, 0 after a forward inside ``no_sync``."""
         return self.reducer.allreduce_calls
+
+    def _set_static_graph(self, initial_buckets: bool = False) -> None:
+        """Turn ``static_graph`` on after construction, before the first forward (torch's
+        older way, still used by some libraries). See ``miniddp.static_graph``."""
+        if self.static_graph:
+            warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
+            return
+        StaticGraph.attach(self.reducer, initial_buckets)
+        self.static_graph = True
+        if self.find_unused_parameters:
+            warnings.warn("find_unused_parameters=True is not needed with static_graph=True: "
+                          "unused parameters are found in the first iteration (and must stay "
+                          "unused).", stacklevel=2)
 
     @contextmanager
     def no_sync(self):

@@ -21,7 +21,9 @@ The life of one synchronized step:
 That is all of this file. The options attach where it says so, each in its own module:
 ``find_unused_parameters`` (``miniddp.unused``), ``gradient_as_bucket_view``
 (``miniddp.gradient_views``), a communication hook in place of the all_reduce
-(``miniddp.comm_hooks``), and the bucket layout and its one rebuild (``miniddp.buckets``).
+(``miniddp.comm_hooks``), ``static_graph`` (``miniddp.static_graph``: counts each parameter's
+hook firings in the first backward and delays its reduction to the end), and the bucket
+layout and its one rebuild (``miniddp.buckets``).
 ``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
@@ -68,6 +70,7 @@ class Reducer:
         self.unused = UnusedParameters(params, process_group) if find_unused_parameters else None
         self.views = GradientsAsBucketViews(names) if gradient_as_bucket_view else None
         self.comm_hook = None  # see miniddp.comm_hooks
+        self.static_graph = None  # see miniddp.static_graph
         self.timeline: list[tuple] | None = None
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
@@ -134,10 +137,15 @@ class Reducer:
             bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
         if self.unused is not None:  # find the parameters no output reaches; watch outputs
             outputs = self.unused.prepare(outputs)
+        if self.static_graph is not None:  # firings to expect; the first backward waits
+            outputs = self.static_graph.prepare(outputs)
         return outputs
 
     def _hook(self, index: int) -> None:
         with self._lock:
+            if self.static_graph is not None and not self.static_graph.final_firing(
+                    index, self.expect_hooks):
+                return  # static_graph: counted, not yet this parameter's last firing
             if self.expect_hooks:
                 self._gradient_ready(index)
             elif not self.reduced and self.unused is not None:
@@ -149,6 +157,9 @@ class Reducer:
             self.unused.note_use(index)
             for unreached in self.unused.take_unreached():
                 self._mark_ready(unreached)
+        if self.static_graph is not None:  # unused in the first backward: ready, zeros
+            for unused in self.static_graph.take_unused():
+                self._mark_ready(unused)
         if self.should_rebuild:
             self.ready_order.append(index)
         self._mark_ready(index)
@@ -158,7 +169,8 @@ class Reducer:
             raise RuntimeError(
                 f"parameter {self.names[index]!r} was marked ready twice in one backward. "
                 "Is it used outside forward, or in two reentrant backward passes "
-                "(e.g. checkpointing the same layer twice)?")
+                "(e.g. checkpointing the same layer twice)? For the latter, and if the graph "
+                "is the same every iteration, pass static_graph=True.")
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
@@ -213,6 +225,8 @@ class Reducer:
         self.reduced = True
         self._launch_ready_buckets()  # overlap=False launches everything here
         used = self.unused.used_on_some_rank() if self.unused is not None else None
+        if self.static_graph is not None:  # used by some rank in the first backward
+            used = self.static_graph.end_backward()
         for bucket in self.buckets:
             bucket.work.wait()
             if self.comm_hook is not None:  # its result goes into the bucket
@@ -243,7 +257,9 @@ class Reducer:
         # Raise at once, as torch does: waiting for the launched buckets could hang, since a
         # rank missing a different parameter never launched some of them.
         missing = [self.names[i] for i in range(len(self.params)) if i not in self.ready]
-        if self.find_unused:
+        if self.static_graph is not None:
+            advice = self.static_graph.changed_graph_advice
+        elif self.find_unused:
             advice = ("find_unused_parameters=True is set, so probably not every output of "
                       "forward was used to compute the loss: use them all, or return only "
                       "what the loss needs.")
