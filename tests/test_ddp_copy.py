@@ -25,13 +25,13 @@ def train_step(ddp, opt, step):
     opt.step()
 
 
-def copies_train_alike(how, sabotage=False):
+def copies_train_alike(how, sabotage=False, **ddp_kwargs):
     """Train both DDPs, copy both, then train originals and copies side by side; return every
     parameter or bucket layout that differs between miniddp's and torch's."""
     torch.manual_seed(1234 + dist.get_rank())
     module = MLP(32, 3)
-    originals = [miniddp.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=0.002),
-                 nn.parallel.DistributedDataParallel(copy.deepcopy(module), bucket_cap_mb=0.002)]
+    originals = [cls(copy.deepcopy(module), bucket_cap_mb=0.002, **ddp_kwargs) for cls in
+                 (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel)]
     sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)  # noqa: E731
     opts = [sgd(m) for m in originals]
     for step in range(2):  # the originals have rebuilt their buckets
@@ -65,6 +65,11 @@ def test_a_copy_trains_bit_for_bit_as_torchs_copy(ranks, world_size, how):
                                                                           how)):
         assert problems == [], f"rank {rank}: {problems[:5]}"
         assert copied_apart, "the copy must own its parameters"
+
+
+def test_a_copy_with_gradients_as_bucket_views_trains_as_torchs(ranks):
+    results = ranks(3).run(copies_train_alike, "deepcopy", gradient_as_bucket_view=True)
+    assert all(problems == [] for problems, _ in results), results
 
 
 def test_the_copy_comparison_catches_a_copy_that_keeps_the_rebuilt_buckets(ranks):
