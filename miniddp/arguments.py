@@ -30,29 +30,30 @@ TORCH_DDP_SIGNATURE = inspect.signature(nn.parallel.DistributedDataParallel.__in
 BROADCAST_BUFFERS_DEPRECATED = "forward_sync_buffers" in TORCH_DDP_SIGNATURE.parameters
 
 
-def takes_torchs_arguments(init):
+def takes_torchs_arguments(init, torchs: inspect.Signature = TORCH_DDP_SIGNATURE):
     """Make ``init`` take the installed torch's DDP arguments: its names, order and defaults.
 
     ``init`` is written with the newest torch's arguments as keywords. A call is bound against
     the installed torch's signature first, so a positional argument lands where torch would
     put it, and a default is torch's default on that release. An argument of a torch newer
-    than miniddp is refused by name unless left at its default.
+    than miniddp is refused by name unless left at its default. ``torchs``: the signature to
+    follow (another release's, in the tests).
     """
     ours = inspect.signature(init).parameters
 
     @functools.wraps(init)
     def bound(self, *args, **kwargs):
-        call = TORCH_DDP_SIGNATURE.bind(self, *args, **kwargs)
+        call = torchs.bind(self, *args, **kwargs)
         call.apply_defaults()
         arguments = {name: value for name, value in call.arguments.items() if name != "self"}
         for name in [name for name in arguments if name not in ours]:
-            if arguments.pop(name) is not TORCH_DDP_SIGNATURE.parameters[name].default:
+            if arguments.pop(name) is not torchs.parameters[name].default:
                 raise NotImplementedError(
                     f"miniddp does not know torch's DistributedDataParallel argument {name!r} "
                     "(newer than miniddp): leave it at its default.")
         init(self, **arguments)
 
-    bound.__signature__ = TORCH_DDP_SIGNATURE
+    bound.__signature__ = torchs
     return bound
 
 

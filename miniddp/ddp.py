@@ -44,7 +44,8 @@ class DistributedDataParallel(nn.Module):
     gradients are averaged during backward, so every replica takes the same optimizer step.
 
     ``device_ids`` / ``output_device``: for a module on one GPU, ``[gpu]`` (as torch); ``None``
-    for CPU modules. ``broadcast_buffers``: copy rank 0's buffers before each synced forward.
+    for CPU modules. ``forward_sync_buffers`` (torch 2.13; before it, ``broadcast_buffers``):
+    copy rank 0's buffers before each synced forward.
     ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB; an explicit cap
     covers the first bucket too from torch 2.4, as in torch).
     ``find_unused_parameters``: allow parameters that take no part in the loss.

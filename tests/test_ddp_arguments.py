@@ -42,6 +42,35 @@ def test_signature_is_the_installed_torchs():
         p.default for p in theirs.parameters.values()]
 
 
+def test_another_releases_signature_is_followed_too():
+    """The binding on an older torch, played with torch 2.1's signature: no init_sync, and
+    broadcast_buffers=True and bucket_cap_mb=25 by default; and a future torch's argument."""
+    def torch_2_1(self, module, device_ids=None, output_device=None, dim=0,
+                  broadcast_buffers=True, process_group=None, bucket_cap_mb=25,
+                  find_unused_parameters=False, check_reduction=False,
+                  gradient_as_bucket_view=False, static_graph=False,
+                  delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                  mixed_precision=None, device_mesh=None, from_the_future=False):
+        pass
+
+    received = {}
+
+    def init(self, module, broadcast_buffers=None, init_sync=True, process_group=None,
+             bucket_cap_mb=None, **others):
+        received.update(broadcast_buffers=broadcast_buffers, process_group=process_group,
+                        bucket_cap_mb=bucket_cap_mb, init_sync=init_sync)
+
+    bound = arguments.takes_torchs_arguments(init, inspect.signature(torch_2_1))
+    bound(None, "module", None, None, 0, False, "group")
+    assert received == dict(broadcast_buffers=False, process_group="group", bucket_cap_mb=25,
+                            init_sync=True)
+    with pytest.raises(TypeError, match="init_sync"):
+        bound(None, "module", init_sync=False)
+    with pytest.raises(NotImplementedError, match="from_the_future"):
+        bound(None, "module", from_the_future=True)
+    bound(None, "module", from_the_future=False)  # left at its default: harmless
+
+
 def positional_cap():
     position = list(HAS).index("bucket_cap_mb") - 1  # without self
     args = [p.default for p in list(HAS.values())[2:position + 1]]
