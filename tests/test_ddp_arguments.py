@@ -227,6 +227,15 @@ def test_batched_grad_copy_matches_torch(ranks, world_size, as_view):
     assert_same_as_torch(results)
 
 
+@needs("batched_grad_copy")
+def test_batched_grad_copy_with_unused_parameters_and_no_sync_matches_torch(ranks):
+    """Zeroed slots, stale gradients (set_to_none=False) and accumulation, at 3 ranks."""
+    results = ranks(3).run(compare_with_torch, "branchy", steps=3, micro_batches=2,
+                           set_to_none=False, find_unused_parameters=True,
+                           batched_grad_copy=True)
+    assert_same_as_torch(results)
+
+
 def batched_with_reciprocal():
     """A subtly wrong batched copy: it scales by the reciprocal, as the default path does."""
     def flush(self, bucket):
