@@ -22,6 +22,7 @@ That is all of this file. The options attach where it says so, each in its own m
 ``find_unused_parameters`` (``miniddp.unused``), ``gradient_as_bucket_view``
 (``miniddp.gradient_views``), a communication hook in place of the all_reduce
 (``miniddp.comm_hooks``), and the bucket layout and its one rebuild (``miniddp.buckets``).
+``batched_grad_copy`` (``miniddp.batched_copy``) copies a bucket's gradients in at once.
 ``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
