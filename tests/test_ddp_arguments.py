@@ -400,6 +400,25 @@ def test_ignored_parameters_and_buffers_are_left_alone_as_in_torch(ranks, world_
         assert trunk, "the rest is averaged"
 
 
+def root_parameter_ignored():
+    torch.manual_seed(dist.get_rank())
+    model = nn.Linear(4, 2)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["weight"])
+    ddp = miniddp.DistributedDataParallel(model)
+    x = torch.randn(3, 4) * (dist.get_rank() + 1)
+    F.mse_loss(ddp(x), torch.zeros(3, 2)).backward()
+    return (_equal_everywhere(model.weight.detach()), _equal_everywhere(model.weight.grad),
+            _equal_everywhere(model.bias.grad))
+
+
+def test_an_ignored_parameter_of_the_wrapped_module_itself_is_left_alone(ranks):
+    """torch 2.13 does not broadcast it but still averages it (its reducer spells the name
+    ".weight"); miniddp leaves it alone, as it does any other ignored parameter."""
+    for weight, grad, bias_grad in ranks(2).run(root_parameter_ignored):
+        assert (weight, grad, bias_grad) == (False, False, True)
+
+
 # ----- the stale "used" flag after a second backward -----
 
 class Sometimes(nn.Module):
