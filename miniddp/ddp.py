@@ -64,6 +64,9 @@ class DistributedDataParallel(nn.Module):
 
     reducer_class = Reducer
     overlap = True
+    #: torch's (private, but libraries use it): name parameters and buffers DDP must leave alone
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
 
     @arguments.takes_torchs_arguments
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,

@@ -403,8 +403,7 @@ def test_ignored_parameters_and_buffers_are_left_alone_as_in_torch(ranks, world_
 def root_parameter_ignored():
     torch.manual_seed(dist.get_rank())
     model = nn.Linear(4, 2)
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
-        model, ["weight"])
+    miniddp.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["weight"])
     ddp = miniddp.DistributedDataParallel(model)
     x = torch.randn(3, 4) * (dist.get_rank() + 1)
     F.mse_loss(ddp(x), torch.zeros(3, 2)).backward()
