@@ -63,6 +63,20 @@ def bucket_limits(bucket_cap_mb: float | None,
     return (cap if explicit_cap_covers_first else first), cap
 
 
+def bucket_limits_list(bucket_cap_mb_list: list[float] | None) -> list[int] | None:
+    """Bytes for torch's ``bucket_cap_mb_list`` (2.13): one limit per bucket, the last repeating.
+
+    With a list, torch uses it for the first buckets as well as for the rebuild, even when
+    iteration 0 would otherwise hold every parameter in one bucket. ``None`` or empty: unused.
+    """
+    if not bucket_cap_mb_list:
+        return None
+    if not all(cap > 0 for cap in bucket_cap_mb_list):
+        raise ValueError("bucket_cap_mb_list must hold positive numbers of MiB, got "
+                         f"{list(bucket_cap_mb_list)!r}")
+    return [int(cap * MIB) for cap in bucket_cap_mb_list]
+
+
 def assign_buckets(tensors: list[torch.Tensor], limits: list[int],
                    indices: list[int] | None = None) -> list[list[int]]:
     """Group tensors into buckets by torch's rules; return each bucket's tensor indices.

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.buckets import BucketInfo, bucket_limits
+from miniddp import arguments, pickling  # torch's arguments (miniddp.arguments); copies
+from miniddp.batched_copy import BatchedGradCopy  # batched_grad_copy (miniddp.batched_copy)
+from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
 from miniddp.reducer import Reducer
 from miniddp.static_graph import StaticGraph
 from miniddp.sync import broadcast_from_rank0, verify_same_shapes
@@ -44,7 +46,8 @@ class DistributedDataParallel(nn.Module):
     gradients are averaged during backward, so every replica takes the same optimizer step.
 
     ``device_ids`` / ``output_device``: for a module on one GPU, ``[gpu]`` (as torch); ``None``
-    for CPU modules. ``broadcast_buffers``: copy rank 0's buffers before each synced forward.
+    for CPU modules. ``forward_sync_buffers`` (torch 2.13; before it, ``broadcast_buffers``):
+    copy rank 0's buffers before each synced forward.
     ``bucket_cap_mb``: bucket size (default: 1 MiB first bucket, then 25 MiB; an explicit cap
     covers the first bucket too from torch 2.4, as in torch).
     ``find_unused_parameters``: allow parameters that take no part in the loss.
@@ -52,7 +55,12 @@ class DistributedDataParallel(nn.Module):
     ``static_graph``: the graph is the same every iteration, which allows a layer used twice
     under reentrant checkpointing and finds unused parameters once (``miniddp.static_graph``).
     ``init_sync=False`` skips the construction-time check and broadcast. The arguments are
-    torch's (2.13), in torch's order.
+    the installed torch's, in torch's order, with its defaults (``miniddp.arguments``; the
+    README's "torch's constructor arguments" says which work and which are refused).
+    Parameters and buffers named by torch's
+    ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)`` are
+    neither broadcast nor averaged. ``copy.deepcopy`` and pickling work as torch's
+    (``miniddp.pickling``).
 
     Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
     layout) or ``overlap`` (launch during backward, or only after it); see ``miniddp.naive``.
@@ -60,13 +68,25 @@ class DistributedDataParallel(nn.Module):
 
     reducer_class = Reducer
     overlap = True
+    #: torch's (private, but libraries use it): name parameters and buffers DDP must leave alone
+    _set_params_and_buffers_to_ignore_for_model = staticmethod(
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
 
+    @arguments.takes_torchs_arguments
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
-                 broadcast_buffers: bool = True, init_sync: bool = True, process_group=None,
-                 bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 check_reduction: bool = False, gradient_as_bucket_view: bool = False,
-                 static_graph: bool = False):
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group=None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: list[float] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None):
         super().__init__()
+        arguments.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
+                                     mixed_precision)  # miniddp.arguments
+        arguments.warn_check_reduction(check_reduction)
         # dim and check_reduction are accepted (in torch's positions) so that scripts written
         # for torch's DDP run unchanged: dim only matters to single-process DataParallel, and
         # torch ignores check_reduction.
@@ -77,15 +97,24 @@ class DistributedDataParallel(nn.Module):
                 "torch.distributed.init_process_group(...) first (or start the script with "
                 "miniddp.launch.launch / torchrun).")
         bucket_limits(bucket_cap_mb)  # reject a bad cap before any collective runs
+        self.bucket_caps = bucket_limits_list(bucket_cap_mb_list)  # miniddp.buckets
+        process_group = arguments.group_of(process_group, device_mesh)  # miniddp.arguments
         self.module = module
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
+        self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync_flags(
+            broadcast_buffers, forward_sync_buffers)  # miniddp.arguments
+        self.bucket_cap_mb = bucket_cap_mb
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        # torch's private opt-out list: these are neither broadcast nor averaged
+        self.ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True  # false right after a no_sync / no_grad forward
 
-        all_params = list(module.named_parameters())  # shared parameters appear once
+        all_params = [(name, p) for name, p in module.named_parameters()  # shared ones once
+                      if name not in self.ignored]
         trainable = [(name, p) for name, p in all_params if p.requires_grad]
         if not trainable:
             raise ValueError(
@@ -107,17 +136,51 @@ class DistributedDataParallel(nn.Module):
         if init_sync:  # torch's opt-out, for models already identical on every rank
             verify_same_shapes(all_params, process_group)
             broadcast_from_rank0([p.detach() for _, p in all_params], process_group)
-            buffers = [b for _, b in module.named_buffers()]
-            if broadcast_buffers and buffers:
+            buffers = self._buffers_to_sync()
+            if sync_buffers_at_init and buffers:
                 broadcast_from_rank0(buffers, process_group)
 
-        self.reducer = self.reducer_class(
-            [p for _, p in trainable], [name for name, _ in trainable], process_group,
-            bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, self.overlap)
-        self.bucket_bytes_cap = self.reducer.bucket_bytes
+        self.reducer = self._make_reducer()
         self.static_graph = False
         if static_graph:  # miniddp.static_graph
             self._set_static_graph(initial_buckets=True)
+
+    def _make_reducer(self) -> Reducer:
+        """The reducer for the trainable parameters DDP manages (at construction, and in a
+        copy: ``miniddp.pickling``)."""
+        trainable = [(name, p) for name, p in self.module.named_parameters()
+                     if p.requires_grad and name not in self.ignored]
+        reducer = self.reducer_class(
+            [p for _, p in trainable], [name for name, _ in trainable], self.process_group,
+            self.bucket_cap_mb, self.find_unused_parameters, self.gradient_as_bucket_view,
+            self.overlap, bucket_caps=self.bucket_caps)
+        self.bucket_bytes_cap = max(self.bucket_caps or [reducer.bucket_bytes])
+        if self.batched_grad_copy:  # miniddp.batched_copy
+            reducer.batched_copy = BatchedGradCopy(reducer)
+        if reducer.unused is not None:  # skip_all_reduce_unused_params (miniddp.unused)
+            reducer.unused.skip_unused_buckets = self.skip_all_reduce_unused_params
+        if getattr(self, "static_graph", False):  # a copy of a static-graph DDP
+            StaticGraph.attach(reducer, initial_buckets=True)
+        return reducer
+
+    def _buffers_to_sync(self) -> list[torch.Tensor]:
+        # re-read every time: a module may reassign its buffers
+        return [b for name, b in self.module.named_buffers() if name not in self.ignored]
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """torch's older name (deprecated in 2.13) for ``forward_sync_buffers``."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
+
+    def __getstate__(self):
+        return pickling.state_to_copy(self)
+
+    def __setstate__(self, state):
+        pickling.restore_copy(self, state)
 
     @staticmethod
     def _check_devices(device_ids, output_device, devices):
@@ -186,8 +249,8 @@ class DistributedDataParallel(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.reducer.begin_forward()
-        if self.require_forward_param_sync and self.broadcast_buffers:
-            buffers = [b for _, b in self.module.named_buffers()]  # re-read: may be reassigned
+        if self.require_forward_param_sync and self.forward_sync_buffers:
+            buffers = self._buffers_to_sync()
             if buffers:
                 broadcast_from_rank0(buffers, self.process_group)
         if self.device_ids:

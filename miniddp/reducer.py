@@ -23,7 +23,8 @@ That is all of this file. The options attach where it says so, each in its own m
 (``miniddp.gradient_views``), a communication hook in place of the all_reduce
 (``miniddp.comm_hooks``), ``static_graph`` (``miniddp.static_graph``: counts each parameter's
 hook firings in the first backward and delays its reduction to the end), and the bucket
-layout and its one rebuild (``miniddp.buckets``).
+layout and its one rebuild (``miniddp.buckets``). ``batched_grad_copy``
+(``miniddp.batched_copy``) copies a bucket's gradients in at once.
 ``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
@@ -57,7 +58,8 @@ class Reducer:
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, overlap: bool = True):
+                 gradient_as_bucket_view: bool = False, overlap: bool = True,
+                 bucket_caps: list[int] | None = None):
         self.params, self.names = params, names
         self.group = process_group
         # Launch through the group's own allreduce: dist.all_reduce's checks cost ~3 us a call.
@@ -65,12 +67,14 @@ class Reducer:
         self.world_size = dist.get_world_size(process_group)
         self.divisor = self.world_size  # what gradients are divided by
         self.first_bucket_bytes, self.bucket_bytes = bucket_limits(bucket_cap_mb)
+        self.bucket_caps = bucket_caps  # torch's bucket_cap_mb_list, in bytes (miniddp.buckets)
         self.overlap = overlap
         self.find_unused = find_unused_parameters
         self.unused = UnusedParameters(params, process_group) if find_unused_parameters else None
         self.views = GradientsAsBucketViews(names) if gradient_as_bucket_view else None
         self.comm_hook = None  # see miniddp.comm_hooks
         self.static_graph = None  # see miniddp.static_graph
+        self.batched_copy = None  # batched_grad_copy (miniddp.batched_copy)
         self.timeline: list[tuple] | None = None
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
@@ -95,6 +99,7 @@ class Reducer:
     def initial_assignment(self) -> list[list[int]]:
         """Iteration 0: one bucket per dtype/device, unless unused parameters are expected."""
         limits = [self.first_bucket_bytes, self.bucket_bytes] if self.find_unused else [ONE_BUCKET]
+        limits = self.bucket_caps or limits  # bucket_cap_mb_list applies from iteration 0
         return list(reversed(assign_buckets(self.params, limits)))
 
     @property
@@ -123,7 +128,7 @@ class Reducer:
         self.reduced = False
         self.allreduce_calls = 0
         if self.should_rebuild and self.ready_order:
-            limits = [self.first_bucket_bytes, self.bucket_bytes]
+            limits = self.bucket_caps or [self.first_bucket_bytes, self.bucket_bytes]
             self._init_buckets(rebuilt_assignment(self.params, self.ready_order, limits,
                                                   self.group))
             self.has_rebuilt, self.ready_order = True, []
@@ -174,8 +179,13 @@ class Reducer:
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
-        self._copy_into_bucket(self.params[index], bucket.views[slot])
+        if self.batched_copy is not None:  # copies now or later (miniddp.batched_copy)
+            self.batched_copy.copy_in(index, bucket, slot)
+        else:
+            self._copy_into_bucket(self.params[index], bucket.views[slot])
         bucket.pending -= 1
+        if bucket.pending == 0 and self.batched_copy is not None:
+            self.batched_copy.flush(bucket)
         if self.overlap:
             self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
@@ -206,6 +216,8 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.unused is not None and self.unused.skips(bucket):  # miniddp.unused
+            return
         self._record("launch", bucket.index)
         if self.comm_hook is None:
             bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
@@ -228,6 +240,8 @@ class Reducer:
         if self.static_graph is not None:  # used by some rank in the first backward
             used = self.static_graph.end_backward()
         for bucket in self.buckets:
+            if bucket.work is None:  # skipped: skip_all_reduce_unused_params (miniddp.unused)
+                continue
             bucket.work.wait()
             if self.comm_hook is not None:  # its result goes into the bucket
                 self.comm_hook.take_result(bucket)

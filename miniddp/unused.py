@@ -17,6 +17,11 @@ per parameter, "got a gradient on this rank since the last synchronized step" (`
 steps count), summed across ranks once every parameter is ready: a parameter unused on *every*
 rank keeps its ``.grad`` as it was (``None`` stays ``None``), one used on some ranks gets the
 average of what they have.
+
+``skip_all_reduce_unused_params=True`` (torch 2.13) goes one step further: a bucket whose every
+parameter no output reached on this rank is not all_reduced at all, and its gradients are left
+as they are. That is only right when every rank leaves the same parameters unused in every
+step (torch's documented condition): otherwise ranks launch different collectives.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ class UnusedParameters:
         self.params, self.group = params, group
         self.locally_used = torch.zeros(len(params), dtype=torch.int32)
         self.unreached: list[int] = []
+        self.unreached_this_step: set[int] = set()
+        self.skip_unused_buckets = False  # skip_all_reduce_unused_params
         self.used_everywhere = self.work = None
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
         self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
+        self.unreached_this_step = set(self.unreached)
         return watch_outputs(outputs)
 
     def note_use(self, index: int) -> None:
@@ -48,6 +56,11 @@ class UnusedParameters:
         """The parameters to mark ready (with zeros) at the first hook: once per backward."""
         unreached, self.unreached = self.unreached, []
         return unreached
+
+    def skips(self, bucket) -> bool:
+        """With ``skip_all_reduce_unused_params``: True for a bucket no output reached."""
+        return self.skip_unused_buckets and self.unreached_this_step.issuperset(
+            bucket.param_indices)
 
     def share(self) -> None:
         """Every parameter is ready: sum the flags across ranks, while the buckets fly."""

@@ -430,11 +430,9 @@ def positional_like_torch():
 
 
 def test_arguments_are_torchs_in_torchs_order(ranks):
+    """The installed torch's signature, names and order (miniddp.arguments), on every release."""
     ours, theirs = ranks(2).run(positional_like_torch)[0]
-    if "init_sync" in theirs:  # recent torch (2.11 has it, 2.6 not): ours are its first ones
-        assert ours == theirs[:len(ours)]
-    else:  # older torch has no init_sync (keyword-only in effect); the rest in its order
-        assert [a for a in ours if a != "init_sync"] == theirs[:len(ours) - 1]
+    assert ours == theirs
 
 
 def construction_sync(init_sync):
