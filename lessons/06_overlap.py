@@ -287,10 +287,12 @@ def show_trace(ddp, x, y) -> None:
     """One more backward, printed event by event from every rank's view of it."""
     from miniddp.trace import trace_backward
 
+    dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)
     with trace_backward(ddp, all_ranks=True) as trace:
         loss.backward()
-    print0(f"\none backward, event by event (--trace):\n{trace.format()}")
+    print0(f"\none backward, event by event (--trace), ms since each rank's backward began:\n"
+           f"{trace.format()}")
 
 
 def on_every_rank(show_the_trace: bool):

@@ -150,6 +150,12 @@ class DistributedDataParallel(nn.Module):
         per bucket after a synced forward, 0 after a forward inside ``no_sync``."""
         return self.reducer.allreduce_calls
 
+    def trace(self, all_ranks: bool = False):
+        """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.trace`."""
+        from miniddp.trace import trace_backward  # an optional view, kept out of the core path
+
+        return trace_backward(self, all_ranks)
+
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the forward must run inside the context.

@@ -240,6 +240,7 @@ class Reducer:
             bucket.work.wait()
             if bucket.recorded is not None:
                 bucket.recorded.wait()
+            self._record("waited", bucket.index)
             for slot, i in enumerate(bucket.param_indices):
                 if self.find_unused and not globally_used[i]:
                     continue  # unused on every rank: .grad stays as it was
