@@ -262,6 +262,12 @@ def reducer_task(steps: int = 3):
         dist.all_reduce = spy
         try:
             losses[0].backward()
+        except Exception as error:
+            if any(not async_op for async_op, _, _ in spy.calls):
+                raise RuntimeError(f"{type(error).__name__}: {error} (and all_reduce ran "
+                                   "without async_op=True, so it returned no work to wait "
+                                   "for)") from error
+            raise
         finally:
             dist.all_reduce = spy.original
         for loss in losses[1:]:
