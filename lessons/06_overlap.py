@@ -345,9 +345,10 @@ def on_every_rank(show_the_trace: bool):
     check(not any(control), "the control overlapped communication with backward: the check "
           f"above could not tell them apart ({control})")
     buckets = models["overlap"].buckets
-    print0(f"\n{len(buckets)} buckets; gradients that became ready while an all_reduce was in "
-           f"flight, per step (the most on any rank): {overlapped} with overlap, "
-           f"{max(control)} at every step without")
+    print0(f"\n{len(buckets)} buckets; with overlap, gradients became ready while an all_reduce "
+           f"was in flight in {in_flight_steps} of {len(overlapped)} steps (a median of "
+           f"{statistics.median(overlapped):g} of {len(list(models['overlap'].parameters()))} "
+           f"per step, on the rank that saw most); without overlap, {max(control)}")
 
     print0(f"\n{'median over steps':<18} {'step':>9} {'exposed communication':>22}")
     for name in runs:
