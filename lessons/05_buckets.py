@@ -59,10 +59,10 @@ With one GPU per rank it uses NCCL, where ``alpha`` is tens of microseconds and 
 (over NVLink) hundreds of GB/s; the model and the conclusions carry over, the numbers do not.
 
 What you will see: the buckets before and after the rebuild with names and sizes, the layouts and
-gradients by hand equal to the library's and torch's, the all_reduce
-time of each message size next to the fitted line, ``alpha``, ``beta`` and the size where they
-balance, a table of predicted and measured costs for the three strategies, the picture
-``runs/05_buckets.png``, and ``OK: ...``. A few seconds.
+gradients by hand equal to the library's and torch's, the all_reduce time of each message size
+next to the fitted line, ``alpha``, ``beta`` and the size where they balance, a table of
+predicted and measured costs for the three strategies, the picture ``runs/05_buckets.png``, and
+``OK: ...``. A few seconds.
 """
 
 import argparse
@@ -175,7 +175,7 @@ def by_hand_like_the_library(device, ddp, theirs, x, y):
     results = {}
     for name, model in (("miniddp", ddp), ("torch", theirs), ("by hand", None),
                         ("per parameter", None)):
-        local = model or deep_student(device)
+        local = deep_student(device) if model is None else model
         local.zero_grad()
         F.mse_loss(local(x), y).backward()
         if name == "by hand":
