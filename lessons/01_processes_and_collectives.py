@@ -17,6 +17,21 @@ Each rank knows its ``rank`` (0 .. world_size - 1) and the ``world_size``; that 
 one copy behave differently from another. Every collective below is checked against the value
 computed by hand, then timed, next to the bytes a ring algorithm sends per rank.
 
+Then all_reduce is written out by hand, as gloo does it on the CPU: a *ring*. Cut the buffer
+into ``world_size`` chunks; in ``world_size - 1`` steps each rank sends one chunk to its left
+neighbour and adds the chunk arriving from its right into its own (*reduce-scatter*: rank ``c``
+ends with chunk ``c`` summed over every rank); in ``world_size - 1`` more steps the finished
+chunks travel round the ring (*all-gather*). Each rank sends ``2 (W - 1) / W`` times the buffer,
+whatever ``W``: that is why the ring scales. ``ring_all_reduce`` below uses only ``isend`` and
+``irecv`` and equals ``dist.all_reduce`` exactly on integers, and on floats at 2 ranks. At 3
+ranks it shows why float bits depend on where an element sits in the buffer: chunk ``c`` is
+summed as ``x_c + (x_c+1 + (... + x_c-1))``, a different order for every chunk, and float
+addition is not associative. With ``1.0`` on rank 0 and ``2**-24`` on the others, the very same
+three numbers give ``1.0000001`` in chunk 0 and ``1.0`` elsewhere, in the ring by hand and in
+gloo's own all_reduce. That is why DDP must use torch's bucket layout to match torch's bits at
+3 ranks and more (lessons 05 and 08). gloo's ring also cuts chunks into segments, so it matches
+this one in the order's idea, not in every bit (``ddp-internals`` in the project notes).
+
 Who starts the processes:
 
 * ``miniddp.launch.launch(fn, world_size)`` forks them from this script and forms the group
@@ -37,7 +52,8 @@ refuses two ranks on one GPU.
 
 What you will see: how the ranks were started and their process ids, the result of each
 collective with the value it was checked against, a small table of costs (a 4-byte call measures
-latency, a 4 MiB call bandwidth), and ``OK: ...``. A few seconds.
+latency, a 4 MiB call bandwidth), the ring by hand equal to all_reduce, then (on 3 ranks) the
+summation order of each chunk and the bits it gives, and ``OK: ...``. A few seconds.
 """
 
 import argparse
@@ -101,6 +117,72 @@ def all_gather(device):
           f"rank {rank}: all_gather gave {gathered.tolist()}, expected {by_hand.tolist()}")
 
 
+def ring_all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum ``t`` over the ranks in place, around a ring, with point-to-point messages only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(t.tensor_split(world))  # views into t
+    left, right = (rank - 1) % world, (rank + 1) % world
+    for s in range(world - 1):  # reduce-scatter: afterwards rank c holds chunk c's sum
+        send, add_into = chunks[(rank + 1 + s) % world], chunks[(rank + 2 + s) % world]
+        arriving = torch.empty_like(add_into)
+        for request in (dist.isend(send.clone(), left), dist.irecv(arriving, right)):
+            request.wait()
+        torch.add(add_into, arriving, out=add_into)  # mine + (what came from the right)
+    for s in range(world - 1):  # all-gather: the summed chunks go round the ring
+        send, overwrite = chunks[(rank + s) % world], chunks[(rank + 1 + s) % world]
+        for request in (dist.isend(send.clone(), left), dist.irecv(overwrite, right)):
+            request.wait()
+    return t
+
+
+def ring_by_hand(device):
+    """The ring against gloo's all_reduce: exactly equal on integers, and on floats at 2 ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    for name, t in (("integers", torch.randint(-1000, 1000, (1000,), generator=g)),
+                    ("floats", torch.randn(1000, generator=g))):
+        t = t.to(device)
+        theirs = t.clone()
+        dist.all_reduce(theirs)
+        mine = ring_all_reduce(t.clone())
+        if name == "integers" or world == 2:
+            check(torch.equal(mine, theirs), f"rank {rank}: the ring by hand gave other {name} "
+                  f"than dist.all_reduce (max difference {(mine - theirs).abs().max().item()})")
+            print0(f"ring by hand on 1000 {name:<8} -> equal to dist.all_reduce exactly")
+        else:
+            same = "equal to" if torch.equal(mine, theirs) else (
+                f"within {(mine - theirs).abs().max().item():.1e} of")
+            print0(f"ring by hand on 1000 {name:<8} -> {same} dist.all_reduce (gloo also cuts "
+                   "chunks into segments, so its order differs in places)")
+
+
+def summation_order():
+    """On 3+ ranks: one sum, three orders, and the bits depend on the chunk an element is in."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    values = [1.0] + [2.0**-24] * (world - 1)  # rank 0 holds 1.0, the others 2**-24
+    t = torch.full((2 * world,), values[rank], device=device)  # 2 elements per chunk
+    mine = ring_all_reduce(t.clone())
+    theirs = t.clone()
+    dist.all_reduce(theirs)
+    print0(f"\n{world} ranks; rank 0 holds 1.0, the others 2**-24; every element sums the same "
+           f"{world} numbers:")
+    for c, part in enumerate(mine.tensor_split(world)):
+        order = [(c + k) % world for k in range(world)]  # x_c + (x_c+1 + (... + x_c-1))
+        by_hand, formula = torch.tensor(values[order[-1]]), f"x{order[-1]}"
+        for r in reversed(order[:-1]):
+            by_hand = torch.tensor(values[r]) + by_hand  # float32, innermost first
+            formula = f"x{r} + " + (f"({formula})" if "+" in formula else formula)
+        print0(f"  chunk {c}: {formula:<24} = {by_hand.item():.9f}; ring by hand gave "
+               f"{part[0].item():.9f}")
+        check(torch.equal(part, by_hand.to(device).expand_as(part)),
+              f"rank {rank}: chunk {c} of the ring gave {part.tolist()}, expected {formula} = "
+              f"{by_hand.item():.9f}")
+    print0(f"  gloo's all_reduce, element by element: {[f'{v:.7f}' for v in theirs.tolist()]}")
+    check(len(set(mine.tolist())) > 1 and len(set(theirs.tolist())) > 1,
+          "the same numbers summed in other orders should give other bits in some chunks")
+    return world
+
+
 def median_ms(device, call, *args, reps: int = 10) -> float:
     """Median wall time of ``call(*args)`` on this rank, after two warm-up calls."""
     times = []
@@ -142,6 +224,9 @@ def on_every_rank():
     all_reduce(device)
     all_gather(device)
     costs(device)
+    ring_by_hand(device)
+    if dist.get_world_size() >= 3:
+        summation_order()
     return dist.get_world_size()
 
 
@@ -151,8 +236,10 @@ def main():
                         help="ranks to fork (ignored under torchrun, which sets its own)")
     args = parser.parse_args()
     world = launch(on_every_rank, args.nproc)[0]  # NCCL if each rank can have a GPU
+    if world < 3 and not launched_by_torchrun():
+        launch(summation_order, 3)  # the order only shows from 3 ranks on
     ok(f"broadcast, all_reduce and all_gather matched the values computed by hand on {world} "
-       f"ranks")
+       f"ranks; the ring by hand equals all_reduce, and its summation order explains the bits")
 
 
 if __name__ == "__main__":

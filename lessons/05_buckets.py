@@ -32,6 +32,23 @@ as it holds at least 1 MiB (small, so that communication can start early), the o
 (``bucket_cap_mb``). They are checked against the buckets torch's own DDP builds for the same
 model.
 
+Before the library does it, the lesson does it by hand, in two short functions:
+
+* ``assign_by_hand``: torch's assignment rule. Walk the parameters in an order; per dtype and
+  device, add each one to the open bucket and close the bucket once it holds at least the limit
+  (the first limit, then the cap; a parameter is never split). At construction torch walks them
+  in parameter order and *reverses* the list of buckets (the last layers' bucket is reduced
+  first); at the rebuild it walks them in the order their gradients became ready.
+* ``all_reduce_in_buckets``: flatten each bucket's gradients, times ``1 / world_size``, into one
+  buffer, one all_reduce per bucket, copy the averages back into ``.grad``.
+
+The layouts equal ``ddp.buckets`` and torch's (at construction and after the rebuild), and the
+averaged gradients equal lesson 03's one-all_reduce-per-parameter version bit for bit at 2 ranks
+(at 3 ranks not quite: lesson 08 shows why) and miniddp's and torch's DDP bit for bit at any
+world size. The complete versions are ``miniddp.buckets.assign_buckets`` and
+``miniddp.buckets.Bucket`` (views with each parameter's strides, several devices) used by
+``miniddp.reducer.Reducer``, which fills each bucket during backward (lesson 06).
+
 Run it:
 
     python lessons/05_buckets.py              # forks 2 ranks, gloo on CPU
@@ -41,10 +58,11 @@ Run it:
 With one GPU per rank it uses NCCL, where ``alpha`` is tens of microseconds and the bandwidth
 (over NVLink) hundreds of GB/s; the model and the conclusions carry over, the numbers do not.
 
-What you will see: the buckets before and after the rebuild with names and sizes, the all_reduce
-time of each message size next to the fitted line, ``alpha``, ``beta`` and the size where they
-balance, a table of predicted and measured costs for the three strategies, the picture
-``runs/05_buckets.png``, and ``OK: ...``. A few seconds.
+What you will see: the buckets before and after the rebuild with names and sizes, the layouts and
+gradients by hand equal to the library's and torch's, the all_reduce time of each message size
+next to the fitted line, ``alpha``, ``beta`` and the size where they balance, a table of
+predicted and measured costs for the three strategies, the picture ``runs/05_buckets.png``, and
+``OK: ...``. A few seconds.
 """
 
 import argparse
@@ -57,6 +75,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from miniddp import DistributedDataParallel
+from miniddp.buckets import bucket_limits
 from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.launch import launch, rank_device
 from miniddp.report import check, ok, print0, save_figure
@@ -83,6 +102,98 @@ def show(buckets):
         names = b.names if len(b.names) <= 4 else [*b.names[:3], "...", b.names[-1]]
         print0(f"  bucket {b.index}: {len(b.names):>2} tensors, {b.nbytes / MIB:.2f} MiB: "
                + ", ".join(names))
+
+
+def assign_by_hand(params, order, first_bytes: int, cap_bytes: int) -> list[list[int]]:
+    """torch's rule: per (dtype, device), fill a bucket in ``order`` until it holds at least
+    the limit (``first_bytes`` for a group's first bucket, then ``cap_bytes``); never split."""
+    closed, open_buckets = [], {}  # (dtype, device) -> [members, bytes, buckets closed so far]
+    for i in order:
+        p = params[i]
+        entry = open_buckets.setdefault((p.dtype, p.device), [[], 0, 0])
+        entry[0].append(i)
+        entry[1] += p.numel() * p.element_size()
+        if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes):
+            closed.append(entry[0])
+            entry[0], entry[1], entry[2] = [], 0, entry[2] + 1
+    return closed + [members for members, _, _ in open_buckets.values() if members]
+
+
+def at_construction(params, first_bytes: int, cap_bytes: int) -> list[list[int]]:
+    """In parameter order, sorted by smallest index, then reversed: the last layers go first."""
+    buckets = assign_by_hand(params, range(len(params)), first_bytes, cap_bytes)
+    return list(reversed(sorted(buckets, key=min)))
+
+
+def all_reduce_in_buckets(params, buckets: list[list[int]]) -> None:
+    """Average ``.grad`` over the ranks with one all_reduce per bucket."""
+    world = dist.get_world_size()
+    for members in buckets:
+        grads = [params[i].grad for i in members]
+        flat = torch.cat([g.reshape(-1) for g in grads]) * (1.0 / world)  # torch's scaling
+        dist.all_reduce(flat)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def all_reduce_each_parameter(params) -> None:
+    """Lesson 03's version: one all_reduce per gradient, then divide by the world size."""
+    for p in params:
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def ready_order(model, x, y) -> list[int]:
+    """The order gradients become ready in one backward, seen by a hook on every parameter."""
+    order = []
+    hooks = [p.register_post_accumulate_grad_hook(lambda _, i=i: order.append(i))
+             for i, p in enumerate(model.parameters())]
+    F.mse_loss(model(x), y).backward()
+    for hook in hooks:
+        hook.remove()
+    return order
+
+
+def by_hand_like_the_library(device, ddp, theirs, x, y):
+    """The layouts and the averaged gradients by hand, against miniddp's and torch's."""
+    world, params = dist.get_world_size(), list(ddp.module.parameters())
+    first, cap = bucket_limits(None)
+    rebuilt = assign_by_hand(params, ready_order(deep_student(device), x, y), first, cap)
+    check(rebuilt == [b.param_indices for b in ddp.buckets],
+          f"buckets by hand {rebuilt} differ from ddp.buckets after the rebuild")
+    unused_ddp = DistributedDataParallel(deep_student(device), find_unused_parameters=True)
+    built = at_construction(params, first, cap)  # torch builds these when it cannot rebuild
+    theirs_at_construction, _ = dist._compute_bucket_assignment_by_size(params, [first, cap])
+    check(built == [b.param_indices for b in unused_ddp.buckets]
+          == list(reversed(theirs_at_construction)),
+          f"buckets by hand at construction {built} differ from miniddp's "
+          f"{[b.param_indices for b in unused_ddp.buckets]} or torch's "
+          f"{list(reversed(theirs_at_construction))}")
+
+    results = {}
+    for name, model in (("miniddp", ddp), ("torch", theirs), ("by hand", None),
+                        ("per parameter", None)):
+        local = deep_student(device) if model is None else model
+        local.zero_grad()
+        F.mse_loss(local(x), y).backward()
+        if name == "by hand":
+            all_reduce_in_buckets(list(local.parameters()), rebuilt)
+        elif name == "per parameter":
+            all_reduce_each_parameter(list(local.parameters()))
+        results[name] = torch.cat([p.grad.reshape(-1) for p in local.parameters()])
+    for name in ("miniddp", "torch"):
+        check(torch.equal(results["by hand"], results[name]),
+              f"gradients averaged in buckets by hand differ from {name}'s DDP's")
+    same = torch.equal(results["by hand"], results["per parameter"])
+    diff = (results["by hand"] - results["per parameter"]).abs().max().item()
+    print0(f"buckets by hand: the layout of ddp.buckets and torch's, before and after the "
+           f"rebuild; gradients equal to miniddp's and torch's DDP bit for bit, and to one "
+           f"all_reduce per parameter {'bit for bit' if same else f'to {diff:.1e}'}")
+    if world == 2:  # a + b == b + a, and halving is exact: nothing left to differ
+        check(same, f"at 2 ranks buckets by hand must equal lesson 03's per-parameter "
+                    f"all_reduce bit for bit; they differ by {diff:.2e}")
 
 
 def buckets_like_torch(device):
@@ -112,6 +223,7 @@ def buckets_like_torch(device):
     check(first.nbytes >= MIB > first.nbytes - last.numel() * last.element_size(),
           f"the first bucket ({first.nbytes} bytes) should close as soon as it holds 1 MiB")
     print0("the same buckets, members and sizes as torch's DistributedDataParallel builds")
+    by_hand_like_the_library(device, ddp, theirs, x, y)
     return ddp
 
 
@@ -172,7 +284,7 @@ def plot(nbytes, seconds, alpha, beta, strategies, measured):
         ax.set(xlabel="message size (bytes)", ylabel="time (ms)",
                title=f"all_reduce on {dist.get_world_size()} ranks ({dist.get_backend()}): "
                      "t(n) = alpha + n beta")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2)
 
     save_figure("05_buckets", draw)
 

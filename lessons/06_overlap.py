@@ -1,15 +1,28 @@
-"""Lesson 06: overlapping communication with the backward pass, seen on a timeline.
+"""Lesson 06: overlapping communication with backward, built by hand, then seen on a timeline.
 
 What this adds since lesson 05: buckets made communication cheaper; this makes it start earlier.
 Backward computes gradients from the last layer to the first, so the last layers' gradients are
-final long before backward ends. ``miniddp.DistributedDataParallel`` puts a hook on every
-parameter (a post-hook on its AccumulateGrad node, as torch's DDP does) that fires as soon as
-that parameter's gradient is final, and copies it into its bucket. When a bucket is full, its
+final long before backward ends. DDP's reducer puts a hook on every parameter that fires as soon
+as that parameter's gradient is final and copies it into its bucket. When a bucket is full, its
 all_reduce is launched at once, asynchronously (``async_op=True``), while backward carries on
 with earlier layers. When the last gradient is done, a callback queued on the autograd engine
 waits for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns
 with synchronized gradients, exactly as with ``miniddp.AllReduceBucketsAfterBackward``, the rung
 before this one: lesson 05's buckets, launched only once backward has ended.
+
+The lesson first writes that reducer out, ``SmallReducer`` below (about 50 lines): the hooks
+(``register_post_accumulate_grad_hook``), ``grad * (1 / world_size)`` copied into the bucket,
+``dist.all_reduce(bucket, async_op=True)`` when a bucket is full (buckets launched strictly in
+order, so every rank issues the same collectives in the same order), and the callback
+(``torch.autograd.Variable._execution_engine.queue_callback``) that waits and writes back. Like
+torch, it uses one bucket for the first step (the order gradients arrive in is not known yet)
+and rebuilds the buckets in the order they arrived (``rebuilt_buckets``). It is checked bit for
+bit against torch's ``DistributedDataParallel`` at every step: at 2 ranks, and at 3 ranks too,
+where the bits depend on the bucket layout (lesson 08). The full version is
+``miniddp.reducer.Reducer``; it adds a hook on the AccumulateGrad node (it runs after a user's
+own post-accumulate hooks and also sees parameters that got no gradient), unused parameters
+(``find_unused_parameters``), ``no_sync``, ``gradient_as_bucket_view``, rank 0's layout
+broadcast at the rebuild, several GPUs' threads, and errors that name the parameter.
 
 Why it matters: with overlap a step costs about max(compute, communication) instead of their
 sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
@@ -17,15 +30,21 @@ gloo). What is left exposed is the communication of the last bucket(s) after the
 the first bucket is kept small (lesson 05's 1 MiB) so that communication starts early. Here
 ``bucket_cap_mb=0.5`` gives every layer its own bucket, so the picture has several.
 
-The proof is the reducer's own record, ``ddp.reducer.timeline``: when each parameter became
-ready, when each bucket was launched and finished, when backward ended. The lesson trains the
-same model both ways, in turns, on the same data, and checks:
+The proof is the library reducer's own record, ``ddp.reducer.timeline``: when each parameter
+became ready, when each bucket was launched and finished, when backward ended. The lesson trains
+the same model with ``miniddp.DistributedDataParallel`` (overlap) and with
+``AllReduceBucketsAfterBackward`` (no overlap), in turns, on the same data, and checks:
 
-* with overlap, the first bucket was launched while gradients were still arriving, at every
-  step; without it, only after the last one (an ordering of events, not a timing, so a busy
-  machine cannot flip it);
-* the gradients of the two are equal bit for bit at every step: the same buckets summed the
-  same way, only launched at other moments.
+* with overlap, in most steps some gradient became ready while an all_reduce was in flight
+  (after the bucket's launch and before its completion, which gloo's thread records) on some
+  rank; without overlap, never. An ordering of events, not a timing, so a busy machine cannot
+  flip it, and a reducer that waits for each all_reduce right after launching it fails it;
+* the gradients of the two, of ``SmallReducer`` and of torch's DDP are equal bit for bit at
+  every step: the same buckets summed the same way, only launched at other moments.
+
+``--trace`` prints one backward event by event (``miniddp.trace``; ``ddp.trace()`` does the same
+for your own model): each gradient as it becomes ready with its bucket and how full the bucket
+is, each all_reduce launched and finished, the end of backward, the waits and the write-back.
 
 What a 2-core CPU shows and does not: gloo runs each all_reduce on a helper thread, which must
 find a core while backward keeps one busy per rank, so communication stretches out and the
@@ -38,17 +57,20 @@ Run it:
 
     python lessons/06_overlap.py              # forks 2 ranks, gloo on CPU
     python lessons/06_overlap.py --nproc 3
+    python lessons/06_overlap.py --trace      # one backward, event by event, on rank 0
     torchrun --standalone --nproc_per_node=2 lessons/06_overlap.py
 
 With one GPU per rank it uses NCCL and the GPUs.
 
-What you will see: the loss falling (the overlapped run's; the other's is the same, bit for
-bit), step times and the communication left exposed after backward for each run, the timeline
-of one step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png``,
-and ``OK: ...``. A few seconds.
+What you will see: ``SmallReducer`` equal to torch's DDP bit for bit, the loss falling with each
+run's own milliseconds per step, step times and the communication left exposed after backward for
+each run, how many gradients became ready while an all_reduce was in flight, the timeline of one
+step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png``, the same
+check at 3 ranks, and ``OK: ...``. A few seconds.
 """
 
 import argparse
+import functools
 import statistics
 import time
 
@@ -56,11 +78,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
+from miniddp.buckets import bucket_limits
 from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.launch import launch, rank_device
-from miniddp.report import Progress, check, ok, print0, save_figure
+from miniddp.launch import launch, launched_by_torchrun, rank_device
+from miniddp.report import check, mean_over_ranks, ok, print0, save_figure
 
 LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: one bucket per layer with a 0.5 MiB cap
 BUCKET_CAP_MB = 0.5
@@ -77,6 +101,108 @@ def wide_student(device) -> nn.Module:
         for _ in range(LAYERS):
             layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
         return nn.Sequential(*layers, nn.Linear(WIDTH, OUT_FEATURES)).to(device)
+
+
+class SmallReducer:
+    """DDP's reducer, small: hooks fill buckets, a full bucket is all_reduced at once (async),
+    and a callback at the end of backward waits for every bucket and writes the averages back.
+
+    ``buckets`` lists parameter indices per bucket, in launch order. The timeline records
+    ``(event, index, time)`` as ``miniddp.reducer.Reducer`` does.
+    """
+
+    def __init__(self, model: nn.Module, buckets: list[list[int]]):
+        self.params = list(model.parameters())
+        self.world_size = dist.get_world_size()
+        self.timeline: list[tuple[str, int, float]] = []
+        self.set_buckets(buckets)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_ready, i))
+
+    def set_buckets(self, buckets: list[list[int]]) -> None:
+        """One flat buffer per bucket; each parameter writes into its own slice (a view)."""
+        self.buckets, self.flat, self.views = buckets, [], {}
+        for b, members in enumerate(buckets):
+            first = self.params[members[0]]
+            flat = torch.empty(sum(self.params[i].numel() for i in members),
+                               dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in members:
+                n = self.params[i].numel()
+                self.views[i] = (b, flat[offset:offset + n].view_as(self.params[i]))
+                offset += n
+            self.flat.append(flat)
+        self.missing = [len(members) for members in buckets]
+        self.in_flight = []  # the launched all_reduces, in bucket order
+
+    def _on_ready(self, i: int, param: torch.Tensor) -> None:
+        """The hook: ``param.grad`` is final. Copy it, scaled, into its bucket; launch."""
+        self._record("ready", i)
+        b, view = self.views[i]
+        torch.mul(param.grad, 1.0 / self.world_size, out=view)  # torch's op, for torch's bits
+        self.missing[b] -= 1
+        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
+            k = len(self.in_flight)  # buckets strictly in order, the same on every rank
+            self._record("launch", k)
+            self.in_flight.append(dist.all_reduce(self.flat[k], async_op=True))
+            if k == len(self.buckets) - 1:  # the last one: finish when backward does
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+
+    def _finish(self) -> None:
+        """Runs once backward has computed every gradient: wait, then write back."""
+        self._record("backward_end", -1)
+        for b, work in enumerate(self.in_flight):
+            work.wait()
+            self._record("waited", b)
+            for i in self.buckets[b]:
+                self.params[i].grad.copy_(self.views[i][1])
+        self._record("finalized", -1)
+        self.missing = [len(members) for members in self.buckets]
+        self.in_flight = []
+
+    def _record(self, event: str, ident: int) -> None:
+        self.timeline.append((event, ident, time.perf_counter()))
+
+
+def rebuilt_buckets(params, ready_order: list[int], first_bytes: int, cap_bytes: int):
+    """torch's rebuild: buckets in the order gradients became ready; the first closes once it
+    holds ``first_bytes``, the others at ``cap_bytes`` (one dtype and device here)."""
+    buckets, size = [[]], 0
+    for i in ready_order:
+        buckets[-1].append(i)
+        size += params[i].numel() * params[i].element_size()
+        if size >= (first_bytes if len(buckets) == 1 else cap_bytes):
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def small_reducer_matches_torch(steps: int = 4) -> int:
+    """Train ``SmallReducer`` and torch's DDP side by side; equal bit for bit at every step."""
+    device = rank_device()
+    ids = [device.index] if device.type == "cuda" else None
+    theirs = TorchDDP(wide_student(device), device_ids=ids, bucket_cap_mb=BUCKET_CAP_MB)
+    model = wide_student(device)
+    n = len(list(model.parameters()))
+    reducer = SmallReducer(model, [list(range(n))])  # step 0: one bucket, as torch
+    optimizers = [torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9) for m in (model, theirs)]
+    x_all, y_all = (t.to(device) for t in make_dataset(n=LOCAL_BATCH * steps,
+                                                        seed=dist.get_rank()).tensors)
+    for s in range(steps):
+        x, y = x_all[s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH], y_all[s * LOCAL_BATCH:][:LOCAL_BATCH]
+        for m, optimizer in zip((model, theirs), optimizers):
+            optimizer.zero_grad()
+            F.mse_loss(m(x), y).backward()
+        for p, q in zip(model.parameters(), theirs.parameters()):
+            check(torch.equal(p.grad, q.grad), f"step {s}, rank {dist.get_rank()}: SmallReducer's "
+                  f"gradients differ from torch's DDP (buckets {reducer.buckets})")
+        for optimizer in optimizers:
+            optimizer.step()
+        if s == 0:  # torch rebuilds its buckets at the next forward, in the order just seen
+            order = [i for event, i, _ in reducer.timeline if event == "ready"]
+            reducer.set_buckets(rebuilt_buckets(reducer.params, order,
+                                                *bucket_limits(BUCKET_CAP_MB)))
+    return len(reducer.buckets)
 
 
 def step(ddp, optimizer, x, y, device):
@@ -101,14 +227,23 @@ def when(events, kind, ident=-1) -> float:
     return next(t for k, i, t in events if k == kind and i == ident)
 
 
-def kinds(events) -> list[str]:
-    return [k for k, _, _ in events]
+def ready_while_in_flight(events) -> int:
+    """How many gradients became ready while some all_reduce was in flight: after its launch
+    and before gloo's thread recorded it done. 0 when communication never overlapped backward
+    (launched after backward, or waited for right after each launch)."""
+    launched = {i: t for k, i, t in events if k == "launch"}
+    done = {i: t for k, i, t in events if k == "done"}
+    return sum(any(launched[b] < t < done[b] for b in launched)
+               for k, _, t in events if k == "ready")
 
 
-def launched_while_gradients_arrived(events) -> bool:
-    """Whether the first all_reduce started before the last gradient was ready (an ordering)."""
-    order = kinds(events)
-    return order.index("launch") < len(order) - 1 - order[::-1].index("ready")
+def on_any_rank(counts: list[int]) -> list[int]:
+    """The largest of every rank's counts, step by step: the rank that launched a bucket first
+    sees its gradients arrive while it waits; the last to launch may find the all_reduce done
+    at once."""
+    t = torch.tensor(counts, device=rank_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
 
 
 def draw_timelines(timelines: dict, buckets):
@@ -121,8 +256,7 @@ def draw_timelines(timelines: dict, buckets):
                 first = min(ready[i] for i in b.param_indices)
                 last = max(ready[i] for i in b.param_indices)
                 launched = when(events, "launch", b.index)
-                done = next((t for k, i, t in events if k == "done" and i == b.index),
-                            when(events, "finalized"))  # a callback records "done", maybe late
+                done = when(events, "done", b.index)
                 ax.plot([1e3 * first, 1e3 * last], [row, row], color="gray", lw=1.5)
                 ax.barh(row, 1e3 * (done - launched), left=1e3 * launched, height=0.6,
                         color=colour)
@@ -149,10 +283,26 @@ def draw_timelines(timelines: dict, buckets):
     save_figure("06_overlap", draw)
 
 
-def on_every_rank():
+def show_trace(ddp, x, y) -> None:
+    """One more backward, printed event by event from every rank's view of it."""
+    from miniddp.trace import trace_backward
+
+    dist.barrier()  # start together: each rank's times count from its own ``with``
+    loss = F.mse_loss(ddp(x), y)
+    with trace_backward(ddp, all_ranks=True) as trace:
+        loss.backward()
+    print0(f"\none backward, event by event (--trace), ms since each rank's backward began:\n"
+           f"{trace.format()}")
+
+
+def on_every_rank(show_the_trace: bool):
     rank = dist.get_rank()
     device = rank_device()
     ids = [device.index] if device.type == "cuda" else None
+    buckets_by_hand = small_reducer_matches_torch()
+    print0(f"SmallReducer ({buckets_by_hand} buckets after the rebuild) gave torch's DDP's "
+           f"gradients bit for bit at every step on {dist.get_world_size()} ranks\n")
+
     runs = {"overlap": DistributedDataParallel, "after backward": AllReduceBucketsAfterBackward}
     models = {name: cls(wide_student(device), device_ids=ids, bucket_cap_mb=BUCKET_CAP_MB)
               for name, cls in runs.items()}
@@ -160,43 +310,45 @@ def on_every_rank():
                   for name, m in models.items()}
     x_all, y_all = (t.to(device) for t in make_dataset(n=LOCAL_BATCH * STEPS, seed=rank).tensors)
 
-    progress = Progress(STEPS, every=5)
     seconds = {name: [] for name in runs}
     exposed = {name: [] for name in runs}
-    timelines = {}
+    timelines, losses = {}, []
     for s in range(STEPS):
         x = x_all[s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH]
         y = y_all[s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH]
-        grads = {}
+        grads, took = {}, {}
         for name in runs if s % 2 == 0 else reversed(runs):  # A B B A: neither always first
-            loss, grads[name], events, took = step(models[name], optimizers[name], x, y, device)
+            loss, grads[name], events, took[name] = step(models[name], optimizers[name], x, y,
+                                                         device)
             if s >= 2:  # from step 2 on, both run on the rebuilt buckets, warmed up
-                seconds[name].append(took)
+                seconds[name].append(took[name])
                 exposed[name].append(when(events, "finalized") - when(events, "backward_end"))
-                timelines.setdefault(name, []).append((took, events))
+                timelines.setdefault(name, []).append((took[name], events))
             if name == "overlap":
-                progress(loss)
+                losses.append(loss.detach())
+        if s % 5 == 0 or s == STEPS - 1:  # each run's own time: they ran one after the other
+            print0(f"step {s:>2}/{STEPS} | loss {mean_over_ranks(losses[-1]):.5f} | "
+                   + " | ".join(f"{name} {1e3 * took[name]:6.2f} ms" for name in runs))
         same = all(torch.equal(a, b) for a, b in zip(grads["overlap"], grads["after backward"]))
         check(same, f"step {s}, rank {rank}: the overlapped gradients differ from the "
                     "non-overlapped ones")
-    losses = progress.losses()
-    check(losses[-1] < 0.5 * losses[0],
-          f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}: not below half its start")
+    first, last = mean_over_ranks(losses[0]), mean_over_ranks(losses[-1])
+    check(last < 0.5 * first, f"the loss went from {first:.4f} to {last:.4f}: not below half")
 
-    check(all(launched_while_gradients_arrived(e) for _, e in timelines["overlap"]),
-          "with overlap, the first bucket must be launched while gradients are still arriving")
-    check(not any(launched_while_gradients_arrived(e) for _, e in timelines["after backward"]),
-          "the control launched during backward: the check above could not tell them apart")
-
-    # the step of median duration, one per run, stands for the rest in the picture
-    timelines = {name: sorted(steps, key=lambda x: x[0])[len(steps) // 2][1]
-                 for name, steps in timelines.items()}
-    overlapped, control = kinds(timelines["overlap"]), kinds(timelines["after backward"])
+    overlapped = on_any_rank([ready_while_in_flight(e) for _, e in timelines["overlap"]])
+    control = on_any_rank([ready_while_in_flight(e) for _, e in timelines["after backward"]])
+    in_flight_steps = sum(n > 0 for n in overlapped)
+    check(in_flight_steps >= len(overlapped) / 2,
+          "with overlap, gradients must become ready while an all_reduce is in flight (on some "
+          f"rank) in most steps; they did in {in_flight_steps} of {len(overlapped)} steps. "
+          f"Gradients ready in flight, per step: {overlapped}")
+    check(not any(control), "the control overlapped communication with backward: the check "
+          f"above could not tell them apart ({control})")
     buckets = models["overlap"].buckets
-    print0(f"\n{len(buckets)} buckets; the first all_reduce was launched after "
-           f"{overlapped[:overlapped.index('launch')].count('ready')} of "
-           f"{overlapped.count('ready')} gradients with overlap, after "
-           f"{control[:control.index('launch')].count('ready')} without")
+    print0(f"\n{len(buckets)} buckets; with overlap, gradients became ready while an all_reduce "
+           f"was in flight in {in_flight_steps} of {len(overlapped)} steps (a median of "
+           f"{statistics.median(overlapped):g} of {len(list(models['overlap'].parameters()))} "
+           f"per step, on the rank that saw most); without overlap, {max(control)}")
 
     print0(f"\n{'median over steps':<18} {'step':>9} {'exposed communication':>22}")
     for name in runs:
@@ -205,7 +357,11 @@ def on_every_rank():
     print0("(exposed: from the last gradient computed to backward() returning. On a CPU with "
            "few cores these\ntimes are noisy and the saving can be small or none: see the "
            "docstring)")
-    draw_timelines(timelines, buckets)
+    # the step of median duration, one per run, stands for the rest in the picture
+    draw_timelines({name: sorted(steps, key=lambda x: x[0])[len(steps) // 2][1]
+                    for name, steps in timelines.items()}, buckets)
+    if show_the_trace:
+        show_trace(models["overlap"], x_all[:LOCAL_BATCH], y_all[:LOCAL_BATCH])
     return len(buckets), STEPS
 
 
@@ -213,10 +369,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2,
                         help="ranks to fork (ignored under torchrun, which sets its own)")
+    parser.add_argument("--trace", action="store_true",
+                        help="print one backward event by event, every rank side by side")
     args = parser.parse_args()
-    buckets, steps = launch(on_every_rank, args.nproc)[0]
-    ok(f"{buckets} buckets launched during backward, the first while gradients were still "
-       f"arriving, and {steps} steps gave the non-overlapped gradients bit for bit")
+    buckets, steps = launch(on_every_rank, args.nproc, (args.trace,))[0]
+    if not launched_by_torchrun() and args.nproc != 3:
+        launch(small_reducer_matches_torch, 3)  # where the bucket layout decides the bits
+        print0("SmallReducer gave torch's DDP's gradients bit for bit on 3 ranks too")
+    ok(f"SmallReducer equals torch's DDP bit for bit; {buckets} buckets launched during "
+       "backward, with gradients becoming ready while all_reduces were in flight, and "
+       f"{steps} steps gave the non-overlapped gradients bit for bit")
 
 
 if __name__ == "__main__":

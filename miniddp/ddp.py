@@ -230,6 +230,12 @@ class DistributedDataParallel(nn.Module):
                           "unused parameters are found in the first iteration (and must stay "
                           "unused).", stacklevel=2)
 
+    def trace(self, all_ranks: bool = False):
+        """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.trace`."""
+        from miniddp.trace import trace_backward  # an optional view, kept out of the core path
+
+        return trace_backward(self, all_ranks)
+
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the forward must run inside the context.

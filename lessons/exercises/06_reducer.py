@@ -1,0 +1,78 @@
+"""Exercise 06 (lesson 06): the reducer: hooks, buckets, async all_reduce, a callback.
+
+``Reducer(model, buckets)`` puts a hook on every parameter
+(``register_post_accumulate_grad_hook``); ``buckets`` lists parameter indices per bucket, in
+launch order, and ``set_buckets`` gives each parameter a view into its bucket's flat buffer.
+Write the two pieces that make DDP:
+
+* ``_on_ready`` (the hook, when ``param.grad`` is final): copy ``grad * (1 / world_size)`` into
+  the parameter's view; when the next bucket to launch is complete, launch its all_reduce with
+  ``async_op=True`` and keep the work; buckets strictly in order (a later bucket that fills
+  first waits for its predecessors), so every rank issues the same collectives in the same
+  order; after the last launch, queue ``_finish`` on the autograd engine.
+* ``_finish`` (after backward computed every gradient): wait for every bucket in order and copy
+  the averages back into ``.grad``; reset for the next backward.
+
+Graded by ``python lessons/grade.py 06``: gradients equal torch's DDP's bit for bit at every
+step at 2 and 3 ranks (one bucket at step 0, torch's rebuilt buckets after), every all_reduce
+asynchronous and launched during backward, in bucket order.
+"""
+
+import functools
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Reducer:
+    """Average gradients over the ranks during backward, bucket by bucket."""
+
+    def __init__(self, model: nn.Module, buckets: list[list[int]]):
+        self.params = list(model.parameters())
+        self.world_size = dist.get_world_size()
+        self.timeline: list[tuple[str, int, float]] = []
+        self.set_buckets(buckets)
+        for i, p in enumerate(self.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_ready, i))
+
+    def set_buckets(self, buckets: list[list[int]]) -> None:
+        """One flat buffer per bucket; ``views[i] = (bucket, parameter i's slice of it)``."""
+        self.buckets, self.flat, self.views = buckets, [], {}
+        for b, members in enumerate(buckets):
+            first = self.params[members[0]]
+            flat = torch.empty(sum(self.params[i].numel() for i in members),
+                               dtype=first.dtype, device=first.device)
+            offset = 0
+            for i in members:
+                n = self.params[i].numel()
+                self.views[i] = (b, flat[offset:offset + n].view_as(self.params[i]))
+                offset += n
+            self.flat.append(flat)
+        self.missing = [len(members) for members in buckets]  # gradients each bucket awaits
+        self.in_flight = []  # the launched all_reduces' works, in bucket order
+
+    def _on_ready(self, i: int, param: torch.Tensor) -> None:
+        self._record("ready", i)
+        b, view = self.views[i]
+        raise NotImplementedError(
+            "exercise 06, the hook: (1) torch.mul(param.grad, 1.0 / self.world_size, out=view) "
+            "(multiply by the reciprocal: torch's op, so the bits match); (2) "
+            "self.missing[b] -= 1; (3) while len(self.in_flight) < len(self.buckets) and the "
+            "next bucket k = len(self.in_flight) has self.missing[k] == 0: "
+            "self._record('launch', k) and append dist.all_reduce(self.flat[k], async_op=True) "
+            "to self.in_flight (never .wait() here: backward must go on while it flies); (4) "
+            "right after launching the last bucket (k == len(self.buckets) - 1), queue the end: "
+            "torch.autograd.Variable._execution_engine.queue_callback(self._finish).")
+
+    def _finish(self) -> None:
+        self._record("backward_end", -1)
+        raise NotImplementedError(
+            "exercise 06, the callback: for each bucket b in order, self.in_flight[b].wait(), "
+            "then for each i in self.buckets[b] copy the average back: "
+            "self.params[i].grad.copy_(self.views[i][1]). Then reset for the next backward: "
+            "self.missing = [len(m) for m in self.buckets]; self.in_flight = [].")
+
+    def _record(self, event: str, ident: int) -> None:
+        self.timeline.append((event, ident, time.perf_counter()))

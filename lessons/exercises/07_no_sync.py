@@ -1,0 +1,28 @@
+"""Exercise 07 (lesson 07): one optimizer step from k micro-batches, with ``no_sync``.
+
+``micro_batches`` is a list of k ``(x, y)`` pairs. The gradient of one step must be the gradient
+of the mean loss over all k micro-batches on all ranks, with one all_reduce round per step:
+
+* ``optimizer.zero_grad()`` once, before the first micro-batch (``.grad`` must accumulate);
+* for the first k - 1 micro-batches, forward *and* backward inside ``with ddp.no_sync():``
+  (the flag is read at forward time), with the loss ``F.mse_loss(ddp(x), y) / k``;
+* the last micro-batch the same, outside ``no_sync``: its backward averages the whole
+  accumulated ``.grad`` over the ranks once;
+* ``optimizer.step()`` once.
+
+Graded by ``python lessons/grade.py 07`` with torch's DDP (parameters equal to the correct
+loop's bit for bit after every step) and miniddp's (all_reduces launched only in the last
+backward of each step).
+"""
+
+import torch.nn.functional as F  # noqa: F401  (you will need it)
+
+
+def accumulation_step(ddp, optimizer, micro_batches) -> None:
+    """One optimizer step from ``micro_batches``, communicating once."""
+    k = len(micro_batches)
+    raise NotImplementedError(
+        f"exercise 07: write the step for these k={k} micro-batches: optimizer.zero_grad() once; "
+        "for j, (x, y) in enumerate(micro_batches): compute loss = F.mse_loss(ddp(x), y) / k "
+        "and call loss.backward(), both inside `with ddp.no_sync():` when j < k - 1 and outside "
+        "it for the last one; then optimizer.step() once.")

@@ -1,0 +1,34 @@
+"""Exercise 04 (lesson 04): the indices torch's DistributedSampler gives one rank in one epoch.
+
+Three steps, as in ``miniddp.sampler.DistributedSampler``:
+
+1. the order: with ``shuffle``, ``torch.randperm(dataset_len, generator=g)`` where
+   ``g = torch.Generator(); g.manual_seed(seed + epoch)``; without, ``0, 1, ..., dataset_len - 1``;
+2. equal shares: with ``drop_last``, ``num_samples = dataset_len // num_replicas`` (the tail is
+   cut); without, ``num_samples = ceil(dataset_len / num_replicas)`` and the order is padded by
+   repeating it from its start, as many times as needed; ``total_size = num_samples *
+   num_replicas``, and the order is cut to ``total_size``;
+3. rank ``r`` takes every ``num_replicas``-th index starting at ``r``.
+
+Graded by ``python lessons/grade.py 04`` on 3 ranks against torch's sampler, index for index.
+"""
+
+import torch
+
+
+def rank_indices(dataset_len: int, num_replicas: int, rank: int, epoch: int, seed: int = 0,
+                 shuffle: bool = True, drop_last: bool = False) -> list[int]:
+    """This rank's dataset indices for ``epoch``, exactly as torch's DistributedSampler."""
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(dataset_len, generator=g).tolist()
+    else:
+        order = list(range(dataset_len))
+    if drop_last:
+        num_samples = dataset_len // num_replicas
+    else:
+        num_samples = -(-dataset_len // num_replicas)
+    total_size = num_samples * num_replicas
+    order = (order * -(-total_size // dataset_len))[:total_size]
+    return order[rank:total_size:num_replicas]

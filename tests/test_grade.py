@@ -1,0 +1,95 @@
+"""lessons/grade.py: shipped exercises fail saying what to write, solutions pass, and a wrong
+solution fails the check that names its mistake."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from lesson_modules import LESSONS_DIR
+
+GRADE = LESSONS_DIR / "grade.py"
+SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
+NUMBERS = ["03", "04", "05", "06", "07"]
+
+
+def grade(*args, timeout=240):
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    return subprocess.run([sys.executable, str(GRADE), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, cwd=LESSONS_DIR.parent, env=env)
+
+
+def sections(stdout: str) -> dict[str, str]:
+    """The grader's output, exercise by exercise."""
+    parts = re.split(r"^exercise (\d\d): .*$", stdout, flags=re.MULTILINE)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+@pytest.mark.slow
+def test_shipped_exercises_all_fail_saying_what_to_write():
+    done = grade()
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = sections(done.stdout)
+    assert sorted(found) == NUMBERS
+    for number, text in found.items():
+        assert f"TODO  not written yet: exercise {number}" in text, text
+        assert "PASS" not in text
+    assert "0 of 5 exercises pass; next: python lessons/grade.py 03" in done.stdout
+
+
+@pytest.mark.slow
+def test_reference_solutions_all_pass():
+    done = grade("--solutions")
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = sections(done.stdout)
+    assert sorted(found) == NUMBERS
+    assert all("PASS" in text and "FAIL" not in text and "TODO" not in text
+               for text in found.values()), done.stdout
+    assert "5 of 5 exercises pass" in done.stdout
+
+
+def test_one_exercise_by_number():
+    done = grade("04", "--solutions")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert list(sections(done.stdout)) == ["04"]
+
+
+def test_an_unknown_exercise_is_refused():
+    done = grade("99")
+    assert done.returncode == 2 and "no exercise 99" in done.stderr
+
+
+# Each: (exercise, text in the solution, the mistake put in its place, the check that must fail)
+MISTAKES = {
+    "03": ("p.grad.mul_(1.0 / world_size)\n", "pass\n",
+           "2 ranks: every .grad equals torch's DDP's bit for bit"),
+    "04": ("order = (order * -(-total_size // dataset_len))[:total_size]",
+           "order = order[:total_size]",
+           "every rank's indices equal torch's DistributedSampler's"),
+    "05": ("return list(reversed(sorted(closed, key=min)))", "return sorted(closed, key=min)",
+           "the layout of torch's _compute_bucket_assignment_by_size, reversed"),
+    "06": ("self.in_flight.append(dist.all_reduce(self.flat[k], async_op=True))",
+           "self.in_flight.append(dist.all_reduce(self.flat[k], async_op=True))\n"
+           "            self.in_flight[-1].wait()",
+           "no all_reduce is waited for before backward has computed every gradient"),
+    "07": ("            with ddp.no_sync():\n                (F.mse_loss(ddp(x), y) / k)"
+           ".backward()", "            (F.mse_loss(ddp(x), y) / k).backward()",
+           "one all_reduce round per step"),
+}
+
+
+@pytest.mark.slow
+def test_each_wrong_solution_fails_the_check_that_names_its_mistake(tmp_path):
+    for number, (right, wrong, _) in MISTAKES.items():
+        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+        text = solution.read_text()
+        assert right in text, f"{solution.name} no longer contains {right!r}"
+        (tmp_path / solution.name).write_text(text.replace(right, wrong))
+    done = grade("--dir", tmp_path)
+    assert done.returncode == 1
+    found = sections(done.stdout)
+    for number, (_, _, check) in MISTAKES.items():
+        failed = [line for line in found[number].splitlines() if line.strip().startswith("FAIL")]
+        assert any(check in line for line in failed), f"{number}:\n{found[number]}"

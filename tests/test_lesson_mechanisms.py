@@ -1,0 +1,215 @@
+"""The mechanisms the lessons write out by hand agree with the library and with torch.
+
+A lesson's version is the minimal one and the library's the complete one; these tests hold them
+together, so neither can drift: the ring of lesson 01 against ``dist.all_reduce``, the buckets
+of lesson 05 against ``miniddp.buckets`` and torch's assignment, the ``SmallReducer`` of lesson
+06 against ``miniddp.DistributedDataParallel`` and torch's DDP. Each has a control that shows
+the comparison can fail.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lesson_modules import LESSONS_DIR, load_lesson
+
+import miniddp
+from miniddp.buckets import assign_buckets
+from miniddp.data import make_dataset
+
+ring = load_lesson("01")
+buckets = load_lesson("05")
+overlap = load_lesson("06")
+
+
+# ----- lesson 01: the ring -----
+
+def ring_against_all_reduce(dtype):
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(rank)
+    results = []
+    for n in (1, 5, 1000, 4099):
+        t = (torch.randint(-10**6, 10**6, (n,), generator=g) if dtype == "int"
+             else torch.randn(n, generator=g))
+        theirs = t.clone()
+        dist.all_reduce(theirs)
+        results.append(torch.equal(ring.ring_all_reduce(t.clone()), theirs))
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_ring_by_hand_equals_all_reduce_exactly_on_integers(ranks, world):
+    assert all(all(r) for r in ranks(world).run(ring_against_all_reduce, "int"))
+
+
+def test_ring_by_hand_equals_all_reduce_bit_for_bit_on_floats_at_2_ranks(ranks):
+    assert all(all(r) for r in ranks(2).run(ring_against_all_reduce, "float"))
+
+
+def test_ring_by_hand_sums_each_chunk_in_its_own_order_at_3_ranks(ranks):
+    assert ranks(3).run(ring.summation_order) == [3, 3, 3]
+
+
+# ----- lesson 05: buckets -----
+
+def random_tensors(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    count = int(torch.randint(1, 15, (), generator=g))
+    sizes = torch.randint(1, 4000, (count,), generator=g).tolist()
+    dtypes = [torch.float64 if torch.rand((), generator=g) < 0.3 else torch.float32
+              for _ in sizes]
+    order = torch.randperm(count, generator=g).tolist()
+    return [torch.empty(n, dtype=d) for n, d in zip(sizes, dtypes)], order
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_buckets_by_hand_equal_the_library_in_any_order(seed):
+    tensors, order = random_tensors(seed)
+    first, cap = 3000, 7000
+    ours = assign_buckets([tensors[i] for i in order], [first, cap], order)
+    assert buckets.assign_by_hand(tensors, order, first, cap) == ours
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_buckets_by_hand_at_construction_equal_torchs_reversed(seed):
+    tensors, _ = random_tensors(seed)
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [3000, 7000])
+    assert buckets.at_construction(tensors, 3000, 7000) == list(reversed(theirs))
+
+
+def test_buckets_by_hand_close_a_bucket_that_holds_exactly_the_limit():
+    tensors = [torch.empty(500) for _ in range(4)]  # 2000 bytes each
+    ours = assign_buckets(tensors, [4000, 2000])
+    assert buckets.assign_by_hand(tensors, range(4), 4000, 2000) == ours == [[0, 1], [2], [3]]
+
+
+def test_buckets_by_hand_control_forgetting_the_reversal_is_caught():
+    tensors = [torch.empty(1000) for _ in range(6)]
+    theirs, _ = dist._compute_bucket_assignment_by_size(tensors, [4000, 8000])
+    forgotten = sorted(buckets.assign_by_hand(tensors, range(6), 4000, 8000), key=min)
+    assert forgotten != list(reversed(theirs))
+
+
+def grads_in_buckets_vs_miniddp(cap_mb, layout_from="ddp"):
+    """One backward through miniddp's DDP and through lesson 05's buckets by hand."""
+    ddp = miniddp.DistributedDataParallel(buckets.deep_student(torch.device("cpu")),
+                                          bucket_cap_mb=cap_mb)
+    x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
+    for _ in range(2):  # the second backward runs on the rebuilt buckets
+        ddp.zero_grad()
+        F.mse_loss(ddp(x), y).backward()
+    layout = [b.param_indices for b in ddp.buckets]
+    if layout_from == "one bucket":
+        layout = [sorted(i for b in layout for i in b)]
+    plain = buckets.deep_student(torch.device("cpu"))
+    F.mse_loss(plain(x), y).backward()
+    buckets.all_reduce_in_buckets(list(plain.parameters()), layout)
+    return all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), ddp.parameters()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_buckets_by_hand_average_like_miniddp_bit_for_bit(ranks, world):
+    assert all(ranks(world).run(grads_in_buckets_vs_miniddp, 0.2))
+
+
+def test_buckets_by_hand_control_another_layout_differs_at_3_ranks(ranks):
+    assert not all(ranks(3).run(grads_in_buckets_vs_miniddp, 0.2, "one bucket"))
+
+
+# ----- lesson 06: the small reducer -----
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_reducer_equals_torchs_ddp_at_every_step(ranks, world):
+    assert ranks(world).run(overlap.small_reducer_matches_torch, 3) == [5] * world
+
+
+def small_reducer_vs_miniddp(cap_mb, break_it=False):
+    device = torch.device("cpu")
+    ddp = miniddp.DistributedDataParallel(overlap.wide_student(device), bucket_cap_mb=cap_mb)
+    model = overlap.wide_student(device)
+    reducer = overlap.SmallReducer(model, [list(range(len(list(model.parameters()))))])
+    x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
+    same = []
+    for s in range(3):
+        for m in (ddp, model):
+            m.zero_grad()
+            F.mse_loss(m(x), y).backward()
+        if s == 0 and not break_it:  # both rebuild now: the reducer from its own ready order
+            order = [i for event, i, _ in reducer.timeline if event == "ready"]
+            reducer.set_buckets(overlap.rebuilt_buckets(reducer.params, order,
+                                                        *miniddp.buckets.bucket_limits(cap_mb)))
+        same.append(all(torch.equal(p.grad, q.grad)
+                        for p, q in zip(model.parameters(), ddp.parameters())))
+    return same, reducer.buckets == [b.param_indices for b in ddp.buckets]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_reducer_equals_miniddp_with_the_same_buckets(ranks, world):
+    for same, same_buckets in ranks(world).run(small_reducer_vs_miniddp, 0.3):
+        assert same == [True, True, True] and same_buckets
+
+
+def test_small_reducer_control_without_the_rebuild_differs_at_3_ranks(ranks):
+    results = ranks(3).run(small_reducer_vs_miniddp, 0.3, True)
+    assert any(not all(same) for same, _ in results)
+
+
+def synchronous_timeline():
+    """A training step of miniddp's DDP whose every all_reduce is waited for at its launch."""
+    ddp = miniddp.DistributedDataParallel(overlap.wide_student(torch.device("cpu")),
+                                          bucket_cap_mb=overlap.BUCKET_CAP_MB)
+    x, y = make_dataset(n=32, seed=dist.get_rank()).tensors
+    launch = ddp.reducer._launch
+
+    def launch_and_wait(bucket):
+        launch(bucket)
+        bucket.work.wait()
+
+    counts = []
+    for synchronous in (False, True, False, True, False, False):
+        ddp.reducer._launch = launch_and_wait if synchronous else launch
+        ddp.reducer.timeline = []
+        F.mse_loss(ddp(x), y).backward()
+        counts.append(overlap.ready_while_in_flight(ddp.reducer.timeline))
+    return counts
+
+
+def test_ready_while_in_flight_sees_overlap_and_not_synchronous_all_reduces(ranks):
+    counts = ranks(2).run(synchronous_timeline)
+    assert all(c[1] == 0 and c[3] == 0 for c in counts), counts
+    assert any(c[k] > 0 for c in counts for k in (2, 4, 5)), counts  # c[0]: one bucket
+
+
+def test_ready_while_in_flight_counts_gradients_between_launch_and_done():
+    events = [("ready", 0, 1.0), ("launch", 0, 2.0), ("ready", 1, 3.0), ("done", 0, 4.0),
+              ("ready", 2, 5.0), ("launch", 1, 6.0), ("done", 1, 7.0)]
+    assert overlap.ready_while_in_flight(events) == 1
+
+
+PATCH_SYNCHRONOUS = """
+import runpy, sys
+import miniddp.reducer as reducer
+launch = reducer.Reducer._launch
+def launch_and_wait(self, bucket):
+    launch(self, bucket)
+    bucket.work.wait()
+reducer.Reducer._launch = launch_and_wait
+sys.argv = [sys.argv[1]]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.lesson
+def test_lesson_06_fails_when_every_all_reduce_is_synchronous(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["MINIDDP_RUNS"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", PATCH_SYNCHRONOUS,
+                           str(LESSONS_DIR / "06_overlap.py")], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=LESSONS_DIR.parent)
+    assert done.returncode != 0, done.stdout
+    assert "while an all_reduce is in flight" in done.stderr, done.stderr[-2000:]
+    assert "OK:" not in done.stdout
