@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from miniddp import comm_hooks
 from miniddp.buckets import BucketInfo, bucket_limits
 from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from_rank0, verify_same_shapes
@@ -149,6 +150,12 @@ class DistributedDataParallel(nn.Module):
         """All_reduce calls made by the backward of the last forward with grad enabled: one
         per bucket after a synced forward, 0 after a forward inside ``no_sync``."""
         return self.reducer.allreduce_calls
+
+    def register_comm_hook(self, state: object, hook) -> None:  # see miniddp.comm_hooks
+        """Reduce each bucket with ``hook(state, bucket) -> torch.futures.Future`` instead of
+        the all_reduce of ``grad / world_size``: torch's hooks (``torch.distributed.algorithms.
+        ddp_comm_hooks``) or your own. Once per model; the hook does its own averaging."""
+        comm_hooks.register(self.reducer, state, hook)
 
     @contextmanager
     def no_sync(self):
