@@ -171,6 +171,8 @@ VARIANTS = {
     "registered_after_the_first_backward": {"register_at_step": 2},
     "gradient_as_bucket_view_zeroed_in_place": {"gradient_as_bucket_view": True,
                                                 "set_to_none": False},
+    "conv_batchnorm": {"model_name": "conv_bn"},
+    "tied_and_frozen": {"model_name": "tied_frozen"},
 }
 VARIANT_HOOKS = ["allreduce_hook", "fp16_compress_wrapper", "powerSGD_hook",
                  "miniddp_fp16_compress"]
