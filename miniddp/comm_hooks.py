@@ -20,11 +20,13 @@ So torch's own hooks (``torch.distributed.algorithms.ddp_comm_hooks``) run here 
 give torch's bits. This module also writes the three common ones out small,
 :func:`allreduce`, :func:`fp16_compress` and :func:`bf16_compress`, bit-identical to torch's.
 
-Where they run: everything here runs on gloo with CPU tensors, PowerSGD included (torch 2.13).
-Torch's DDP refuses its own ``bf16_compress_hook`` and ``bf16_compress_wrapper`` unless torch
+Where they run, with gloo and CPU tensors (torch 2.13): all of torch's hooks, PowerSGD with one
+bucket only (with several in flight, its callbacks start nested all_reduces that interleave
+differently on each rank, and torch's DDP aborts too; NCCL has no such problem). Torch's DDP
+refuses its own ``bf16_compress_hook`` and ``bf16_compress_wrapper`` unless torch
 was built with CUDA and NCCL >= 2.10 (a check on the hook's name, not on the backend), and
 miniddp refuses them in the same places; :func:`bf16_compress` is not refused, and runs wherever
-the backend can all_reduce bf16 (gloo in torch 2.13 can).
+the backend can all_reduce bf16 (gloo can from about torch 2.2).
 """
 
 import inspect
@@ -48,7 +50,8 @@ class GradBucket:
         self._buffer, self._params = buffer, params
 
     def index(self) -> int:
-        """The bucket's position in launch order (0 first); stable between rebuilds."""
+        """The bucket's position in launch order (0 first). The buckets are rebuilt once,
+        after the first step: state kept per index must not rely on the first step's."""
         return self._index
 
     def is_last(self) -> bool:
@@ -97,10 +100,15 @@ class CommHook:
         return future
 
     def take_result(self, bucket) -> None:
-        """Copy the (waited-for) future's tensor into the bucket unless it already is it."""
+        """Copy the (waited-for) future's tensor into the bucket unless it already is it.
+
+        Going through the bucket keeps ``.grad`` in the parameter's dtype when the result is
+        fp16 (torch makes a missing ``.grad`` from the fp16 result itself: an fp16 ``.grad`` on
+        an fp32 parameter, which miniddp does not copy).
+        """
         value = bucket.work.value()
         if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]  # a Work's future holds a list; torch's older releases took it
+            value = value[0]  # as Work.get_future() gives; torch 2.13's DDP fails on it
         if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
             got = (f"a tensor of {value.numel()} elements" if isinstance(value, torch.Tensor)
                    else type(value).__qualname__)

@@ -47,7 +47,7 @@ def returns_the_works_future(state, bucket):
     return dist.all_reduce(bucket.buffer(), async_op=True).get_future()
 
 
-# name -> (state and hook for miniddp, state and hook for torch's DDP); a fresh state each call
+# name -> a function making a fresh (state, hook), called once for each of the two DDPs
 HOOKS = {
     "allreduce_hook": lambda: (None, torch_hooks.allreduce_hook),
     "fp16_compress_hook": lambda: (None, torch_hooks.fp16_compress_hook),
@@ -130,7 +130,9 @@ def compare_hook(hook, steps=4, micro_batches=1, model_name="mlp", register_at_s
             opt.step()
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
             cases._diff("param", step, name, a, b, problems)
-    return {"problems": problems[:10], "buckets": len(ours.buckets), "dtypes": dtypes}
+    compressed = len(getattr(our_state, "p_memory_dict", {}))  # PowerSGD's low-rank factors
+    return {"problems": problems[:10], "buckets": len(ours.buckets), "dtypes": dtypes,
+            "powersgd_compressed": compressed > 0}
 
 
 def check(results, case):
@@ -170,6 +172,8 @@ def test_hook_bit_identical_to_torch_ddp(ranks, world_size, hook):
     check(results, hook)
     expected = 1 if hook in ONE_BUCKET_ON_GLOO else 5
     assert results[0]["buckets"] == expected, "the case should have the buckets it says"
+    if "powerSGD" in hook:
+        assert results[0]["powersgd_compressed"], "PowerSGD never got past plain all_reduce"
 
 
 VARIANTS = {
