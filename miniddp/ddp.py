@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp import arguments, pickling  # torch's arguments (miniddp.arguments); copies
-from miniddp.batched_copy import BatchedGradCopy  # batched_grad_copy (miniddp.batched_copy)
+from miniddp import arguments, comm_hooks, pickling
+from miniddp.batched_copy import BatchedGradCopy
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
 from miniddp.reducer import Reducer
 from miniddp.static_graph import StaticGraph
@@ -235,6 +235,12 @@ class DistributedDataParallel(nn.Module):
         from miniddp.trace import trace_backward  # an optional view, kept out of the core path
 
         return trace_backward(self, all_ranks)
+
+    def register_comm_hook(self, state: object, hook) -> None:  # see miniddp.comm_hooks
+        """Reduce each bucket with ``hook(state, bucket) -> torch.futures.Future`` instead of
+        the all_reduce of ``grad / world_size``: torch's hooks (``torch.distributed.algorithms.
+        ddp_comm_hooks``) or your own. Once per model; the hook does its own averaging."""
+        comm_hooks.register(self.reducer, state, hook)
 
     @contextmanager
     def no_sync(self):

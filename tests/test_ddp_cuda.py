@@ -37,3 +37,27 @@ def test_two_ranks_share_one_gpu_over_gloo():
     results = spawn(compare_on_gpu, 2, args=({"bucket_cap_mb": 0.001},), backend="gloo",
                     timeout=180)
     assert all(r["problems"] == [] for r in results)
+
+
+# ----- communication hooks on CUDA (miniddp.comm_hooks), under torch's own hook names -----
+
+def compare_hook_on_gpu(hook, kwargs):
+    from test_comm_hooks import compare_hook  # the CPU suite's side-by-side loop
+
+    device = torch.device("cuda", dist.get_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    return compare_hook(hook, device=device, device_ids=[device.index], **kwargs)
+
+
+@needs_gpu
+@pytest.mark.parametrize("hook", ["bf16_compress_hook", "bf16_compress_wrapper",
+                                  "miniddp_bf16_compress", "powerSGD_hook",
+                                  "fp16_compress_wrapper_powerSGD"])
+@pytest.mark.parametrize("kwargs", [{"bucket_cap_mb": 0.0001},
+                                    {"model_name": "branchy", "find_unused_parameters": True,
+                                     "steps": 5, "bucket_cap_mb": 0.0001}])
+def test_nccl_hooks_bit_identical_to_torch(hook, kwargs):
+    """bf16 hooks under their own names (torch's DDP accepts them with CUDA and NCCL), and
+    PowerSGD with several buckets in flight (on gloo only one works, even in torch's DDP)."""
+    results = spawn(compare_hook_on_gpu, 1, args=(hook, kwargs), backend="nccl", timeout=180)
+    assert results[0]["problems"] == [] and results[0]["dtypes"] == []
