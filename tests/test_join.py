@@ -304,6 +304,7 @@ def uneven_on_a_short_timeout(use_join: bool) -> str | None:
         except RuntimeError as caught:
             error = str(caught)
     dist.barrier()  # on the default group: the ranks of this test leave together
+    dist.destroy_process_group(group)  # broken for good after a timeout
     return error
 
 
