@@ -6,8 +6,8 @@ drops the remainder on purpose, and ``DistributedSampler`` pads). Real data is o
 files of different lengths per rank, samples filtered on the fly, variable-length sequences
 packed into batches. Every synchronized backward is a set of collectives that *every* rank must
 call; a rank that runs out of data leaves its loop, and the others wait in their next all_reduce
-for a partner that never comes. With NCCL or gloo's 30-minute default timeout, that looks like a
-job that silently stopped.
+for a partner that never comes. With the default timeouts (30 minutes on gloo, 10 on NCCL) that
+looks like a job that silently stopped.
 
 First the hang, shown safely: rank 0 gets one batch fewer, in a process group whose timeout is
 3 seconds. The other ranks' all_reduce fails after those 3 seconds; the error is caught and
@@ -102,7 +102,7 @@ def the_hang(rank: int, world: int) -> str | None:
         print0(f"  rank {r}: {e or 'finished its loop and left'}")
     print0("  rank 0 left after its last step; the others' second step waited in a collective\n"
            "  (the bucket rebuild's broadcast or the gradient all_reduce) that rank 0 never\n"
-           "  called, until the timeout. With the default timeout that is 30 minutes of nothing.")
+           "  called, until the timeout (by default 10 to 30 minutes of nothing).")
     check(errors[0] is None, f"rank 0 had nothing left to wait for, yet got: {errors[0]}")
     for r in range(1, world):
         check(errors[r] is not None and "time" in errors[r].lower(),

@@ -27,6 +27,7 @@ from ddp_cases import (
     torch_bucket_layout,
 )
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -134,11 +135,26 @@ def _wrap(original, replacement):
     return lambda *args: replacement(original, *args)
 
 
+class Fp16HookForTest:
+    """torch's ``fp16_compress_hook`` at the core's comm-hook attach point
+    (``reducer.comm_hook``: ``launch`` returns a future, ``take_result`` writes it back)."""
+
+    def launch(self, reducer, bucket):
+        compressed = bucket.buffer.to(torch.float16).div_(reducer.world_size)
+        return dist.all_reduce(compressed, group=reducer.group, async_op=True).get_future()
+
+    def take_result(self, bucket):
+        bucket.buffer.copy_(bucket.work.value()[0])
+
+
 def compare_under_join(model_name: str, steps: list[int], micro_batches: int = 1,
                        sabotage: str | None = None, bucket_cap_mb=SMALL_CAP,
-                       join_kwargs=None, **ddp_kwargs) -> dict:
+                       join_kwargs=None, fp16_hook: bool = False, **ddp_kwargs) -> dict:
     """On one rank: miniddp under join, then torch's DDP under the same join; compare."""
     ours, theirs = build(model_name, bucket_cap_mb, **ddp_kwargs)
+    if fp16_hook:
+        ours.reducer.comm_hook = Fp16HookForTest()
+        theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
     my_steps = steps[dist.get_rank()]
     with SABOTAGES[sabotage]() if sabotage else nullcontext():
         mine = train(ours, model_name, my_steps, micro_batches, **(join_kwargs or {}))
@@ -206,6 +222,14 @@ def test_rank0_joining_before_the_rebuild_gives_torch_buckets(ranks, world_size)
         steps = [first] + [4] * (world_size - 1)
         assert_equal_to_torch(run(ranks, world_size, "mlp", steps))
         assert_equal_to_torch(run(ranks, world_size, "big", steps, bucket_cap_mb=None))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_joined_ranks_shadow_a_comm_hook_by_running_it_as_torch(ranks, world_size):
+    """An fp16 hook all_reduces fp16 tensors: a shadow of fp32 zeros would not match them."""
+    for divide in (True, False):
+        assert_equal_to_torch(run(ranks, world_size, "mlp", UNEVEN[world_size], fp16_hook=True,
+                                  join_kwargs={"divide_by_initial_world_size": divide}))
 
 
 def test_join_with_even_inputs_or_disabled_changes_nothing(ranks):
