@@ -29,11 +29,12 @@ counts. When every rank has joined, the rank that joined last (the highest one i
 broadcasts its parameters and buffers, so every replica ends equal. With
 ``throw_on_early_termination=True`` every rank raises instead as soon as one runs out.
 
-Three details follow torch's reducer, for the bits: while ``join`` is active buffers come from
-the highest rank still training, not rank 0; a rank that joined before any bucket rebuild
-offers its parameters in model order for it (rank 0's order wins, so this matters when rank 0
-joined first); and its used-parameter flags are the last ones it summed, so a parameter used
-by anyone before it joined counts as used from then on.
+Three details follow torch, for the bits: once a DDP has been in a join context (the
+configuration outlives the context), buffers come from the highest rank still training, not
+rank 0; a rank that joined before any bucket rebuild offers its parameters in model order for
+it (rank 0's order wins, so this matters when rank 0 joined first); and its used-parameter
+flags are the last ones it summed, so a parameter used by anyone before it joined counts as
+used from then on.
 """
 
 from __future__ import annotations
