@@ -156,7 +156,8 @@ def _shadow_buckets(reducer) -> None:
     works = []
     for bucket in reducer.buckets:
         if reducer.comm_hook is None:
-            works.append(reducer._process_group.allreduce([torch.zeros_like(bucket.buffer)]))
+            zeros = torch.zeros_like(bucket.buffer)
+            works.append(dist.all_reduce(zeros, group=reducer.group, async_op=True))
         else:  # a hook may all_reduce something else than the bucket (fp16, say): run it
             zeros = Bucket(bucket.index, bucket.param_indices, reducer.params)
             zeros.buffer.zero_()
