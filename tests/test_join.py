@@ -120,26 +120,22 @@ def same_on_every_rank(state: dict) -> bool:
     return all(torch.equal(everyone[0], other) for other in everyone)
 
 
-SABOTAGES = {
-    # always the initial world size, whatever divide_by_initial_world_size says
-    "divisor": lambda: mock.patch.object(
-        miniddp.join.DDPJoinHook, "__init__",
-        _wrap(miniddp.join.DDPJoinHook.__init__, lambda f, self, ddp, _divide=True: f(
-            self, ddp, True))),
-    # the final model from a rank that joined early instead of the last one
-    "final_model": lambda: mock.patch.object(
-        miniddp.join.DDPJoinHook, "post_hook",
-        _wrap(miniddp.join.DDPJoinHook.post_hook, lambda f, self, last: f(self, not last))),
-    # a joined rank offers no used-parameter flags (zeros), where torch's offers its last ones
-    "used_flags": lambda: mock.patch.object(
-        miniddp.join, "_shadow_used_flags",
-        lambda reducer: dist.all_reduce(torch.zeros_like(reducer.unused.locally_used),
-                                        group=reducer.group)),
-}
-
-
-def _wrap(original, replacement):
-    return lambda *args: replacement(original, *args)
+def sabotaged(name: str | None):
+    """A subtly wrong ``miniddp.join``, for the negative controls (``None``: the real one)."""
+    hook = miniddp.join.DDPJoinHook
+    if name == "divisor":  # the initial world size, whatever divide_by_initial_world_size says
+        init = hook.__init__
+        return mock.patch.object(hook, "__init__",
+                                 lambda self, ddp, _divide=True: init(self, ddp, True))
+    if name == "final_model":  # the model of a rank that joined early, not of the last one
+        post = hook.post_hook
+        return mock.patch.object(hook, "post_hook", lambda self, last: post(self, not last))
+    if name == "used_flags":  # a joined rank sums in zeros, where torch's sums its last flags
+        return mock.patch.object(
+            miniddp.join, "_shadow_used_flags",
+            lambda reducer: dist.all_reduce(torch.zeros_like(reducer.unused.locally_used),
+                                            group=reducer.group))
+    return nullcontext()
 
 
 class Fp16HookForTest:
@@ -164,7 +160,7 @@ def compare_under_join(model_name: str, steps: list[int], micro_batches: int = 1
         ours.reducer.comm_hook = Fp16HookForTest()
         theirs.register_comm_hook(None, default_hooks.fp16_compress_hook)
     my_steps = steps[dist.get_rank()]
-    with SABOTAGES[sabotage]() if sabotage else nullcontext():
+    with sabotaged(sabotage):
         mine = train(ours, model_name, my_steps, micro_batches, steps_after=steps_after,
                      **(join_kwargs or {}))
     reference = train(theirs, model_name, my_steps, micro_batches, steps_after=steps_after,
