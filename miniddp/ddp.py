@@ -9,7 +9,8 @@ changes nothing else. What happens where:
 * forward (here): rebuild buckets once, broadcast buffers from rank 0, run the module, and —
   when this forward will be followed by a synchronized backward — prepare the reducer;
 * backward (``miniddp.reducer``): hooks fill buckets and launch asynchronous all_reduces;
-* bucket layout and its one rebuild (``miniddp.buckets``).
+* bucket layout and its one rebuild (``miniddp.buckets``);
+* uneven inputs, ``ddp.join()`` and torch's ``Join`` (``miniddp.join``).
 """
 
 from __future__ import annotations
@@ -20,13 +21,21 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable
 
 from miniddp import arguments, comm_hooks, pickling
 from miniddp.batched_copy import BatchedGradCopy
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
+from miniddp.join import (
+    DDPJoinHook,
+    announce_backward_sync,
+    buffer_source,
+    join_context,
+    notify_still_training,
+)
 from miniddp.reducer import Reducer
 from miniddp.static_graph import StaticGraph
-from miniddp.sync import broadcast_from_rank0, verify_same_shapes
+from miniddp.sync import broadcast_from, broadcast_from_rank0, verify_same_shapes
 
 
 def _move_to(obj, device):
@@ -41,7 +50,7 @@ def _move_to(obj, device):
     return obj
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.join
     """Data parallelism across processes: every rank trains a replica on its own data, and
     gradients are averaged during backward, so every replica takes the same optimizer step.
 
@@ -87,6 +96,7 @@ class DistributedDataParallel(nn.Module):
         arguments.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
                                      mixed_precision)  # miniddp.arguments
         arguments.warn_check_reduction(check_reduction)
+        Joinable.__init__(self)  # miniddp.join: outside a join context, join does nothing
         # dim and check_reduction are accepted (in torch's positions) so that scripts written
         # for torch's DDP run unchanged: dim only matters to single-process DataParallel, and
         # torch ignores check_reduction.
@@ -257,14 +267,36 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.require_backward_grad_sync = old
 
+    # ----- uneven inputs (miniddp.join): torch's Joinable interface -----
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """A context manager around the training loop for ranks with different numbers of
+        batches: those that finish first shadow the others' collectives. See miniddp.join."""
+        return join_context(self, divide_by_initial_world_size, enable,
+                            throw_on_early_termination)
+
+    def join_hook(self, **kwargs):
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self):
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return self.process_group
+
     def forward(self, *inputs, **kwargs):
         grad_enabled = torch.is_grad_enabled()
+        notify_still_training(self)  # miniddp.join: joined ranks shadow this step
         if grad_enabled:
             self.reducer.begin_forward()
         if self.require_forward_param_sync and self.forward_sync_buffers:
             buffers = self._buffers_to_sync()
-            if buffers:
-                broadcast_from_rank0(buffers, self.process_group)
+            if buffers:  # from rank 0, or under join the last rank training (miniddp.join)
+                broadcast_from(buffers, buffer_source(self), self.process_group)
+        announce_backward_sync(self)  # miniddp.join
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)

@@ -47,13 +47,18 @@ def group_rank0(group=None) -> int:
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group=None) -> None:
-    """Overwrite ``tensors`` in place with rank 0's values, one broadcast per dtype/device.
+    """Overwrite ``tensors`` in place with rank 0's values (see :func:`broadcast_from`)."""
+    broadcast_from(tensors, group_rank0(group), group)
+
+
+def broadcast_from(tensors: list[torch.Tensor], src: int, group=None) -> None:
+    """Overwrite ``tensors`` in place with global rank ``src``'s values, one broadcast per
+    dtype/device (under ``join``, the rank to copy is the last one still training).
 
     Flattening into one buffer per dtype turns hundreds of small broadcasts into a few. The
     copies keep the tensors' autograd version counters: a buffer saved for backward by an
     earlier forward (BatchNorm in eval mode, say) must not look modified to that backward.
     """
-    src = group_rank0(group)
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)

@@ -1,0 +1,173 @@
+"""Uneven inputs: ``ddp.join()``, so that ranks with fewer batches do not hang the others.
+
+Every synchronized step is a sequence of collectives that every rank must call in the same
+order: a buffer broadcast, one all_reduce per bucket, the used-parameter flags. A rank that
+runs out of data leaves its training loop; the ranks still training then wait in their next
+all_reduce for a partner that never comes, until the process group's timeout kills the job.
+
+torch's answer, reproduced here call for call, is a context manager around the training loop
+(``torch.distributed.algorithms.Join``, which ``ddp.join()`` returns). A rank that leaves the
+loop enters ``Join.__exit__`` and, for as long as any rank still trains, *shadows* each step:
+it issues the same collectives as the others, contributing zeros. The two sides of one step:
+
+=====================================================  =========================================
+a rank still training (``DistributedDataParallel``)    a rank that joined (:class:`DDPJoinHook`)
+=====================================================  =========================================
+"I am still here": all_reduce of 1                     all_reduce of 0: how many still train?
+                                                       (0: everyone joined, leave the loop)
+the bucket rebuild's broadcast, when it falls here     the same rebuild, with the same broadcast
+buffers: agree on a source rank, broadcast             the same, offering no rank of its own
+"my backward will synchronize": all_reduce of 1 or 0   all_reduce of 0; skip the rest if no one
+                                                       synchronizes (everyone is in ``no_sync``)
+backward: one all_reduce per bucket                    one all_reduce of zeros per bucket
+the used-parameter flags (``find_unused_parameters``)  its last flags, summed in again
+=====================================================  =========================================
+
+Gradients are divided by the initial world size (``divide_by_initial_world_size=True``: every
+sample weighs the same) or by the number of ranks still training, which the first all_reduce
+counts. When every rank has joined, the rank that joined last (the highest one if several)
+broadcasts its parameters and buffers, so every replica ends equal. With
+``throw_on_early_termination=True`` every rank raises instead as soon as one runs out.
+
+Three details follow torch, for the bits: once a DDP has been in a join context (the
+configuration outlives the context), buffers come from the highest rank still training, not
+rank 0; a rank that joined before any bucket rebuild offers its parameters in model order for
+it (rank 0's order wins, so this matters when rank 0 joined first); and its used-parameter
+flags are the last ones it summed, so a parameter used by anyone before it joined counts as
+used from then on.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, JoinHook
+
+from miniddp.buckets import Bucket
+from miniddp.sync import broadcast_from, group_rank0
+
+
+def join_context(ddp, divide_by_initial_world_size: bool = True, enable: bool = True,
+                 throw_on_early_termination: bool = False) -> Join:
+    """What ``ddp.join(...)`` returns: torch's ``Join`` around this one DDP."""
+    return Join([ddp], enable, throw_on_early_termination,
+                divide_by_initial_world_size=divide_by_initial_world_size)
+
+
+class DDPJoinHook(JoinHook):
+    """What a rank that ran out of data does for ``ddp`` while others still train."""
+
+    def __init__(self, ddp, divide_by_initial_world_size: bool = True):
+        super().__init__()
+        self.ddp = ddp
+        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+
+    def main_hook(self) -> None:
+        """Shadow one step of the ranks still training (after ``Join`` counted them)."""
+        ddp, reducer = self.ddp, self.ddp.reducer
+        reducer.begin_forward()  # the bucket rebuild, with its broadcast, if it is due
+        buffers = _synced_buffers(ddp)
+        if ddp.require_forward_param_sync and buffers:
+            broadcast_from(buffers, _common_rank(ddp, candidate=False), ddp.process_group)
+        flag, work = _all_reduce_flag(ddp, False)
+        work.wait()
+        someone_syncs = flag.item() > 0
+        ddp.require_forward_param_sync = someone_syncs
+        if not someone_syncs:
+            return
+        _shadow_buckets(reducer)
+        if reducer.unused is not None:
+            _shadow_used_flags(reducer)
+        if reducer.should_rebuild and not reducer.ready_order:
+            reducer.ready_order = list(range(len(reducer.params)))
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Everyone joined: copy the last joiner's parameters and buffers to every rank."""
+        ddp = self.ddp
+        states = [p.detach() for name, p in ddp.module.named_parameters()
+                  if name not in ddp.ignored]  # torch's ignore list: left alone
+        states += [b.detach() for b in _synced_buffers(ddp)]
+        broadcast_from(states, _common_rank(ddp, candidate=is_last_joiner), ddp.process_group)
+
+
+# ----- a rank still training: called from DistributedDataParallel.forward -----
+
+def notify_still_training(ddp) -> None:
+    """Start of every forward: tell the joined ranks this one still trains; set the divisor.
+
+    Outside a join context this does nothing. Inside, the all_reduce also counts the ranks
+    still training, which is the divisor when ``divide_by_initial_world_size=False``.
+    """
+    work = Join.notify_join_context(ddp)
+    if work is None:
+        return
+    if getattr(ddp, "_divide_by_initial_world_size", True):
+        ddp.reducer.divisor = ddp.reducer.world_size
+    else:
+        work.wait()
+        ddp.reducer.divisor = int(work.get_future().value()[0].item())
+
+
+def buffer_source(ddp) -> int:
+    """The global rank whose buffers every rank copies: rank 0, or under ``join`` the highest
+    rank still training (rank 0 may have joined, and its buffers be stale)."""
+    if not ddp._join_config.enable:
+        return group_rank0(ddp.process_group)
+    return _common_rank(ddp, candidate=True)
+
+
+def announce_backward_sync(ddp) -> None:
+    """Under ``join``: say whether this step's backward synchronizes (not inside ``no_sync``),
+    so that joined ranks shadow its all_reduces or skip them."""
+    if ddp._join_config.enable:
+        _all_reduce_flag(ddp, ddp.require_backward_grad_sync)  # torch does not wait for it
+
+
+# ----- the collectives both sides share -----
+
+def _all_reduce_flag(ddp, flag: bool):
+    """Start summing a 0/1 flag across ranks; return the tensor and the work."""
+    tensor = torch.full((1,), float(flag), device=ddp.device)
+    return tensor, dist.all_reduce(tensor, group=ddp.process_group, async_op=True)
+
+
+def _common_rank(ddp, candidate: bool) -> int:
+    """The highest group rank among those that offer themselves, as a global rank."""
+    group = ddp.process_group
+    offer = torch.tensor([dist.get_rank(group) if candidate else -1], device=ddp.device)
+    dist.all_reduce(offer, op=dist.ReduceOp.MAX, group=group)
+    chosen = int(offer.item())
+    if chosen < 0:
+        raise RuntimeError("join: no rank offered itself as the source of the model; this is "
+                           "a bug in miniddp.join, please report it")
+    if group is None or group is dist.group.WORLD:
+        return chosen
+    return dist.get_global_rank(group, chosen)
+
+
+def _synced_buffers(ddp) -> list[torch.Tensor]:
+    return ddp._buffers_to_sync() if ddp.forward_sync_buffers else []
+
+
+def _shadow_buckets(reducer) -> None:
+    """One all_reduce of zeros per bucket, in bucket order; through the comm hook if any."""
+    works = []
+    for bucket in reducer.buckets:
+        if reducer.comm_hook is None:
+            zeros = torch.zeros_like(bucket.buffer)
+            works.append(dist.all_reduce(zeros, group=reducer.group, async_op=True))
+        else:  # a hook may all_reduce something else than the bucket (fp16, say): run it
+            zeros = Bucket(bucket.index, bucket.param_indices, reducer.params)
+            zeros.buffer.zero_()
+            works.append(reducer.comm_hook.launch(reducer, zeros))
+    for work in works:
+        work.wait()
+
+
+def _shadow_used_flags(reducer) -> None:
+    """Sum this rank's last used-parameter flags in again, as torch's reducer does."""
+    unused = reducer.unused
+    if unused.used_everywhere is None:  # never reduced: it used nothing
+        unused.used_everywhere = torch.zeros_like(unused.locally_used,
+                                                  device=reducer.params[0].device)
+    dist.all_reduce(unused.used_everywhere, group=reducer.group)
