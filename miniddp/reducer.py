@@ -84,6 +84,7 @@ class Reducer:
         self.allreduce_calls = 0  # launched since the last forward
         self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
         self.has_rebuilt = False
+        self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
         self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
         # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
         # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
@@ -184,10 +185,11 @@ class Reducer:
         else:
             self._copy_into_bucket(self.params[index], bucket.views[slot])
         bucket.pending -= 1
-        if bucket.pending == 0 and self.batched_copy is not None:
-            self.batched_copy.flush(bucket)
-        if self.overlap:
-            self._launch_ready_buckets()
+        if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
+            if self.batched_copy is not None:
+                self.batched_copy.flush(bucket)
+            if self.overlap:
+                self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:
                 self.unused.share()
@@ -202,13 +204,25 @@ class Reducer:
             elif param.grad is None:  # unused here: contribute zeros
                 view.zero_()
             elif scale:
-                torch.mul(param.grad, 1.0 / self.divisor, out=view)
+                torch.mul(param.grad, self._reciprocal(view.dtype), out=view)
             else:
                 view.copy_(param.grad)
         except RuntimeError:
             if param.grad is not None and param.grad.requires_grad:
                 raise self._higher_order_error(param) from None
             raise
+
+    def _reciprocal(self, dtype: torch.dtype):
+        """``1 / divisor`` as torch's reducer multiplies by it. For float32, a 0-dim float32
+        tensor: the same bits as the Python float (the kernel reads either as a float), and
+        ~1.5 us less per parameter, since a Python number is wrapped in a new tensor each call
+        (benchmarks/README.md, "Many small tensors")."""
+        key = (dtype, self.divisor)
+        if key not in self._reciprocals:
+            value = 1.0 / self.divisor
+            self._reciprocals[key] = (torch.tensor(value, dtype=dtype)
+                                      if dtype == torch.float32 else value)
+        return self._reciprocals[key]
 
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -239,6 +253,7 @@ class Reducer:
         used = self.unused.used_on_some_rank() if self.unused is not None else None
         if self.static_graph is not None:  # used by some rank in the first backward
             used = self.static_graph.end_backward()
+        copies = ([], [])  # (.grad, average) pairs, copied in one call rather than one each
         for bucket in self.buckets:
             if bucket.work is None:  # skipped: skip_all_reduce_unused_params (miniddp.unused)
                 continue
@@ -250,17 +265,19 @@ class Reducer:
             self._record("waited", bucket.index)
             for slot, i in enumerate(bucket.param_indices):
                 if used is None or used[i]:  # unused on every rank: .grad stays as it was
-                    self._write_back(i, bucket.views[slot])
+                    self._write_back(i, bucket.views[slot], copies)
+        _copy_all(*copies)
         self._record("finalized", -1)
 
-    def _write_back(self, index: int, view: torch.Tensor) -> None:
+    def _write_back(self, index: int, view: torch.Tensor, copies) -> None:
         param = self.params[index]
         if self.views is not None:
             self.views.write_back(param, index, view)
         elif param.grad is None:
             param.grad = view.clone(memory_format=torch.preserve_format)
         else:
-            param.grad.copy_(view)
+            copies[0].append(param.grad)
+            copies[1].append(view)
 
     # ----- errors, records, clean-up -----
 
@@ -305,6 +322,15 @@ class Reducer:
 
     def __del__(self):
         self.remove_hooks()
+
+
+def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    if hasattr(torch, "_foreach_copy_"):  # one dispatch for all (torch >= 2.1's private op)
+        if destinations:
+            torch._foreach_copy_(destinations, sources)
+        return
+    for destination, source in zip(destinations, sources):
+        destination.copy_(source)
 
 
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
