@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.buckets import BucketInfo, bucket_limits
+from miniddp.consistency import ConsistencyChecks, checks_from_environment
 from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from_rank0, verify_same_shapes
 
@@ -114,6 +115,7 @@ class DistributedDataParallel(nn.Module):
             [p for _, p in trainable], [name for name, _ in trainable], process_group,
             bucket_cap_mb, find_unused_parameters, gradient_as_bucket_view, self.overlap)
         self.bucket_bytes_cap = self.reducer.bucket_bytes
+        self.reducer.consistency = checks_from_environment(self)  # miniddp.consistency
 
     @staticmethod
     def _check_devices(device_ids, output_device, devices):
@@ -150,6 +152,13 @@ class DistributedDataParallel(nn.Module):
         per bucket after a synced forward, 0 after a forward inside ``no_sync``."""
         return self.reducer.allreduce_calls
 
+    def check_every(self, steps: int | None, detail: bool = False) -> None:
+        """Compare every rank's step, and every ``steps`` steps its parameters; raise on every
+        rank when they differ (see ``miniddp.consistency``). ``detail=True`` also compares
+        each collective before it is launched. ``None`` switches the checks off. Call it at
+        the same point on every rank."""
+        self.reducer.consistency = ConsistencyChecks(self, steps, detail) if steps else None
+
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the forward must run inside the context.
@@ -169,9 +178,14 @@ class DistributedDataParallel(nn.Module):
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.reducer.begin_forward()
+        checks = self.reducer.consistency  # miniddp.consistency
+        if grad_enabled and checks is not None:
+            checks.at_forward(self.require_backward_grad_sync)
         if self.require_forward_param_sync and self.broadcast_buffers:
             buffers = [b for _, b in self.module.named_buffers()]  # re-read: may be reassigned
             if buffers:
+                if checks is not None:
+                    checks.before_collective("the broadcast of buffers", None, buffers)
                 broadcast_from_rank0(buffers, self.process_group)
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])

@@ -46,7 +46,9 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
+from miniddp.consistency import failed_wait, late_gradient
 from miniddp.gradient_views import GradientsAsBucketViews
+from miniddp.ledger import Ledger
 from miniddp.unused import UnusedParameters
 
 
@@ -68,6 +70,9 @@ class Reducer:
         self.unused = UnusedParameters(params, process_group) if find_unused_parameters else None
         self.views = GradientsAsBucketViews(names) if gradient_as_bucket_view else None
         self.comm_hook = None  # see miniddp.comm_hooks
+        self.consistency = None  # checks across ranks, when on: see miniddp.consistency
+        self.ledger = Ledger(process_group, params[0].device)  # the store, for those checks
+        self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.timeline: list[tuple] | None = None
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
@@ -117,10 +122,13 @@ class Reducer:
     def begin_forward(self) -> None:
         """At a forward with grad enabled: fail on an unfinished reduction, rebuild once."""
         self.ensure_prior_reduction_finished()
+        self.forwards += 1  # miniddp.consistency
         self.reduced = False
         self.allreduce_calls = 0
         if self.should_rebuild and self.ready_order:
             limits = [self.first_bucket_bytes, self.bucket_bytes]
+            if self.consistency is not None:  # miniddp.consistency
+                self.consistency.before_collective("the broadcast of the bucket order", None, [])
             self._init_buckets(rebuilt_assignment(self.params, self.ready_order, limits,
                                                   self.group))
             self.has_rebuilt, self.ready_order = True, []
@@ -128,6 +136,7 @@ class Reducer:
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
         self.expect_hooks = True
+        self.synced_forwards += 1  # miniddp.consistency
         self.ready.clear()
         self.next_bucket = 0
         for bucket in self.buckets:
@@ -142,6 +151,8 @@ class Reducer:
                 self._gradient_ready(index)
             elif not self.reduced and self.unused is not None:
                 self.unused.note_use(index)  # inside no_sync: gradients just accumulate
+            elif self.reduced:  # a second backward: warn, or raise (miniddp.consistency)
+                late_gradient(self, index)
 
     def _gradient_ready(self, index: int) -> None:
         self._record("ready", index)
@@ -168,6 +179,9 @@ class Reducer:
             self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:
+                if self.consistency is not None:  # miniddp.consistency
+                    self.consistency.before_collective("the all_reduce of used-parameter flags",
+                                                       None, [self.unused.locally_used])
                 self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
@@ -195,6 +209,8 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         self._record("launch", bucket.index)
+        if self.consistency is not None:  # miniddp.consistency
+            self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
         if self.comm_hook is None:
             bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
         else:  # the hook's future replaces the all_reduce
@@ -214,7 +230,10 @@ class Reducer:
         self._launch_ready_buckets()  # overlap=False launches everything here
         used = self.unused.used_on_some_rank() if self.unused is not None else None
         for bucket in self.buckets:
-            bucket.work.wait()
+            try:
+                bucket.work.wait()
+            except RuntimeError as error:  # say where every rank was (miniddp.consistency)
+                raise failed_wait(self, bucket, error) from error
             if self.comm_hook is not None:  # its result goes into the bucket
                 self.comm_hook.take_result(bucket)
             if bucket.recorded is not None:
@@ -224,6 +243,8 @@ class Reducer:
                 if used is None or used[i]:  # unused on every rank: .grad stays as it was
                     self._write_back(i, bucket.views[slot])
         self._record("finalized", -1)
+        if self.consistency is not None:  # compare this step across ranks
+            self.consistency.after_backward()
 
     def _write_back(self, index: int, view: torch.Tensor) -> None:
         param = self.params[index]
