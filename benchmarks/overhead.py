@@ -7,6 +7,11 @@ with one bucket and with one bucket per parameter. The CPU time of rank 0's main
 reported beside the step time: it is what the Python code costs, and it barely depends on the
 load of the machine. Parameters must end bit-identical between the two DDPs.
 
+The consistency checks (``miniddp.consistency``) are timed on the one-bucket model too: off
+(the plain miniddp above), on with a parameter checksum every 100 steps and every step, and the
+debug mode that also compares each collective across ranks. Their parameters must stay
+torch's bits.
+
     python benchmarks/overhead.py           # no GPU: gloo, 2 CPU ranks, under a minute
     python benchmarks/overhead.py --quick   # smoke run, seconds
 """
@@ -25,6 +30,9 @@ import miniddp
 from miniddp.report import print0
 
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
+#: check_every arguments: (steps between parameter checksums, compare every collective)
+CHECKS = {"checksum every 100": (100, False), "checksum every step": (1, False),
+          "debug (DETAIL)": (1, True)}
 
 
 def tiny_model(layers: int, device) -> nn.Module:
@@ -46,6 +54,11 @@ def measure(setup: harness.Setup) -> dict:
             copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
         models[label, "torch"] = nn.parallel.DistributedDataParallel(
             copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
+    for label, (every, detail) in CHECKS.items():
+        checked = miniddp.DistributedDataParallel(copy.deepcopy(base),
+                                                  bucket_cap_mb=CAPS["one_bucket"], **kwargs)
+        checked.check_every(every, detail=detail)
+        models["checks", label] = checked
     calls = {"local": Trainer(copy.deepcopy(base), batches).step}
     calls.update({f"{label}/{impl}": Trainer(m, batches).step
                   for (label, impl), m in models.items()})
@@ -66,7 +79,24 @@ def measure(setup: harness.Setup) -> dict:
                      "extra_wall_us_per_parameter": 1000 * extra_wall / tensors, **s})
     return {"model": harness.model_info(base), "batch_per_rank": 4,
             **harness.rank_facts(device), "bit_identical": True, "overhead": rows,
-            "local": summarize({"local": times["local"]})["local"]}
+            "local": summarize({"local": times["local"]})["local"],
+            "consistency": checks_rows(models, times, device)}
+
+
+def checks_rows(models: dict, times: dict, device) -> list[dict]:
+    """What each setting of the consistency checks adds per step to the one-bucket miniddp."""
+    reference = models["one_bucket", "torch"].module
+    rows = []
+    for label in CHECKS:
+        check(harness.same_bits(models["checks", label].module, reference, device),
+              f"checks {label}: parameters differ from torch's after the timed steps")
+        s = summarize({"checks": times[f"checks/{label}"],
+                       "off": times["one_bucket/miniddp"]}, "off")
+        rows.append({"setting": label, "bit_identical": True, **s,
+                     "extra_ms_per_step": s["checks"]["median_ms"] - s["off"]["median_ms"],
+                     "extra_cpu_ms_per_step": (s["checks"]["cpu_median_ms"]
+                                               - s["off"]["cpu_median_ms"])})
+    return rows
 
 
 def plot(result: dict, ax) -> None:
@@ -94,7 +124,12 @@ def report(result: dict) -> str:
     return (harness.table(["buckets", "count", "miniddp ms", "torch ms", "miniddp CPU ms",
                            "torch CPU ms", "extra CPU us / parameter"], rows)
             + f"\nbare module: {result['local']['median_ms']:.2f} ms "
-              f"({result['local']['cpu_median_ms']:.2f} ms CPU)")
+              f"({result['local']['cpu_median_ms']:.2f} ms CPU)\n"
+            + harness.table(["consistency checks", "ms per step", "checks / off",
+                             "extra ms per step", "extra CPU ms per step"],
+                            [[r["setting"], r["checks"]["median_ms"], r["checks"]["ratio"],
+                              r["extra_ms_per_step"], r["extra_cpu_ms_per_step"]]
+                             for r in result["consistency"]]))
 
 
 def main(argv=None) -> list[dict]:

@@ -54,9 +54,16 @@ class Ledger:
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         name = getattr(group, "group_name", None) or "world"
-        prefix = f"miniddp/ledger/{name}/{next(_instances)}/"
-        self.store = dist.PrefixStore(prefix, distributed_c10d._get_default_store())
+        self.prefix = f"miniddp/ledger/{name}/{next(_instances)}/"
         self.timeout = process_group_timeout(group, device)
+        self._store = None
+
+    @property
+    def store(self) -> dist.Store:
+        """The default group's store, opened at first use: a ledger nobody writes costs nothing."""
+        if self._store is None:
+            self._store = dist.PrefixStore(self.prefix, distributed_c10d._get_default_store())
+        return self._store
 
     def write(self, key: str, record: dict) -> None:
         """Write this rank's record for ``key``; it also becomes this rank's ``last`` record."""

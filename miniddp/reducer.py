@@ -21,7 +21,8 @@ The life of one synchronized step:
 That is all of this file. The options attach where it says so, each in its own module:
 ``find_unused_parameters`` (``miniddp.unused``), ``gradient_as_bucket_view``
 (``miniddp.gradient_views``), a communication hook in place of the all_reduce
-(``miniddp.comm_hooks``), and the bucket layout and its one rebuild (``miniddp.buckets``).
+(``miniddp.comm_hooks``), the bucket layout and its one rebuild (``miniddp.buckets``), and
+the checks that ranks agree (``miniddp.consistency``, ``self.consistency``; off by default).
 ``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce

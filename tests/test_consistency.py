@@ -302,6 +302,15 @@ def test_the_checks_without_detail_name_a_skipped_backward_when_a_collective_fai
            in message
 
 
+def test_the_checks_without_detail_name_a_rank_that_ran_no_sync_alone_at_once():
+    for kind, message, took in in_short_group(3, out_of_step, "no_sync", "info"):
+        assert kind == "OutOfStep" and took < SHORT_TIMEOUT, message
+        assert "ranks out of step at synchronized step 3: rank 1 differs from ranks 0, 2 " \
+               "(in synchronized forward 3)" in message
+        assert "rank 1: in synchronized forward 4, after running forward(s) [3] inside " \
+               "no_sync()" in message
+
+
 # ----- switches, cost and equivalence -----
 
 def test_bad_environment_values_are_refused(monkeypatch):
