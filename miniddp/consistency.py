@@ -15,7 +15,7 @@ What miniddp does about it, by mode:
 * **off** (the default): nothing on the hot path. Two things cost nothing until they happen: a
   gradient that arrives after this forward's gradients were averaged warns once, naming the
   parameter (:func:`late_gradient`); a bucket's all_reduce that fails says where every rank was
-  waiting, and which ranks never arrived (:func:`failed_wait`).
+  waiting, and which ranks never arrived (:func:`explain_failed_wait`).
 * **checks on** (``TORCH_DISTRIBUTED_DEBUG=INFO``, or ``ddp.check_every(n)``): at each
   synchronized forward every rank writes a small record to the store (see ``miniddp.ledger``):
   its forward count, the forwards it ran inside ``no_sync`` and the synchronized forwards no
@@ -247,14 +247,17 @@ def late_gradient(reducer, index: int) -> None:
                       stacklevel=2)
 
 
-def failed_wait(reducer, bucket, error: RuntimeError) -> RuntimeError:
-    """A bucket's all_reduce failed: the error to raise, saying where every rank was waiting.
+def explain_failed_wait(reducer, bucket, error: RuntimeError) -> None:
+    """A bucket's all_reduce failed: raise an error saying where every rank was waiting.
 
     Each rank whose wait fails writes where it was to the ledger, then reads what the others
     write in the next few seconds: ranks stuck at the same all_reduce fail together, a rank
     stuck elsewhere shows where it is, and a rank that never reports is the likeliest culprit.
     A rank whose consistency check found the cause wrote its message: that is the answer.
+    Any other error (a comm hook's own, say) is left to propagate as it is.
     """
+    if not _communication_failed(error):
+        return
     ledger, rank = reducer.ledger, dist.get_rank(reducer.group)
     first = (str(error).strip().splitlines() or [type(error).__name__])[0]
     text = (f"rank {rank}: the all_reduce of bucket {bucket.index} in the backward of forward "
@@ -265,8 +268,16 @@ def failed_wait(reducer, bucket, error: RuntimeError) -> RuntimeError:
         waiting = ledger.collect("stalled", STALL_REPORT_S)
         errors = [ledger.read("error", r) for r in range(ledger.world_size)]
     except RuntimeError:  # the store is gone too: say what this rank knows
-        return CollectiveStalled(text)
+        raise CollectiveStalled(text) from error
     found = [e["message"] for e in errors if e]
     if found:
-        return OutOfStep(f"{text} The cause, found by the consistency check: {found[0]}")
-    return CollectiveStalled(f"{text} {out_of_step.stalled(waiting, ledger.world_size)}")
+        raise OutOfStep(f"{text} The cause, found by the consistency check: {found[0]}") \
+            from error
+    raise CollectiveStalled(f"{text} {out_of_step.stalled(waiting, ledger.world_size)}") \
+        from error
+
+def _communication_failed(error: RuntimeError) -> bool:
+    text = str(error).lower()
+    return isinstance(error, getattr(dist, "DistError", ())) or any(
+        marker in text for marker in ("timed out", "timeout", "connection", "closed", "peer",
+                                      "gloo", "nccl", "socket", "broken pipe"))

@@ -47,7 +47,7 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
-from miniddp.consistency import failed_wait, late_gradient
+from miniddp.consistency import explain_failed_wait, late_gradient
 from miniddp.gradient_views import GradientsAsBucketViews
 from miniddp.ledger import Ledger
 from miniddp.unused import UnusedParameters
@@ -234,7 +234,8 @@ class Reducer:
             try:
                 bucket.work.wait()
             except RuntimeError as error:  # say where every rank was (miniddp.consistency)
-                raise failed_wait(self, bucket, error) from error
+                explain_failed_wait(self, bucket, error)
+                raise
             if self.comm_hook is not None:  # its result goes into the bucket
                 self.comm_hook.take_result(bucket)
             if bucket.recorded is not None:
