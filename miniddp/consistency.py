@@ -95,6 +95,7 @@ class ConsistencyChecks:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"check every how many steps? Got {every!r}; give 1 or more")
         self.reducer, self.ledger, self.every = ddp.reducer, ddp.reducer.ledger, every
+        self.scope = self.ledger.new_scope()
         self.names, self.params = zip(*ddp.module.named_parameters())
         self.step = 0  # synchronized forwards since the checks were switched on
         self.unsynced: list[int] = []  # forwards inside no_sync since the last synced one
@@ -129,7 +130,7 @@ class ConsistencyChecks:
         self.current = self.record = {**self.history(), "step": self.step}
         if self.step % self.every == 0:
             self.record["checksums"] = parameter_checksums(self.params)
-        self.ledger.write(f"step{self.step}", self.record)
+        self.ledger.write(f"{self.scope}step{self.step}", self.record)
         self.unsynced, self.no_backward = [], []
 
     def before_collective(self, what: str, bucket: int | None,
@@ -143,11 +144,11 @@ class ConsistencyChecks:
             return
         where = f"synchronized step {self.step}"
         try:
-            records = dict(enumerate(self.ledger.gather(f"step{self.step}")))
+            records = dict(enumerate(self.ledger.gather(f"{self.scope}step{self.step}")))
         except RecordsMissing as gone:
             raise self.fail(out_of_step.missing(where, gone.arrived, gone.missing, gone.last,
                                                 gone.waited), OutOfStep) from None
-        self.ledger.forget(f"step{self.step - 1}")  # everyone has read it by now
+        self.ledger.forget(f"{self.scope}step{self.step - 1}")  # everyone has read it by now
         signature = lambda r: (r["forward"], tuple(r["unsynced"]), tuple(r["no_backward"]))
         problem = out_of_step.disagreement(records, signature, where)
         if problem is not None:

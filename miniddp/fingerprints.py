@@ -41,7 +41,7 @@ class CollectiveFingerprints:
     def before(self, what: str, bucket: int | None, tensors: list[torch.Tensor]) -> None:
         """Raise, on every rank, unless every rank is about to launch this same collective."""
         self.sequence += 1
-        key = f"collective{self.sequence}"
+        key = f"{self.checks.scope}collective{self.sequence}"
         record = {"sequence": self.sequence, "what": what, "bucket": bucket,
                   "numel": sum(t.numel() for t in tensors),
                   "dtype": str(tensors[0].dtype).replace("torch.", "") if tensors else "none",
@@ -53,7 +53,7 @@ class CollectiveFingerprints:
             raise self.checks.fail(out_of_step.missing(
                 f"collective {self.sequence} ({out_of_step.describe(record)} here)",
                 gone.arrived, gone.missing, gone.last, gone.waited)) from None
-        self.ledger.forget(f"collective{self.sequence - 1}")  # everyone has read it by now
+        self.ledger.forget(f"{self.checks.scope}collective{self.sequence - 1}")  # all read it
         problem = out_of_step.disagreement(records, _signature, f"collective {self.sequence}")
         if problem is not None:
             raise self.checks.fail(problem)

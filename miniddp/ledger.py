@@ -57,6 +57,11 @@ class Ledger:
         self.prefix = f"miniddp/ledger/{name}/{next(_instances)}/"
         self.timeout = process_group_timeout(group, device)
         self._store = None
+        self._scopes = itertools.count()
+
+    def new_scope(self) -> str:
+        """A fresh key prefix, so that checks switched on again never read older records."""
+        return f"scope{next(self._scopes)}/"
 
     @property
     def store(self) -> dist.Store:
