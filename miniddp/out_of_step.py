@@ -119,8 +119,10 @@ def stalled(waiting: dict[int, dict], world_size: int) -> str:
     text = f"Ranks waiting for an all_reduce: {where}."
     silent = [r for r in range(world_size) if r not in waiting]
     if silent:
-        text += (f" {_ranks(silent)} did not report waiting: they may have run fewer steps, "
-                 "skipped this backward or run it inside no_sync(), or be stuck elsewhere.")
+        who = _ranks(silent)
+        text += (f" {who[0].upper()}{who[1:]} did not report waiting: "
+                 f"{'it' if len(silent) == 1 else 'they'} may have run fewer steps, skipped "
+                 "this backward or run it inside no_sync(), or be stuck elsewhere.")
     if len({(w["forward"], w["synced"]) for w in waiting.values()}) > 1:
         odd, _ = odd_ranks(waiting, lambda w: (w["forward"], w["synced"]))
         text += (f" The ranks are at different forwards: {_ranks(odd)} ran a forward "

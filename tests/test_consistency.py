@@ -231,7 +231,7 @@ def test_without_debug_a_timeout_says_a_rank_may_have_skipped_a_step_and_who_wai
            in message
     assert "A rank may have skipped a step" in message
     assert "rank 0 in the backward of forward 4 (synchronized forward 4)" in message
-    assert "rank 1 did not report waiting" in message  # rank 1 finished: it ran ahead
+    assert "Rank 1 did not report waiting" in message  # rank 1 finished: it ran ahead
     assert "TORCH_DISTRIBUTED_DEBUG=DETAIL" in message
     assert results[1] is None  # rank 1's steps all paired with someone's: it never noticed
 
@@ -241,7 +241,7 @@ def test_without_debug_no_sync_on_one_rank_is_named_as_not_arriving():
     kind, message, _ = results[0]
     assert "A rank may have skipped a step" in message
     assert "rank 0 in the backward of forward 4 (synchronized forward 4)" in message
-    assert "rank 1 did not report waiting: they may have run fewer steps, skipped this " \
+    assert "Rank 1 did not report waiting: it may have run fewer steps, skipped this " \
            "backward or run it inside no_sync()" in message
     assert results[1] is None
 
@@ -252,7 +252,7 @@ def test_a_stall_report_names_the_rank_at_another_forward():
                2: {"forward": 6, "synced": 6, "bucket": 0}}
     text = out_of_step_messages.stalled(waiting, 4)
     assert "rank 1 in the backward of forward 7 (synchronized forward 6), bucket 0" in text
-    assert "rank 3 did not report waiting" in text
+    assert "Rank 3 did not report waiting" in text
     assert "The ranks are at different forwards: rank 1 ran a forward inside no_sync() or " \
            "skipped a backward" in text
 
@@ -260,7 +260,7 @@ def test_a_stall_report_names_the_rank_at_another_forward():
 def test_without_debug_a_rank_with_one_step_fewer_is_named_as_not_arriving():
     results = in_short_group(2, out_of_step, "fewer", "off")
     kind, message, took = results[0]
-    assert "rank 1 did not report waiting: they may have run fewer steps" in message
+    assert "Rank 1 did not report waiting: it may have run fewer steps" in message
     assert results[1] is None
 
 
