@@ -8,6 +8,11 @@ one bucket per parameter. The CPU time of rank 0's main thread is reported besid
 it is what the Python code costs, and it barely depends on the load of the machine. Parameters
 must end bit-identical between the two DDPs.
 
+The consistency checks (``miniddp.consistency``) are timed on the one-bucket model too: off
+(the plain miniddp above), on with a parameter checksum every 100 steps and every step, and the
+debug mode that also compares each collective across ranks. Their parameters must stay
+torch's bits.
+
 The floor, what *any* reducer written in Python pays, is timed in the same rounds: the bare
 module with an empty Python hook on every parameter's AccumulateGrad node (the hook miniddp
 uses), and with a hook that does the least a reducer must, one ``torch.mul(grad, 1 / world,
@@ -33,6 +38,9 @@ import miniddp
 from miniddp.report import print0
 
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
+#: check_every arguments: (steps between parameter checksums, compare every collective)
+CHECKS = {"checksum every 100": (100, False), "checksum every step": (1, False),
+          "debug (DETAIL)": (1, True)}
 
 
 def with_python_hooks(module: nn.Module, copy_into_bucket: bool) -> nn.Module:
@@ -67,6 +75,11 @@ def measure(setup: harness.Setup) -> dict:
             copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
         models[label, "torch"] = nn.parallel.DistributedDataParallel(
             copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
+    for label, (every, detail) in CHECKS.items():
+        checked = miniddp.DistributedDataParallel(copy.deepcopy(base),
+                                                  bucket_cap_mb=CAPS["one_bucket"], **kwargs)
+        checked.check_every(every, detail=detail)
+        models["checks", label] = checked
     calls = {"local": Trainer(copy.deepcopy(base), batches).step,
              "empty_hooks": Trainer(with_python_hooks(copy.deepcopy(base), False), batches).step,
              "copy_hooks": Trainer(with_python_hooks(copy.deepcopy(base), True), batches).step}
@@ -95,7 +108,24 @@ def measure(setup: harness.Setup) -> dict:
             "local": bare["local"], "python_floor": {
                 "empty_hook_cpu_us_per_parameter": floor["empty_hooks"],
                 "hook_and_copy_cpu_us_per_parameter": floor["copy_hooks"],
-                "empty_hooks": bare["empty_hooks"], "copy_hooks": bare["copy_hooks"]}}
+                "empty_hooks": bare["empty_hooks"], "copy_hooks": bare["copy_hooks"]},
+            "consistency": checks_rows(models, times, device)}
+
+
+def checks_rows(models: dict, times: dict, device) -> list[dict]:
+    """What each setting of the consistency checks adds per step to the one-bucket miniddp."""
+    reference = models["one_bucket", "torch"].module
+    rows = []
+    for label in CHECKS:
+        check(harness.same_bits(models["checks", label].module, reference, device),
+              f"checks {label}: parameters differ from torch's after the timed steps")
+        s = summarize({"checks": times[f"checks/{label}"],
+                       "off": times["one_bucket/miniddp"]}, "off")
+        rows.append({"setting": label, "bit_identical": True, **s,
+                     "extra_ms_per_step": s["checks"]["median_ms"] - s["off"]["median_ms"],
+                     "extra_cpu_ms_per_step": (s["checks"]["cpu_median_ms"]
+                                               - s["off"]["cpu_median_ms"])})
+    return rows
 
 
 def plot(result: dict, ax) -> None:
@@ -131,7 +161,12 @@ def report(result: dict) -> str:
             + f"\nbare module: {result['local']['median_ms']:.2f} ms "
               f"({result['local']['cpu_median_ms']:.2f} ms CPU); Python floor per parameter: "
               f"empty hook {floor['empty_hook_cpu_us_per_parameter']:.2f} us, hook + one "
-              f"copy {floor['hook_and_copy_cpu_us_per_parameter']:.2f} us CPU")
+              f"copy {floor['hook_and_copy_cpu_us_per_parameter']:.2f} us CPU\n"
+            + harness.table(["consistency checks", "ms per step", "checks / off",
+                             "extra ms per step", "extra CPU ms per step"],
+                            [[r["setting"], r["checks"]["median_ms"], r["checks"]["ratio"],
+                              r["extra_ms_per_step"], r["extra_cpu_ms_per_step"]]
+                             for r in result["consistency"]]))
 
 
 def main(argv=None) -> list[dict]:

@@ -26,6 +26,7 @@ from torch.distributed.algorithms.join import Joinable
 from miniddp import arguments, comm_hooks, pickling
 from miniddp.batched_copy import BatchedGradCopy
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
+from miniddp.consistency import ConsistencyChecks, checks_from_environment
 from miniddp.join import (
     DDPJoinHook,
     announce_backward_sync,
@@ -169,6 +170,7 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
             reducer.batched_copy = BatchedGradCopy(reducer)
         if reducer.unused is not None:  # skip_all_reduce_unused_params (miniddp.unused)
             reducer.unused.skip_unused_buckets = self.skip_all_reduce_unused_params
+        reducer.consistency = checks_from_environment(self, reducer)  # miniddp.consistency
         if getattr(self, "static_graph", False):  # a copy of a static-graph DDP
             StaticGraph.attach(reducer, initial_buckets=True)
         return reducer
@@ -252,6 +254,13 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
         ddp_comm_hooks``) or your own. Once per model; the hook does its own averaging."""
         comm_hooks.register(self.reducer, state, hook)
 
+    def check_every(self, steps: int | None, detail: bool = False) -> None:
+        """Compare every rank's step, and every ``steps`` steps its parameters; raise on every
+        rank when they differ (see ``miniddp.consistency``). ``detail=True`` also compares
+        each collective before it is launched. ``None`` switches the checks off. Call it at
+        the same point on every rank."""
+        self.reducer.consistency = ConsistencyChecks(self, steps, detail) if steps else None
+
     @contextmanager
     def no_sync(self):
         """Accumulate gradients locally; the forward must run inside the context.
@@ -292,9 +301,14 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
         notify_still_training(self)  # miniddp.join: joined ranks shadow this step
         if grad_enabled:
             self.reducer.begin_forward()
+        checks = self.reducer.consistency  # miniddp.consistency
+        if grad_enabled and checks is not None:
+            checks.at_forward(self.require_backward_grad_sync)
         if self.require_forward_param_sync and self.forward_sync_buffers:
             buffers = self._buffers_to_sync()
             if buffers:  # from rank 0, or under join the last rank training (miniddp.join)
+                if checks is not None:
+                    checks.before_collective("the broadcast of buffers", None, buffers)
                 broadcast_from(buffers, buffer_source(self), self.process_group)
         announce_backward_sync(self)  # miniddp.join
         if self.device_ids:

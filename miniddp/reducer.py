@@ -24,7 +24,8 @@ That is all of this file. The options attach where it says so, each in its own m
 (``miniddp.comm_hooks``), ``static_graph`` (``miniddp.static_graph``: counts each parameter's
 hook firings in the first backward and delays its reduction to the end), and the bucket
 layout and its one rebuild (``miniddp.buckets``). ``batched_grad_copy``
-(``miniddp.batched_copy``) copies a bucket's gradients in at once.
+(``miniddp.batched_copy``) copies a bucket's gradients in at once. The checks that ranks
+agree (``miniddp.consistency``, ``self.consistency``) are off by default.
 ``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
@@ -49,7 +50,9 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
+from miniddp.consistency import explain_failed_wait, late_gradient
 from miniddp.gradient_views import GradientsAsBucketViews
+from miniddp.ledger import Ledger
 from miniddp.unused import UnusedParameters
 
 
@@ -75,6 +78,9 @@ class Reducer:
         self.comm_hook = None  # see miniddp.comm_hooks
         self.static_graph = None  # see miniddp.static_graph
         self.batched_copy = None  # batched_grad_copy (miniddp.batched_copy)
+        self.consistency = None  # checks across ranks, when on: see miniddp.consistency
+        self.ledger = Ledger(process_group, params[0].device)  # the store, for those checks
+        self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.timeline: list[tuple] | None = None
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
@@ -126,10 +132,13 @@ class Reducer:
     def begin_forward(self) -> None:
         """At a forward with grad enabled: fail on an unfinished reduction, rebuild once."""
         self.ensure_prior_reduction_finished()
+        self.forwards += 1  # miniddp.consistency
         self.reduced = False
         self.allreduce_calls = 0
         if self.should_rebuild and self.ready_order:
             limits = self.bucket_caps or [self.first_bucket_bytes, self.bucket_bytes]
+            if self.consistency is not None:  # miniddp.consistency
+                self.consistency.before_collective("the broadcast of the bucket order", None, [])
             self._init_buckets(rebuilt_assignment(self.params, self.ready_order, limits,
                                                   self.group))
             self.has_rebuilt, self.ready_order = True, []
@@ -137,6 +146,7 @@ class Reducer:
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
         self.expect_hooks = True
+        self.synced_forwards += 1  # miniddp.consistency
         self.ready.clear()
         self.next_bucket = 0
         for bucket in self.buckets:
@@ -156,6 +166,8 @@ class Reducer:
                 self._gradient_ready(index)
             elif not self.reduced and self.unused is not None:
                 self.unused.note_use(index)  # inside no_sync: gradients just accumulate
+            elif self.reduced:  # a second backward: warn, or raise (miniddp.consistency)
+                late_gradient(self, index)
 
     def _gradient_ready(self, index: int) -> None:
         self._record("ready", index)
@@ -192,6 +204,9 @@ class Reducer:
                 self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:
+                if self.consistency is not None:  # miniddp.consistency
+                    self.consistency.before_collective("the all_reduce of used-parameter flags",
+                                                       None, [self.unused.locally_used])
                 self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
@@ -233,6 +248,8 @@ class Reducer:
         if self.unused is not None and self.unused.skips(bucket):  # miniddp.unused
             return
         self._record("launch", bucket.index)
+        if self.consistency is not None:  # miniddp.consistency
+            self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
         if self.comm_hook is None:
             bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
         else:  # the hook's future replaces the all_reduce
@@ -257,7 +274,11 @@ class Reducer:
         for bucket in self.buckets:
             if bucket.work is None:  # skipped: skip_all_reduce_unused_params (miniddp.unused)
                 continue
-            bucket.work.wait()
+            try:
+                bucket.work.wait()
+            except RuntimeError as error:  # say where every rank was (miniddp.consistency)
+                explain_failed_wait(self, bucket, error)
+                raise
             if self.comm_hook is not None:  # its result goes into the bucket
                 self.comm_hook.take_result(bucket)
             if bucket.recorded is not None:
@@ -268,6 +289,8 @@ class Reducer:
                     self._write_back(i, bucket.views[slot], copies)
         _copy_all(*copies)
         self._record("finalized", -1)
+        if self.consistency is not None:  # compare this step across ranks
+            self.consistency.after_backward()
 
     def _write_back(self, index: int, view: torch.Tensor, copies) -> None:
         param = self.params[index]
