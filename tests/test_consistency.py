@@ -420,3 +420,22 @@ def test_debug_mode_checks_buffer_broadcasts_too():
     for kind, message, took in in_short_group(2, module_with_buffers_out_of_step):
         assert kind == "OutOfStep" and took < SHORT_TIMEOUT, message
         assert "the broadcast of buffers" in message
+
+
+def checks_under_join(detail):
+    """Uneven inputs under join with the checks on: ranks run different numbers of steps."""
+    ddp = make_ddp(every=1, detail=detail)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    steps = 3 + 2 * dist.get_rank()  # rank 1 trains two steps more
+    with ddp.join():
+        for step in range(steps):
+            train_step(ddp, opt, step)
+    for step in range(steps, steps + 2):  # and afterwards, in step again
+        train_step(ddp, opt, step)
+    return [p.detach().clone() for p in ddp.parameters()]
+
+
+@pytest.mark.parametrize("detail", [False, True])
+def test_the_checks_do_not_mistake_join_for_ranks_out_of_step(ranks, detail):
+    first, second = ranks(2).run(checks_under_join, detail, timeout=60)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
