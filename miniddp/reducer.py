@@ -42,6 +42,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from miniddp import reducer_errors
 from miniddp.buckets import (
     ONE_BUCKET,
     Bucket,
@@ -73,6 +74,7 @@ class Reducer:
         self.bucket_caps = bucket_caps  # torch's bucket_cap_mb_list, in bytes (miniddp.buckets)
         self.overlap = overlap
         self.find_unused = find_unused_parameters
+        # The options, each in the module named for it; None when off.
         self.unused = UnusedParameters(params, process_group) if find_unused_parameters else None
         self.views = GradientsAsBucketViews(names) if gradient_as_bucket_view else None
         self.comm_hook = None  # see miniddp.comm_hooks
@@ -82,6 +84,7 @@ class Reducer:
         self.ledger = Ledger(process_group, params[0].device)  # the store, for those checks
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.timeline: list[tuple] | None = None
+        # Where this step stands.
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
         self.require_finalize = False  # a parameter was marked ready and finalize has not run
@@ -184,11 +187,7 @@ class Reducer:
 
     def _mark_ready(self, index: int) -> None:
         if index in self.ready:
-            raise RuntimeError(
-                f"parameter {self.names[index]!r} was marked ready twice in one backward. "
-                "Is it used outside forward, or in two reentrant backward passes "
-                "(e.g. checkpointing the same layer twice)? For the latter, and if the graph "
-                "is the same every iteration, pass static_graph=True.")
+            raise reducer_errors.marked_ready_twice(self.names[index])
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
@@ -224,7 +223,8 @@ class Reducer:
                 view.copy_(param.grad)
         except RuntimeError:
             if param.grad is not None and param.grad.requires_grad:
-                raise self._higher_order_error(param) from None
+                name = next(n for p, n in zip(self.params, self.names) if p is param)
+                raise reducer_errors.higher_order_gradient(name) from None
             raise
 
     def _reciprocal(self, dtype: torch.dtype):
@@ -302,37 +302,14 @@ class Reducer:
             copies[0].append(param.grad)
             copies[1].append(view)
 
-    # ----- errors, records, clean-up -----
+    # ----- records, clean-up -----
 
     def ensure_prior_reduction_finished(self) -> None:
-        """Raise, naming the parameters, if the last synced backward never completed."""
-        if not self.require_finalize:
-            return
-        # Raise at once, as torch does: waiting for the launched buckets could hang, since a
-        # rank missing a different parameter never launched some of them.
-        missing = [self.names[i] for i in range(len(self.params)) if i not in self.ready]
-        if self.static_graph is not None:
-            advice = self.static_graph.changed_graph_advice
-        elif self.find_unused:
-            advice = ("find_unused_parameters=True is set, so probably not every output of "
-                      "forward was used to compute the loss: use them all, or return only "
-                      "what the loss needs.")
-        else:
-            advice = ("If some parameters legitimately take no part in the loss, pass "
-                      "find_unused_parameters=True to DistributedDataParallel; otherwise make "
-                      "sure every output of forward contributes to the loss.")
-        raise RuntimeError(
-            "Expected to have finished reduction in the prior iteration before starting a new "
-            f"one: rank {dist.get_rank()} got no gradient in the last backward for these "
-            f"parameters: {', '.join(missing)}. {advice}")
-
-    def _higher_order_error(self, param: torch.Tensor) -> RuntimeError:
-        name = next(n for p, n in zip(self.params, self.names) if p is param)
-        return RuntimeError(
-            f"the gradient of {name!r} requires grad: backward(create_graph=True) is not "
-            "supported (torch's DDP fails here too; it never synchronizes higher-order "
-            "gradients). For a gradient penalty, take the inner gradient with "
-            "torch.autograd.grad(..., create_graph=True) and call loss.backward() plainly.")
+        """Raise, naming the parameters, if the last synced backward never completed. At once,
+        as torch does: waiting for the launched buckets could hang, since a rank missing a
+        different parameter never launched some of them."""
+        if self.require_finalize:
+            raise reducer_errors.unfinished_reduction(self)
 
     def _record(self, event: str, ident: int) -> None:
         if self.timeline is not None:
