@@ -60,7 +60,7 @@ def divide_instead_of_multiply(module):
         if param.grad is None:
             view.zero_()
         else:
-            view.copy_(param.grad).div_(self.world_size)
+            view.copy_(param.grad).div_(getattr(self, "divisor", self.world_size))
     _patch(module.Reducer, "_copy_into_bucket", lambda original: copy_into_bucket)
 
 
