@@ -46,8 +46,9 @@ def run_broken(lesson: str, breakage: str, tmp_path: Path) -> subprocess.Complet
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(BREAKAGE_DIR)]),
                MINIDDP_BREAK=breakage, MINIDDP_RUNS=str(tmp_path / "runs"))
     [path] = (REPO / "lessons").glob(f"{lesson}.py")
-    return subprocess.run([sys.executable, str(path), *ARGUMENTS.get(lesson, [])], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    command = [sys.executable, str(path), *ARGUMENTS.get(lesson, [])]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
 
 
 @pytest.mark.lesson
