@@ -189,8 +189,9 @@ def the_plain_student(rank, world, device, verbose=True):
     check(not bad, f"at step {bad[:1]} miniddp's buckets {layouts[bad[0]][0] if bad else ''} "
                    f"are not torch's {layouts[bad[0]][1] if bad else ''}")
     print0("torch's C++ reducer holds the very same buckets at every step")
-    check(first_difference[0] is None, f"rank {rank}: at {world} ranks miniddp differs from "
-                                       f"torch's DDP after step {first_difference[0]}")
+    step, names = first_difference[0] or (None, [])
+    check(step is None, f"rank {rank}: at {world} ranks miniddp differs from torch's DDP after "
+                        f"step {step}, in {', '.join(names)}")
     losses = progress.losses()
     check(losses[-1] < 0.2 * losses[0],
           f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 20% of it")
