@@ -26,9 +26,8 @@ timed, and the lesson shows how to turn noisy step times into a conclusion:
   95% interval excludes 1 is a finding; one whose interval holds 1 is not shown either way.
   The rule "a difference inside the A/A control's interquartile range is not a finding" is
   wrong: it compares a median with the spread of single rounds, and it once dismissed a real,
-  reproducible gap (miniddp 11% slower than torch at ``bucket_cap_mb=0.125``: 1.108, 1.113 and
-  1.122 in three runs), whose 95% intervals excluded 1 every time. The lesson shows both rules
-  on such a gap.
+  reproducible gap (miniddp 11% slower than torch at ``bucket_cap_mb=0.125`` in this lesson's
+  table: 1.108, 1.113 and 1.122 in three runs). The lesson shows both rules on such a gap.
 * **what the A/A control is for.** It checks the method, not the contestants: two identical
   DDPs must come out equal, so its interval should hold 1. If it does not, something in how the
   rounds are run (who goes first, a warm cache, a clock) favours one position, and every other
@@ -53,8 +52,8 @@ width 128 and a Linear head: 52 tensors, 1.5 MiB of gradients): small enough tha
 milliseconds, with enough tensors that one all_reduce each is costly. The caps: one bucket per
 parameter, 0.125 MiB, torch's default (no ``bucket_cap_mb``: a 1 MiB first bucket, then 25 MiB)
 and an explicit 25, which in current torch (and miniddp) applies to the first bucket too, and so
-makes a single one. Only
-orderings that survive a busy machine are checked; the times are printed. The full sweep (a
+makes a single one. Only orderings that survive a busy machine are checked; the times are
+printed. The full sweep (a
 49 MB model, caps 1 to 250 MiB, 30 rounds, 95% intervals) is ``benchmarks/bucket_sweep.py``;
 its saved results in ``benchmarks/results/`` are summarized at the end.
 
