@@ -23,10 +23,16 @@ not ``allclose``). Three things come along that a simple reimplementation gets w
   evaluates through the wrapper uses rank 0's statistics.
 
 Why 3 ranks are the harder test: at 2 ranks an all_reduce computes ``a + b`` or ``b + a``, the
-same float either way. At 3 or more, gloo's ring adds the ranks' values in an order that
-depends on the element's offset inside the flat bucket and on the bucket's size, so the bits
-match only if the bucket layout is exactly torch's. The lesson shows this with a control: a
-miniddp whose buckets are cut differently still matches at 2 ranks and stops matching at 3.
+same float either way, and halving is exact, so ``grad / 2`` and ``grad * (1 / 2)`` are the same
+bits too. At 3 or more, neither holds. ``grad / 3`` and ``grad * (1 / 3)`` round differently
+(``1 / 3`` is itself rounded), and torch's built-in reducer multiplies by the reciprocal. And
+gloo's ring adds the ranks' values in an order that depends on the element's offset inside the
+flat bucket and on the bucket's size, so the bits match only if the bucket layout is exactly
+torch's. Two controls show it: a miniddp whose buckets are cut differently, and a torch DDP with
+torch's own ``allreduce_hook`` (a communication hook that divides, then sums). Both match at 2
+ranks; at 3, neither does, while miniddp still matches bit for bit. A lesson run on 2 ranks
+therefore forks 3 more for that part (a second or two); under torchrun it needs
+``--nproc_per_node=3``.
 
 Run it:
 
@@ -41,7 +47,7 @@ the same buffers in the same order.
 What you will see: the buckets before and after the rebuild, the loss falling, "equal bit for
 bit after every step" for the plain model and for a model with BatchNorm and unused heads, the
 error both DDPs raise without ``find_unused_parameters``, BatchNorm statistics before and after
-the broadcast, what the differently-bucketed control did, and ``OK: ...``. A few seconds.
+the broadcast, the two controls at 2 ranks and again at 3, and ``OK: ...``. A few seconds.
 """
 
 import argparse
@@ -51,12 +57,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
 from miniddp.data import OUT_FEATURES, make_dataset, make_model, shard
-from miniddp.launch import launch, rank_device
+from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
@@ -146,29 +153,35 @@ def train_side_by_side(models, loader, device, forward_kwargs=None, progress=Non
     return first_difference, layouts
 
 
-def the_plain_student(rank, world, device):
-    """Lesson 00's student; buckets cut small so that the rebuild shows. Returns the control's
-    first difference from torch (a miniddp with torch's default, larger buckets)."""
+def the_plain_student(rank, world, device, verbose=True):
+    """Lesson 00's student; buckets cut small so that the rebuild shows. Trains two controls
+    beside it and returns their first differences from torch: a miniddp with torch's default,
+    larger buckets, and torch's DDP with torch's own dividing ``allreduce_hook``."""
     student = make_model(seed=rank)  # another init on every rank: construction must broadcast
     ours = wrap(miniddp.DistributedDataParallel, student, device, bucket_cap_mb=BUCKET_CAP_MB)
     theirs = wrap(TorchDDP, student, device, bucket_cap_mb=BUCKET_CAP_MB)
-    control = wrap(miniddp.DistributedDataParallel, student, device)
+    other_buckets = wrap(miniddp.DistributedDataParallel, student, device)
+    dividing = wrap(TorchDDP, student, device, bucket_cap_mb=BUCKET_CAP_MB)
+    dividing.register_comm_hook(None, allreduce_hook)  # grad / world_size, then a SUM
     rank0_init = make_model(seed=0).to(device)
     check(all(torch.equal(p, q) for p, q in zip(ours.parameters(), rank0_init.parameters())),
           f"rank {rank}: after construction the parameters are not rank 0's")
-    print0("every rank built its own random model; after construction all hold rank 0's\n")
-    show_buckets("buckets at construction (iteration 0): one bucket, parameters in model order",
-                 ours)
-
     loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
                         batch_size=BATCH_SIZE, drop_last=True)
-    progress = Progress(EPOCHS * len(loader), every=max(1, EPOCHS * len(loader) // 6))
-    print0()
-    first_difference, layouts = train_side_by_side([ours, theirs, control], loader, device,
-                                                   progress=progress)
-    print0()
-    show_buckets("buckets from step 1 on: rebuilt at step 1's forward, in the order gradients "
-                 f"became ready in step 0,\ncut at bucket_cap_mb={BUCKET_CAP_MB}", ours)
+    progress = Progress(EPOCHS * len(loader), every=max(1, EPOCHS * len(loader) // 6),
+                        quiet=not verbose)
+    if verbose:
+        print0("every rank built its own random model; after construction all hold rank 0's\n")
+        show_buckets("buckets at construction (iteration 0): one bucket, parameters in model "
+                     "order", ours)
+        print0()
+    first_difference, layouts = train_side_by_side([ours, theirs, other_buckets, dividing],
+                                                   loader, device, progress=progress)
+    if verbose:
+        print0()
+        show_buckets("buckets from step 1 on: rebuilt at step 1's forward, in the order "
+                     f"gradients became ready in step 0,\ncut at bucket_cap_mb={BUCKET_CAP_MB}",
+                     ours)
 
     rebuilt_at = next((s for s, (mine, _) in enumerate(layouts) if mine != layouts[0][0]), None)
     check(rebuilt_at == 1, f"the buckets changed at step {rebuilt_at}, torch rebuilds at step 1")
@@ -176,14 +189,19 @@ def the_plain_student(rank, world, device):
     check(not bad, f"at step {bad[:1]} miniddp's buckets {layouts[bad[0]][0] if bad else ''} "
                    f"are not torch's {layouts[bad[0]][1] if bad else ''}")
     print0("torch's C++ reducer holds the very same buckets at every step")
-    check(first_difference[0] is None,
-          f"rank {rank}: miniddp differs from torch's DDP after step {first_difference[0]}")
+    step, names = first_difference[0] or (None, [])
+    check(step is None, f"rank {rank}: at {world} ranks miniddp differs from torch's DDP after "
+                        f"step {step}, in {', '.join(names)}")
     losses = progress.losses()
     check(losses[-1] < 0.2 * losses[0],
           f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 20% of it")
     print0(f"parameters and gradients equal to torch's DDP bit for bit after each of the "
-           f"{len(layouts)} steps")
-    return first_difference[2], len(layouts), losses
+           f"{len(layouts)} steps, at {world} ranks")
+    controls = {"a miniddp with default buckets (one bucket after the rebuild)":
+                first_difference[2],
+                "torch's DDP with torch's own allreduce_hook (grad / world_size, then sum)":
+                first_difference[3]}
+    return controls, len(layouts), losses
 
 
 def unused_without_the_flag(rank, device):
@@ -253,27 +271,46 @@ def rank_agreement(t) -> bool:
     return all(torch.equal(everyone[0], other) for other in everyone)
 
 
+def judge_the_controls(world: int, controls: dict, steps: int) -> None:
+    """Both controls match torch at 2 ranks and neither does at 3 or more (gloo's ring)."""
+    print0(f"\nthe controls at {world} ranks, against torch's DDP with bucket_cap_mb="
+           f"{BUCKET_CAP_MB} (two buckets, grad * (1 / world_size) before the sum):")
+    for name, differs in controls.items():
+        if differs is None:
+            print0(f"  {name}: equal after all {steps} steps")
+        else:
+            step, names = differs
+            print0(f"  {name}: differs from step {step} on ({', '.join(names[:3])}, ...)")
+    if dist.get_backend() != "gloo" or world < 2:
+        return  # NCCL's sums follow other rules: nothing to claim
+    if world == 2:
+        print0("  at 2 ranks a + b == b + a and halving is exact: neither can show")
+        check(all(d is None for d in controls.values()),
+              "at 2 ranks a + b == b + a and x / 2 == x * 0.5: neither control may differ, "
+              f"got {controls}")
+    else:
+        print0(f"  at {world} ranks the ring's order of additions depends on where an element "
+               f"sits in its bucket, and x / {world} is not x * (1 / {world}): both show")
+        for name, differs in controls.items():
+            check(differs is not None, f"at {world} ranks {name} still matched torch's "
+                                       "built-in reducer bit for bit: the control shows nothing")
+
+
 def on_every_rank():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
-    control_differs, steps, losses = the_plain_student(rank, world, device)
+    controls, steps, losses = the_plain_student(rank, world, device)
     unused_without_the_flag(rank, device)
     with_buffers_and_unused_heads(rank, world, device)
-
-    print0(f"\nthe control: a miniddp with default buckets (one bucket after the rebuild) "
-           f"against torch with bucket_cap_mb={BUCKET_CAP_MB} (two buckets):")
-    if control_differs is not None:
-        step, names = control_differs
-        print0(f"  differs from step {step} on ({', '.join(names[:4])}, ...): at {world} ranks "
-               "the ring's order of additions depends on where an element sits in its bucket")
-    elif world <= 2:
-        print0(f"  equal after all {steps} steps: at {world} rank(s) a + b == b + a, the layout "
-               "cannot show; run --nproc 3 to see it matter")
-    else:
-        print0(f"  equal after all {steps} steps: this time the ring added in the same order")
-    if world == 2 and dist.get_backend() == "gloo":
-        check(control_differs is None, "at 2 ranks a + b == b + a: the layout cannot matter")
+    judge_the_controls(world, controls, steps)
     return world, steps, losses[0], losses[-1]
+
+
+def at_three_ranks():
+    """The plain student again, at 3 ranks: miniddp still equal, both controls not."""
+    rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    controls, steps, _ = the_plain_student(rank, world, device, verbose=False)
+    judge_the_controls(world, controls, steps)
 
 
 def main():
@@ -282,9 +319,18 @@ def main():
                         help="ranks to fork (ignored under torchrun, which sets its own)")
     args = parser.parse_args()
     world, steps, first, last = launch(on_every_rank, args.nproc)[0]
+    at_three = world >= 3
+    if not at_three and launched_by_torchrun():
+        print0("\nthe 3-rank part needs 3 ranks: torchrun --standalone --nproc_per_node=3 "
+               "lessons/08_miniddp_vs_torch_ddp.py")
+    elif not at_three:
+        print0("\nthe same training at 3 ranks (3 ranks forked anew): what 2 cannot show")
+        launch(at_three_ranks, 3)
+        at_three = True
     ok(f"miniddp's DDP equal to torch's bit for bit after each of {steps} steps on {world} ranks "
        f"(loss {first:.3f} -> {last:.4f}), same buckets, rebuilt at the same step; unused "
-       "parameters and BatchNorm buffers too")
+       "parameters and BatchNorm buffers too" + ("; at 3 ranks too, where other buckets or "
+                                                 "dividing by the world size are not" * at_three))
 
 
 if __name__ == "__main__":

@@ -42,51 +42,59 @@ Run plainly, it starts one torchrun agent, ``python -m torch.distributed.run --s
 --workdir DIR``; rank 1 SIGKILLs itself at step 45 (the last snapshot was at step 40, mid-epoch)
 and the agent restarts both workers, which resume from the snapshot and finish. The agent has a
 deadline; on failure it is stopped with its workers (and the workers die with their agent), and
-the lesson exits non-zero. The same happens by hand with ``--max-restarts=1`` added to the
-torchrun line above. Without restarts (that line as it is) nobody may die, so each worker plays
-the crash itself: it stops at step 45, drops everything, and resumes from the snapshot. On GPUs
-(one per worker) the workers use NCCL; ``checkpoint.load`` maps the tensors to the model's device.
+the lesson exits non-zero (the plumbing, starting an agent and relaying its output, is
+``miniddp.torchrun_agents``). The workers compute on one thread each (``OMP_NUM_THREADS=1``):
+by hand, torchrun sets that itself for 2+ workers and prints a banner of asterisks to say so,
+which ``export OMP_NUM_THREADS=1`` silences. The same happens by hand with ``--max-restarts=1``
+added to the torchrun line above. Without restarts (that line as it is) nobody may die, so each
+worker plays the crash itself: it stops at step 45, drops everything, and resumes from the
+snapshot. On GPUs (one per worker) the workers use NCCL; ``checkpoint.load`` maps the tensors to
+the model's device.
 Bit-identity after a resume holds here, at 2 ranks; at 3 or more, gloo's sums depend on the
 bucket layout, which DDP rebuilds after a resume's first step, so that step may differ in the
 last bits (lesson 08).
 
 What you will see: a writer killed halfway (the naive file gone, the atomic one intact), the
 ``module.`` prefix refused and then loaded both ways, the loss falling and a snapshot every 10
-steps, rank 1 killed, torchrun's restart, the resume (epoch 2, 256 of 512 samples done), the
-same weights as an uninterrupted run bit for bit, the three controls differing, and ``OK: ...``.
+steps, rank 1 killed, torchrun's restart, the resume (in epoch 3 of 4, after step 40: 256 of 512
+samples of that epoch done), the same weights as an uninterrupted run bit for bit, the three
+controls differing, and ``OK: ...``. Epochs are counted from 1 in what it prints.
 8-15 seconds, nearly all of it processes starting: the agent, then two workers twice, each
 importing torch. (For that reason the SGD here is written out: torch.optim's would import
 ``torch._dynamo`` in every worker, seconds more each time; it computes the same bits.)
 """
 
 import argparse
-import ctypes
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 from importlib.metadata import version
 from pathlib import Path
 
-# Who runs this file: a worker that torchrun started, or you, with plain python (see lesson 12).
-IS_WORKER = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-if IS_WORKER:  # run plainly, the file only starts torchrun and never needs torch
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
-    from miniddp import DistributedDataParallel, DistributedSampler, checkpoint
-    from miniddp.data import make_dataset, make_model
-    from miniddp.launch import join_torchrun_group, leave_group, rank_device
-    from miniddp.report import check, mean_over_ranks, ok, print0
+from miniddp import DistributedDataParallel, DistributedSampler, checkpoint
+from miniddp.data import make_dataset, make_model
+from miniddp.launch import join_torchrun_group, leave_group, rank_device
+from miniddp.report import check, mean_over_ranks, ok, print0
+from miniddp.torchrun_agents import (
+    as_worker,
+    run_agents,
+    shown,
+    started_by_torchrun,
+    torchrun,
+    verdict,
+)
 
-EPOCHS, DATASET_SIZE, BATCH_SIZE = 4, 1024, 32  # 16 steps an epoch on 2 ranks, 64 in all
+EPOCHS, DATASET_SIZE, BATCH_SIZE = 4, 1024, 32
+STEPS_PER_EPOCH = DATASET_SIZE // (BATCH_SIZE * 2)  # 16 on the lesson's 2 workers, 64 in all
 LR, NOISE = 0.2, 0.05
-SAVE_EVERY = 10  # steps; 40 is half way through epoch 2
+SAVE_EVERY = 10  # steps; 40 is half way through the third epoch (steps 32-47)
 KILL_AT, KILLED_RANK = 45, 1
 FILES = ("naive.pt", "atomic.pt", ".atomic.pt.tmp", "snapshot.pt", ".snapshot.pt.tmp",
          "resumed_from.pt")  # what the lesson writes into its --workdir
@@ -94,15 +102,6 @@ FILES = ("naive.pt", "atomic.pt", ".atomic.pt.tmp", "snapshot.pt", ".snapshot.pt
 # --max-restarts ends the job instead (pytorch issue 123678, fixed in 2.4; see
 # miniddp.torch_versions). There the lesson plays the crash in-process, as without restarts.
 TORCHRUN_CAN_RESTART = not version("torch").startswith("2.3.")
-LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                      "ROLE_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-def die_with_parent(sig: int) -> None:
-    """Linux: get ``sig`` when the parent process dies, however it dies."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, sig)
 
 
 # ----- part 1, on rank 0 before the process group exists: a writer killed halfway -----
@@ -241,9 +240,9 @@ def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kil
                                    restore_rng=forget != "rng")
         epoch, step = snapshot["epoch"], snapshot["step"]
         if verbose:
-            print0(f"   resuming from {Path(resume_from).name}: epoch {epoch}, step {step}, "
-                   f"{sampler.state_dict()['consumed']} of {sampler.num_samples} samples of the "
-                   "epoch done on each rank")
+            print0(f"   resuming from {Path(resume_from).name}: in epoch {epoch + 1}/{EPOCHS}, "
+                   f"after step {step}, {sampler.state_dict()['consumed']} of "
+                   f"{sampler.num_samples} samples of the epoch done on each rank")
     losses = []
     while epoch < EPOCHS:
         sampler.set_epoch(epoch)  # the epoch a snapshot stopped in keeps its position
@@ -264,11 +263,11 @@ def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kil
             if save_to and step % SAVE_EVERY == 0:
                 checkpoint.save(save_to, ddp, optimizer, sampler, epoch=epoch, step=step,
                                 trained=seen)
-        epoch += 1
         if verbose:
             mean = mean_over_ranks(torch.stack(losses[first:]).mean())
-            print0(f"   epoch {epoch}/{EPOCHS} | step {step} | loss {mean:.4f} | snapshots "
-                   f"every {SAVE_EVERY} steps")
+            print0(f"   end of epoch {epoch + 1}/{EPOCHS} | step {step} | loss {mean:.4f} | "
+                   f"snapshots every {SAVE_EVERY} steps")
+        epoch += 1
     return torch.cat([p.detach().reshape(-1) for p in ddp.parameters()]), losses
 
 
@@ -289,7 +288,9 @@ def resume_and_prove(device, snapshot: Path, attempt: int) -> str:
            "same weights, bit for bit")
 
     print0("   resumed from the same snapshot without one thing each:")
-    for forget, what in (("sampler", "the sampler's position: epoch 2 starts over"),
+    for forget, what in (("sampler", f"the sampler's position: epoch "
+                                     f"{KILL_AT // STEPS_PER_EPOCH + 1} "
+                                     "starts over"),
                          ("optimizer", "the optimizer's state: momentum starts from zero"),
                          ("rng", "the random generators: other noise on every rank")):
         other, _ = train(device, resume_from=kept, forget=forget)
@@ -313,7 +314,7 @@ def on_every_rank(workdir: Path, attempt: int, restarts: int) -> str:
                "runs the script from the top and finds the snapshot")
         return resume_and_prove(device, snapshot, attempt)
     the_module_prefix(device)
-    print0(f"\n3. the job: {EPOCHS} epochs of {DATASET_SIZE // (BATCH_SIZE * 2)} steps, a "
+    print0(f"\n3. the job: {EPOCHS} epochs of {STEPS_PER_EPOCH} steps, a "
            f"snapshot every {SAVE_EVERY} steps to {snapshot}")
     if restarts > 0:
         print0(f"   torchrun may restart {restarts} time(s): rank {KILLED_RANK} will be "
@@ -334,7 +335,6 @@ def on_every_rank(workdir: Path, attempt: int, restarts: int) -> str:
 
 def worker(workdir: Path | None, backend: str | None):
     """One worker of one attempt, started by torchrun."""
-    die_with_parent(signal.SIGKILL)  # the agent: no worker outlives it
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     temporary = workdir is None
@@ -358,47 +358,6 @@ def worker(workdir: Path | None, backend: str | None):
 
 # ----- run plainly: one torchrun agent that may restart its workers once -----
 
-def run_torchrun(workdir: Path, timeout: float) -> tuple[int, str]:
-    """Run the agent, relay its output, stop it (and its workers) past ``timeout`` seconds."""
-    restarts = 1 if TORCHRUN_CAN_RESTART else 0
-    if not TORCHRUN_CAN_RESTART:
-        print(f"torch {version('torch')}: its torchrun cannot restart workers (pytorch issue "
-              "123678), so the crash is played in-process instead", flush=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", f"--max-restarts={restarts}", "--monitor_interval=0.1",
-               str(Path(__file__).resolve()), "--workdir", str(workdir)]
-    print(f"starting: torchrun {' '.join(command[3:])}", flush=True)
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    agent = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                             text=True, env=env, start_new_session=True,
-                             preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    lines = []
-
-    def relay():
-        for line in agent.stdout:
-            lines.append(line)
-            print(f"[torchrun] {line}", end="", flush=True)
-
-    reader = threading.Thread(target=relay, daemon=True)
-    reader.start()
-    try:
-        agent.wait(timeout)
-    except subprocess.TimeoutExpired:
-        print(f"stopping torchrun: still running after {timeout:.0f} s", flush=True)
-    finally:
-        if agent.poll() is None:  # SIGTERM: torchrun stops its workers; SIGKILL if it will not
-            os.killpg(agent.pid, signal.SIGTERM)
-            try:
-                agent.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(agent.pid, signal.SIGKILL)
-                agent.wait()
-        reader.join(5)
-    return agent.returncode, "".join(lines)
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, help="where snapshots go (default: a temporary "
@@ -408,22 +367,23 @@ def main():
     parser.add_argument("--backend", help="process group backend (default: NCCL when every "
                         "worker has a GPU, gloo otherwise)")
     args = parser.parse_args()
-    if IS_WORKER:
-        worker(args.workdir, args.backend)
+    if started_by_torchrun():
+        as_worker(lambda: worker(args.workdir, args.backend))  # names its rank if it fails
         return
+    if not TORCHRUN_CAN_RESTART:
+        print(f"torch {version('torch')}: its torchrun cannot restart workers (pytorch issue "
+              "123678), so the crash is played in-process instead", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="miniddp-lesson09-"))
+    command = torchrun("--standalone", "--nproc_per_node=2",
+                       f"--max-restarts={int(TORCHRUN_CAN_RESTART)}", "--monitor_interval=0.1",
+                       str(Path(__file__).resolve()), "--workdir", str(workdir))
+    print(f"starting: {shown(command)}", flush=True)
     try:
-        code, output = run_torchrun(workdir, args.timeout)
+        done = run_agents([command], ["[torchrun] "], args.timeout)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    said = [line for line in output.splitlines() if line.startswith("OK:")]
-    if code != 0:
-        sys.exit(f"FAILED: torchrun exited with status {code} (negative: stopped by that "
-                 "signal); its output is above")
     expected = "restarted by torchrun" if TORCHRUN_CAN_RESTART else "played in-process"
-    if len(said) != 1 or expected not in said[0]:
-        sys.exit(f"FAILED: expected one OK line saying the job {expected}, got {said}")
-    print(said[0])  # the workers' verdict, as this script's last line
+    print(verdict(done, expected))  # the workers' OK line, as this script's last line
 
 
 if __name__ == "__main__":

@@ -20,8 +20,15 @@ The two 16-bit formats differ where it matters:
   the fp32 ``.grad`` by it before ``optimizer.step``, and skips the step (halving the scale) if
   any gradient is inf or NaN. With DDP every rank holds the same averaged gradients when the
   scaler looks at them, so every rank makes the same decision without an extra collective.
+  The lesson counts what the scaler saves: one backward, through miniddp's DDP, of a loss
+  ``1e-5`` times this task's (a loss averaged over 10^5 times more elements, as a language
+  model's is over its tokens and vocabulary, or the small loss late in training), in fp32, in
+  fp16, and in fp16 with a GradScaler. fp16 alone flushes about a third of the gradient elements
+  to exactly zero (their parameters would not move); with the scaler, none.
 
-What this lesson proves, on every rank: the loss falls under bf16 (and fp16); miniddp's DDP and
+What this lesson proves, on every rank: fp16 without a scaler flushes gradients to zero that the
+scaler keeps (so removing the scaler fails the lesson); the loss falls under bf16 (and fp16);
+miniddp's DDP and
 torch's DDP, run side by side under the same autocast, stay equal bit for bit after every step;
 buckets and gradients are fp32; and the bf16 run ends close to an fp32 run of the same training
 (close, not equal: bf16 products round at the second or third digit, so the runs drift apart).
@@ -37,7 +44,8 @@ Run it:
 On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
 one rank per GPU with NCCL, fp16 with its scaler and bf16 where the GPU supports it.
 
-What you will see: why fp16 needs the scaler (1e-8 in fp16 and in bf16), the bf16 training's loss
+What you will see: why fp16 needs the scaler (1e-8 in fp16 and in bf16, then the gradient elements
+flushed to zero without and with the scaler, counted), the bf16 training's loss
 falling, the dtypes of the output, the gradients and the buckets, "equal bit for bit" for each
 precision, the scale and skipped steps of the fp16 run, the held-out loss of the fp32, bf16 and
 fp16 runs side by side, and ``OK: ...``. A few seconds.
@@ -67,6 +75,9 @@ BF16_LOSS_RATIO = 1.5
 # torch's default first scale is 2**16; starting higher makes the scaler's back-off visible: the
 # first steps overflow fp16 (max 65504), are skipped, and the scale halves until they fit.
 INIT_SCALE = 2.0**20
+# A loss this much smaller than the task's has gradients around 1e-8, below fp16's smallest
+# number (6e-8): what a loss averaged over many more elements, or late in training, looks like.
+SMALL_LOSS = 1e-5
 
 
 def wrap(ddp_class, model, device):
@@ -149,6 +160,41 @@ def why_fp16_needs_a_scaler():
           f"{fp16}, {bf16}, {scaled.item()}")
 
 
+def gradients_flushed_to_zero(rank, world, device):
+    """One backward of a small loss through miniddp's DDP, in fp32, in fp16 and in fp16 with a
+    GradScaler: how many gradient elements fp16 flushed to zero where fp32 has a value."""
+    model = make_model(seed=0)
+    x, y = (t.to(device) for t in make_dataset(n=BATCH_SIZE * world, seed=3).tensors)
+    x, y = x[rank::world], y[rank::world]
+    grads = {}
+    for name, dtype, use_scaler in (("fp32", None, False), ("fp16", torch.float16, False),
+                                    ("fp16 + GradScaler", torch.float16, True)):
+        ddp = wrap(miniddp.DistributedDataParallel, model, device)
+        optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
+        scaler = grad_scaler(device) if use_scaler else None
+        with torch.autocast(device.type, dtype=dtype) if dtype else nullcontext():
+            out = ddp(x)
+        loss = SMALL_LOSS * F.mse_loss(out.float(), y)
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(optimizer)  # .grad / scale, in fp32, as scaler.step would
+        grads[name] = [p.grad for p in ddp.parameters()]
+    reference, total = grads.pop("fp32"), sum(p.numel() for p in model.parameters())
+    zeros = {name: sum(((g == 0) & (r != 0)).sum().item() for g, r in zip(gs, reference))
+             for name, gs in grads.items()}
+    print0(f"one backward of a loss {SMALL_LOSS:g} times this task's (gradients near 1e-8), "
+           f"{total} gradient elements, averaged by miniddp's DDP:")
+    for name, count in zeros.items():
+        print0(f"  {name:<18} {count:>4} flushed to exactly zero ({100 * count / total:.0f}%) "
+               "where fp32 has a value")
+    unscaled, scaled = zeros["fp16"], zeros["fp16 + GradScaler"]
+    check(unscaled > 0, f"fp16 kept every gradient of a loss {SMALL_LOSS:g} times smaller: "
+                        "nothing for the scaler to save here")
+    check(10 * scaled < unscaled,
+          f"with the GradScaler {scaled} of {total} gradients still flushed to zero in fp16 "
+          f"(without it {unscaled}): the scaler did not lift them into fp16's range")
+
+
 def available_precisions(device):
     """The 16-bit formats this device and this torch can train with, and notes on the rest."""
     runs, notes = [], []
@@ -169,6 +215,8 @@ def on_every_rank():
     device = rank_device()
     why_fp16_needs_a_scaler()
     runs, notes = available_precisions(device)
+    if ("fp16", torch.float16) in runs:
+        gradients_flushed_to_zero(rank, world, device)
     reference = train(rank, world, device, None, side_by_side=False)
     results = {}
     for name, dtype in runs:

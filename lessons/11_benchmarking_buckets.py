@@ -16,8 +16,23 @@ timed, and the lesson shows how to turn noisy step times into a conclusion:
 * **medians, and the median of per-round ratios.** One slow step (another program woke up) moves
   a mean, not a median. And two contestants in the same round suffered the same load, so their
   ratio cancels most of it: the ratio of two identical torch DDPs (an A/A control) stays near 1
-  while their absolute times swing by 2x. That is why benchmarks report ratios, and why a
-  difference smaller than the A/A control's spread is not a finding.
+  while their absolute times swing by 2x. That is why benchmarks report ratios.
+* **a confidence interval of the median ratio, not the spread of single rounds.** Whether A is
+  slower than B is a question about the median of the per-round ratios, and its uncertainty
+  shrinks as rounds are added (about as 1 / sqrt(rounds)); the spread of single rounds does
+  not. The number of rounds whose ratio lies below the true median is Binomial(n, 1/2), so
+  the k-th smallest and k-th largest ratios bracket the median with a probability computed
+  exactly (the order-statistic interval, written out in :func:`median_interval`). A ratio whose
+  95% interval excludes 1 is a finding; one whose interval holds 1 is not shown either way.
+  The rule "a difference inside the A/A control's interquartile range is not a finding" is
+  wrong: it compares a median with the spread of single rounds, and it once dismissed a real,
+  reproducible gap (miniddp 11% slower than torch at ``bucket_cap_mb=0.125`` in this lesson's
+  table: 1.108, 1.113 and 1.122 in three runs). The lesson shows both rules on such a gap.
+* **what the A/A control is for.** It checks the method, not the contestants: two identical
+  DDPs must come out equal, so its interval should hold 1. If it does not, something in how the
+  rounds are run (who goes first, a warm cache, a clock) favours one position, and every other
+  ratio carries the same bias. Its spread says how noisy one round is here, and so how many
+  rounds a given precision needs. A finding that matters is then confirmed by running again.
 * **what the model predicts.** Every bucket is one all_reduce, and every all_reduce pays
   ``alpha``: a cap that makes B buckets instead of the default's costs about
   ``(B - B_default) * alpha`` more per step. ``alpha`` and ``beta`` are measured here, and the
@@ -37,8 +52,8 @@ width 128 and a Linear head: 52 tensors, 1.5 MiB of gradients): small enough tha
 milliseconds, with enough tensors that one all_reduce each is costly. The caps: one bucket per
 parameter, 0.125 MiB, torch's default (no ``bucket_cap_mb``: a 1 MiB first bucket, then 25 MiB)
 and an explicit 25, which in current torch (and miniddp) applies to the first bucket too, and so
-makes a single one. Only
-orderings that survive a busy machine are checked; the times are printed. The full sweep (a
+makes a single one. Only orderings that survive a busy machine are checked; the times are
+printed. The full sweep (a
 49 MB model, caps 1 to 250 MiB, 30 rounds, 95% intervals) is ``benchmarks/bucket_sweep.py``;
 its saved results in ``benchmarks/results/`` are summarized at the end.
 
@@ -53,9 +68,10 @@ With one GPU per rank (``--nproc N`` on N GPUs, or torchrun) it runs NCCL on the
 ``--nproc 1`` on one GPU times the machinery with nothing to exchange.
 
 What you will see: ``alpha`` and ``beta`` on this machine; the loss falling and "bit-identical"
-for every cap; a table of median step times, miniddp / torch and each cap / the default (both
-medians of per-round ratios), and the model's prediction; the A/A control's spread next to the
-spread of absolute times; ``runs/11_benchmarking_buckets.png`` (every step as a dot, and the
+for every cap; a table of median step times, miniddp / torch with its 95% interval and what it
+shows, each cap / the default (medians of per-round ratios), and the model's prediction; the
+A/A control's interval and spread next to the spread of absolute times; the two rules on an 11%
+gap; ``runs/11_benchmarking_buckets.png`` (every step as a dot, and the
 medians); a summary of ``benchmarks/results``; and ``OK: ...``. 10-20 seconds, a third of it
 starting up, the rest 30 rounds of 9 contestants.
 """
@@ -63,6 +79,7 @@ starting up, the rest 30 rounds of 9 contestants.
 import argparse
 import copy
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -235,6 +252,31 @@ def quartiles(values: list[float]) -> tuple[float, float]:
     return q[0], q[2]
 
 
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """The median of ``values`` and an interval that holds the true median with probability at
+    least ``confidence``: ``[x_(k), x_(n+1-k)]``, the k-th smallest and k-th largest value.
+
+    Each round's ratio falls below the true median with probability 1/2, so the count below it
+    is Binomial(n, 1/2), and that interval misses the median only when k or fewer fall on one
+    side: probability ``2 * P(B <= k - 1)``. Take the largest k that keeps this within
+    ``1 - confidence``. Nothing is assumed about the shape of the noise.
+    """
+    ordered, n = sorted(values), len(values)
+    below = lambda k: sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # P(B <= k)
+    k = 1
+    while k < n // 2 and 2 * below(k) <= 1 - confidence:
+        k += 1
+    return statistics.median(ordered), ordered[k - 1], ordered[n - k]
+
+
+def verdict(low: float, high: float) -> str:
+    if low > 1:
+        return "slower"
+    if high < 1:
+        return "faster"
+    return "not shown"
+
+
 def read(result: dict) -> dict:
     """Print the table, the model's prediction and the noise; check the robust orderings.
     Returns, per cap, miniddp / torch and the cap's step over the default's (torch's)."""
@@ -243,28 +285,38 @@ def read(result: dict) -> dict:
     print0(f"\nmedian step times over {len(default)} rounds; ratios are medians of per-round "
            "ratios; 'predicted' adds (buckets - default's buckets) x alpha to torch's default")
     print0(f"{'bucket_cap_mb':<15} {'buckets':>7} {'miniddp ms':>10} {'torch ms':>9} "
-           f"{'miniddp/torch':>13} {'cap/default':>11} {'predicted':>9}")
+           f"{'miniddp/torch (95% interval)':>29} {'cap/default':>11} {'predicted':>9}")
     ratios = {}
     for label in CAPS:
         ours, theirs = times["miniddp", label], times["torch", label]
         extra = (buckets[label] - buckets[DEFAULT]) * alpha
+        mid, low, high = median_interval(per_round(ours, theirs))
         ratios[label] = r = {
-            "miniddp/torch": statistics.median(per_round(ours, theirs)),
+            "miniddp/torch": mid, "interval": (low, high),
             "torch vs default": statistics.median(per_round(theirs, default)),
             "miniddp vs default": statistics.median(per_round(ours, times["miniddp", DEFAULT])),
             "predicted": 1 + extra / statistics.median(default)}
         print0(f"{label:<15} {buckets[label]:>7} {ms(statistics.median(ours)):>10} "
-               f"{ms(statistics.median(theirs)):>9} {r['miniddp/torch']:>13.3f} "
-               f"{r['torch vs default']:>11.2f} {r['predicted']:>9.2f}")
+               f"{ms(statistics.median(theirs)):>9} {mid:>6.3f} ({low:.3f}-{high:.3f}) "
+               f"{verdict(low, high):>9} {r['torch vs default']:>11.2f} {r['predicted']:>9.2f}")
 
     control = per_round(times["torch again", DEFAULT], default)
     low, high = quartiles(default)
     c_low, c_high = quartiles(control)
+    c_mid, c_from, c_to = median_interval(control)
     print0(f"\nnoise: torch's step at the default cap took {ms(min(default))}-{ms(max(default))} "
            f"ms (middle half {ms(low)}-{ms(high)}: {high / low:.2f}x apart); the A/A control, "
-           f"an identical torch DDP in the same rounds, ran at {statistics.median(control):.3f} "
-           f"of it (middle half {c_low:.3f}-{c_high:.3f}). Differences inside that spread are "
-           "not findings.")
+           f"an identical torch DDP in the same rounds, ran at {c_mid:.3f} of it per round "
+           f"(95% interval {c_from:.3f}-{c_to:.3f}; single rounds' middle half "
+           f"{c_low:.3f}-{c_high:.3f}).")
+    if c_from <= 1 <= c_to:
+        print0("the A/A interval holds 1: the rounds favour no position, and the intervals "
+               "above can be read as they are")
+    else:
+        print0("the A/A interval misses 1: identical DDPs came out unequal, so the way rounds "
+               "are run favours one position here (or the machine changed mid-run); read every "
+               "ratio above with that bias in mind, and run again")
+    the_two_rules(len(control))
 
     per_param, more = ratios["per-parameter"], buckets["per-parameter"] - buckets[DEFAULT]
     if per_param["predicted"] >= 1.25:  # a clear prediction: the ordering must show
@@ -282,6 +334,31 @@ def read(result: dict) -> dict:
         print0(f"alpha is small here: the model predicts only {per_param['predicted']:.2f}x for "
                "one all_reduce per parameter, too little to check on a shared machine")
     return ratios
+
+
+def the_two_rules(rounds: int, spread: float = 0.3):
+    """An 11% gap read by the rule that dismissed it and by the interval of the median, after
+    this run's number of rounds and after 100. Each round is as noisy as an A/A control whose
+    single rounds' middle half spans ``spread`` (0.85-1.15: a busy day here); the rounds are
+    the noise's quantiles, evenly spaced: what such a measurement gives, the same every run."""
+    sigma = spread / 2 / statistics.NormalDist().inv_cdf(0.75)  # log-normal noise of that spread
+    q_low, q_high = 1 - spread / 2, 1 + spread / 2
+    print0(f"\nthe two rules on a real gap, a contestant 11% slower, each round as noisy as an A/A "
+           f"control whose middle half spans {q_low:.2f}-{q_high:.2f}:")
+    for n in sorted({rounds, max(rounds, 100)}):
+        gap = [1.11 * math.exp(sigma * statistics.NormalDist().inv_cdf((i + 0.5) / n))
+               for i in range(n)]
+        mid, low, high = median_interval(gap)
+        print0(f"  {n:>3} rounds: median {mid:.3f}, inside the A/A middle half: 'not a finding'; "
+               f"95% interval of the median {low:.3f}-{high:.3f}: "
+               + ("above 1, a finding" if low > 1 else "holds 1, not shown yet: run more rounds"))
+        check(q_low < mid < q_high, f"the 11% gap should lie inside the A/A spread "
+                                    f"{q_low:.2f}-{q_high:.2f}, its median is {mid:.3f}")
+    check(low > 1, f"after {n} rounds the interval of an 11% gap's median should exclude 1, it "
+                   f"is {low:.3f}-{high:.3f}: median_interval does not shrink with the rounds")
+    print0("  the spread of single rounds stays as wide however many rounds are run; the "
+           "interval of the median narrows (as 1 / sqrt(rounds)). The gap at 0.125 MiB held in "
+           "every rerun: 1.108, 1.113, 1.122")
 
 
 def plot(result: dict):

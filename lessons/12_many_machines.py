@@ -67,6 +67,10 @@ lessons/12_many_machines.py --backend gloo``: no ``--node_rank``, the rendezvous
 A free port is picked, and picked again if another program takes it first. The agents have a
 deadline; if anything fails, all are stopped with everything they started (no orphan
 processes, even if this script is killed), and the lesson exits non-zero after their output.
+That plumbing is ``miniddp.torchrun_agents``; it also sets ``OMP_NUM_THREADS=1``, which
+torchrun would otherwise set for 2+ workers per node with a banner of asterisks saying so (one
+compute thread per worker, so that the workers do not fight over the cores; on a real node, use
+about cores / workers).
 The simulated nodes use gloo even on a GPU machine: two "nodes" on one machine would both pick
 ``cuda:0`` for ``LOCAL_RANK`` 0, which NCCL refuses.
 
@@ -77,30 +81,28 @@ worker is a fresh ``python`` that imports torch, so this takes 5-15 seconds, mos
 """
 
 import argparse
-import ctypes
 import os
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
-# Who runs this file: a worker that torchrun started (the test that
-# miniddp.launch.launched_by_torchrun makes), or you, with plain python.
-IS_WORKER = all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-if IS_WORKER:  # run plainly, the file only starts agents and never needs torch; importing it
-    # there would cost seconds before the agents could start, and more at exit
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, Subset
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
 
-    import miniddp
-    from miniddp.data import make_dataset, make_model, shard
-    from miniddp.launch import launch, rank_device
-    from miniddp.report import Progress, check, ok, print0
+import miniddp
+from miniddp.data import make_dataset, make_model, shard
+from miniddp.launch import launch, rank_device
+from miniddp.report import Progress, check, ok, print0
+from miniddp.torchrun_agents import (
+    as_worker,
+    free_port,
+    run_agents,
+    shown,
+    started_by_torchrun,
+    torchrun,
+    verdict,
+)
 
 BATCH_SIZE = 32  # per worker
 STEPS = 40
@@ -200,22 +202,6 @@ def on_every_rank():
 
 # ----- run plainly: play every node on this machine, one torchrun agent per node -----
 
-def free_port() -> int:
-    """A port nobody listens on right now (another program may take it before the agent does:
-    then the agents fail with "address already in use" and the lesson tries another)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _stop_when_the_lesson_dies():
-    """Runs in each agent before torchrun starts: SIGTERM it if this lesson dies, however it
-    dies. On SIGTERM torchrun stops its workers, so nothing is left behind."""
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
 def agent_command(nnodes, nproc_per_node, port, hosts_the_store):
     """The torchrun command of one simulated node.
 
@@ -226,86 +212,25 @@ def agent_command(nnodes, nproc_per_node, port, hosts_the_store):
     ``--monitor_interval=0.1`` is the default since torch 2.4; before, an agent looked at its
     workers every 5 seconds, and noticed that they had finished up to 5 seconds late.
     """
-    return [sys.executable, "-m", "torch.distributed.run",  # what the torchrun script runs
-            f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-            f"--rdzv_id=lesson12-{port}", f"--rdzv_conf=is_host={int(hosts_the_store)}",
-            "--monitor_interval=0.1", str(Path(__file__).resolve()), "--backend", "gloo"]
-
-
-def stop(agents):
-    """SIGTERM each agent's process group (torchrun then stops its workers); SIGKILL later."""
-    for agent in agents:
-        if agent.poll() is None:
-            try:
-                os.killpg(agent.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + 15
-    for agent in agents:
-        try:
-            agent.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait()
-
-
-def run_agents(nnodes, nproc_per_node, port, timeout):
-    """Start one agent per node, relay their output, and return (exit codes, outputs)."""
-    env = {k: v for k, v in os.environ.items() if k not in VARIABLES}
-    env.update(PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")  # lines as they come; 1 thread each
-    commands = [agent_command(nnodes, nproc_per_node, port, i == 0) for i in range(nnodes)]
-    for i, command in enumerate(commands):
-        print(f"agent {i}: torchrun {' '.join(command[3:])}", flush=True)
-    agents = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env, start_new_session=True,
-                               preexec_fn=_stop_when_the_lesson_dies) for command in commands]
-    outputs = [[] for _ in agents]
-
-    def relay(i):
-        for line in agents[i].stdout:
-            outputs[i].append(line)
-            print(f"[agent {i}] {line}", end="", flush=True)
-
-    relays = [threading.Thread(target=relay, args=(i,), daemon=True) for i in range(nnodes)]
-    for thread in relays:
-        thread.start()
-    deadline, grace = time.monotonic() + timeout, None
-    try:
-        while any(agent.poll() is None for agent in agents):
-            failed = any(agent.poll() not in (None, 0) for agent in agents)
-            if failed and grace is None:  # the others fail soon too, or wait for ever
-                grace = time.monotonic() + 5
-            if time.monotonic() > deadline or (grace and time.monotonic() > grace):
-                print(f"stopping the agents: {'one failed' if failed else 'past the deadline'}",
-                      flush=True)
-                break
-            time.sleep(0.05)
-    finally:
-        stop(agents)
-        for thread in relays:
-            thread.join(5)
-    codes = [agent.returncode for agent in agents]
-    return codes, ["".join(out) for out in outputs]
+    return torchrun(f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
+                    "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                    f"--rdzv_id=lesson12-{port}", f"--rdzv_conf=is_host={int(hosts_the_store)}",
+                    "--monitor_interval=0.1", str(Path(__file__).resolve()), "--backend", "gloo")
 
 
 def simulate_nodes(nnodes, nproc_per_node, timeout):
     """Play ``nnodes`` machines on this one; return the port and the workers' OK message."""
     for attempt in range(3):
-        port = free_port()
-        codes, outputs = run_agents(nnodes, nproc_per_node, port, timeout)
-        collided = any("address already in use" in out.lower() for out in outputs)
-        if collided and any(codes) and attempt < 2:
-            print(f"port {port} was taken by another program meanwhile: trying another one")
-            continue
-        break
-    if any(codes):
-        sys.exit(f"FAILED: the agents exited with status {codes} (negative: stopped by that "
-                 "signal); their output is above")
-    said = [line for out in outputs for line in out.splitlines() if line.startswith("OK:")]
-    if len(said) != 1:
-        sys.exit(f"FAILED: expected one OK line from the workers' rank 0, got {said}")
-    return port, said[0][len("OK: "):]
+        port = free_port()  # another program may take it before the host agent does
+        commands = [agent_command(nnodes, nproc_per_node, port, i == 0) for i in range(nnodes)]
+        for i, command in enumerate(commands):
+            print(f"agent {i}: {shown(command)}", flush=True)
+        done = run_agents(commands, [f"[agent {i}] " for i in range(nnodes)], timeout)
+        collided = any("address already in use" in out.lower() for out in done.outputs)
+        if not (collided and done.failed and attempt < 2):
+            break
+        print(f"port {port} was taken by another program meanwhile: trying another one")
+    return port, verdict(done)[len("OK: "):]
 
 
 def main():
@@ -319,8 +244,9 @@ def main():
                         help="process group backend for the workers (default: NCCL when every "
                              "worker of a node has a GPU, gloo otherwise)")
     args = parser.parse_args()
-    if IS_WORKER:  # on a real node or a simulated one
-        nodes, world, first, last = launch(on_every_rank, backend=args.backend)[0]
+    if started_by_torchrun():  # on a real node or a simulated one
+        nodes, world, first, last = as_worker(lambda: launch(on_every_rank,
+                                                             backend=args.backend)[0])
         ok(f"{world} workers on {nodes} node(s): the loss fell {first:.3f} -> {last:.4f}, "
            f"parameters equal everywhere and close to the one-process oracle")
     else:

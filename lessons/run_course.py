@@ -1,47 +1,99 @@
-"""Run every lesson in order and say which ones passed.
+"""Run every lesson in order: watch each one's story as it runs, then a table of results.
 
     python lessons/run_course.py                  # every lessons/NN_*.py, from any directory
     python lessons/run_course.py 03 05            # only the lessons whose number is given
+    python lessons/run_course.py --quiet          # only the table (and why a lesson failed)
     python lessons/run_course.py --timeout 60 --lessons-dir path/to/lessons
 
 Each lesson runs as its own process (``python NN_topic.py``), so it starts its own ranks exactly as
-it does by hand. A lesson passes when it exits with status 0 and its last line starts with ``OK``.
-A lesson still running after ``--timeout`` seconds is killed with every process it started. The
-output of a failed lesson is shown (its last lines), then a summary table; the exit status is 1
-when any lesson failed.
+it does by hand, and everything it prints is shown as it comes, indented under its name. A lesson
+passes when it exits with status 0 and its last line starts with ``OK``. A lesson still running
+after ``--timeout`` seconds is killed with every process it started.
+
+When a lesson fails, the line that matters can be far up its output, above a launcher's report
+(torchrun's is 20 lines of boilerplate), so the runner finds it: the failed check's message (or
+else the error that ended the lesson) and the rank it came from, which miniddp's launchers print
+as ``rank R of W raised:`` before a rank's traceback. It is shown under the lesson and again under
+the table. The exit status is 1 when any lesson failed.
 """
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+INDENT = "    "
+# Prefixes that relays put before a line: "[torchrun] ", "[agent 1] ", torch's "[rank1]: ".
+RELAY_PREFIX = re.compile(r"^(?:\[[^\]\n]{1,40}\]:? ?)+")
+ERROR_LINE = re.compile(r"^([\w.]*\w(?:Error|Exception|Failed|Interrupt|Exit))(?:: ?(.*))?$")
+RANK_LINE = re.compile(r"\brank (\d+ of \d+) raised\b")
+# Errors that only say that another one happened: the rank's own error is the one to show.
+WRAPPERS = ("RankError", "ChildFailedError")
 
 
-def run_lesson(path: Path, timeout: float) -> tuple[str, float, str]:
-    """Run one lesson; return its result (OK, FAILED (exit N), TIMEOUT), seconds and output."""
+def why_it_failed(lines: list[str]) -> str:
+    """The failed check's message and the rank it came from, found in a lesson's output.
+
+    The first ``CheckFailed`` line if there is one (a rank's own failure comes before what it
+    did to the others); else the first error with a message that is not a wrapper's; else the
+    last line printed. The rank is the nearest ``rank R of W raised`` line above it.
+    """
+    clean = [RELAY_PREFIX.sub("", line).strip() for line in lines]
+    errors = [(i, m) for i, line in enumerate(clean) if (m := ERROR_LINE.match(line))
+              and m.group(2) and m.group(1).rsplit(".", 1)[-1] not in WRAPPERS]
+    checks = [(i, m) for i, m in errors if m.group(1).endswith("CheckFailed")]
+    if not (checks or errors):
+        return next((line for line in reversed(clean) if line), "(no output)")
+    at, error = (checks or errors)[0]
+    rank = next((m.group(1) for line in reversed(clean[:at]) if (m := RANK_LINE.search(line))),
+                None)
+    where = f"rank {rank}: " if rank else ""
+    return f"{where}{error.group(1).rsplit('.', 1)[-1]}: {error.group(2)}"
+
+
+def run_lesson(path: Path, timeout: float, show) -> tuple[str, float, list[str]]:
+    """Run one lesson, passing each line of its output to ``show`` as it comes; return its
+    result (OK, FAILED (exit N), FAILED (no OK line), TIMEOUT), seconds and output lines."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(path)], cwd=path.parent.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"},  # lines in order
                             start_new_session=True)  # its own process group, to kill it whole
+    lines: list[str] = []
+
+    def relay():
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            show(lines[-1])
+
+    reader = threading.Thread(target=relay, daemon=True)
+    reader.start()
     try:
-        output, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        return "TIMEOUT", time.perf_counter() - start, output
+        proc.wait()
+        reader.join(5)
+        return "TIMEOUT", time.perf_counter() - start, lines
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # anything the lesson left behind
+        except ProcessLookupError:
+            pass
+    reader.join(5)
     seconds = time.perf_counter() - start
-    lines = output.strip().splitlines()
+    printed = [line for line in lines if line.strip()]
     if proc.returncode != 0:
-        return f"FAILED (exit {proc.returncode})", seconds, output
-    if not lines or not lines[-1].startswith("OK"):
-        return "FAILED (no OK line)", seconds, output
-    return "OK", seconds, output
+        return f"FAILED (exit {proc.returncode})", seconds, lines
+    if not printed or not printed[-1].startswith("OK"):
+        return "FAILED (no OK line)", seconds, lines
+    return "OK", seconds, lines
 
 
 def main() -> int:
@@ -49,6 +101,8 @@ def main() -> int:
     parser.add_argument("only", nargs="*", help="lesson numbers to run (default: all)")
     parser.add_argument("--lessons-dir", type=Path, default=HERE)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per lesson")
+    parser.add_argument("--quiet", action="store_true",
+                        help="show only the table, and why a lesson failed")
     args = parser.parse_args()
 
     lessons = sorted(args.lessons_dir.resolve().glob("[0-9][0-9]_*.py"))
@@ -58,25 +112,27 @@ def main() -> int:
         print(f"no lessons found in {args.lessons_dir} (looked for NN_*.py)")
         return 1
 
+    show = (lambda line: None) if args.quiet else (lambda line: print(INDENT + line, flush=True))
     results = []
     for path in lessons:
-        print(f"--- {path.name}", flush=True)
-        result, seconds, output = run_lesson(path, args.timeout)
-        lines = output.strip().splitlines()
-        if result == "OK":
-            print(f"    {lines[-1]}", flush=True)
-        else:
-            print("\n".join("    | " + line for line in lines[-25:]), flush=True)
-            print(f"    {result} after {seconds:.1f} s", flush=True)
-        results.append((path.name, result, seconds))
+        if not args.quiet:
+            print(f"\n=== {path.name}", flush=True)
+        result, seconds, lines = run_lesson(path, args.timeout, show)
+        why = "" if result == "OK" else why_it_failed(lines)
+        if not args.quiet:
+            print(f"=== {path.name}: {result} after {seconds:.1f} s"
+                  + (f"\n{INDENT}why: {why}" if why else ""), flush=True)
+        results.append((path.name, result, seconds, why))
 
-    width = max(len(name) for name, _, _ in results)
+    width = max(len(name) for name, *_ in results)
     print(f"\n{'lesson':<{width}}  {'result':<18} {'seconds':>7}")
-    for name, result, seconds in results:
+    for name, result, seconds, _ in results:
         print(f"{name:<{width}}  {result:<18} {seconds:7.1f}")
-    failed = [name for name, result, _ in results if result != "OK"]
+    failed = [(name, why) for name, result, _, why in results if result != "OK"]
     print(f"\n{len(results) - len(failed)} of {len(results)} lessons passed"
-          + (f"; failed: {', '.join(failed)}" if failed else ""))
+          + (f"; failed: {', '.join(name for name, _ in failed)}" if failed else ""))
+    for name, why in failed:
+        print(f"{name}: {why}")
     return 1 if failed else 0
 
 

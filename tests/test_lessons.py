@@ -69,6 +69,15 @@ def write_lessons(directory: Path, lessons: dict[str, str]) -> Path:
     return directory
 
 
+def run_course(lessons: Path, tmp_path: Path, *options: str, env: dict | None = None):
+    command = [sys.executable, str(LESSONS_DIR / "run_course.py"), "--lessons-dir", str(lessons),
+               *options]
+    done = run(command, tmp_path, cwd=tmp_path, timeout=60) if env is None else \
+        subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    return done
+
+
 def test_run_course_reports_a_failing_lesson_and_exits_non_zero(tmp_path):
     lessons = write_lessons(tmp_path / "lessons", {
         "00_fine.py": "print('step 1'); print('OK: fine')\n",
@@ -77,8 +86,7 @@ def test_run_course_reports_a_failing_lesson_and_exits_non_zero(tmp_path):
         "03_hangs.py": "import time\nprint('OK: too early', flush=True)\ntime.sleep(60)\n",
         "helper.py": "raise SystemExit('not a lesson: must not run')\n",
     })
-    done = run([sys.executable, str(LESSONS_DIR / "run_course.py"), "--lessons-dir",
-                str(lessons), "--timeout", "4"], tmp_path, cwd=tmp_path, timeout=60)
+    done = run_course(lessons, tmp_path, "--timeout", "4")
     assert done.returncode == 1, done.stdout + done.stderr
     table = done.stdout.split("\nlesson")[-1]
     assert re.search(r"00_fine\.py\s+OK\s", table)
@@ -86,14 +94,74 @@ def test_run_course_reports_a_failing_lesson_and_exits_non_zero(tmp_path):
     assert re.search(r"02_silent\.py\s+FAILED \(no OK line\)", table)
     assert re.search(r"03_hangs\.py\s+TIMEOUT", table)
     assert "helper.py" not in done.stdout
-    assert "AssertionError: the loss went up" in done.stdout  # a failure shows what went wrong
+    assert "01_broken.py: AssertionError: the loss went up" in table  # why, under the table
     assert "1 of 4 lessons passed" in done.stdout
+
+
+def test_run_course_shows_each_lessons_narrative_as_it_runs(tmp_path):
+    lessons = write_lessons(tmp_path / "lessons", {
+        "00_story.py": "print('the loss falls: 0.5'); print('the loss falls: 0.1')\n"
+                       "print('OK: a story')\n",
+        "01_more.py": "print('a second lesson speaks'); print('OK: more')\n"})
+    done = run_course(lessons, tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    story = [out.index(line) for line in ("=== 00_story.py", "    the loss falls: 0.5",
+                                          "    the loss falls: 0.1", "    OK: a story",
+                                          "=== 01_more.py", "    a second lesson speaks",
+                                          "\nlesson")]
+    assert story == sorted(story), out
+    quiet = run_course(lessons, tmp_path, "--quiet")
+    assert quiet.returncode == 0 and "the loss falls" not in quiet.stdout, quiet.stdout
+    assert "2 of 2 lessons passed" in quiet.stdout
+
+
+TORCHRUN_FAILURE = """
+import sys
+print("[agent 0] step 0/40 | loss 0.52211")
+print("[agent 1] rank 1 of 2 raised:", file=sys.stderr)
+print("[agent 1] Traceback (most recent call last):", file=sys.stderr)
+print('[agent 1]   File "lesson.py", line 3, in on_every_rank', file=sys.stderr)
+print("[agent 1] miniddp.report.CheckFailed: the workers ended with different parameters",
+      file=sys.stderr)
+print("[agent 1] [rank1]: miniddp.report.CheckFailed: the workers ended with different parameters",
+      file=sys.stderr)
+print("[agent 0] rank 0 of 2 raised:", file=sys.stderr)
+print("[agent 0] RuntimeError: Connection closed by peer", file=sys.stderr)
+for _ in range(30):
+    print("[agent 1] torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ")
+    print("[agent 1]   rank      : 1 (local_rank: 0)")
+sys.exit("FAILED: torchrun exited with status [1, 1]")
+"""
+
+
+def test_run_course_names_the_failed_check_and_its_rank_under_torchruns_report(tmp_path):
+    lessons = write_lessons(tmp_path / "lessons", {"12_many.py": TORCHRUN_FAILURE})
+    done = run_course(lessons, tmp_path, "--quiet")
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "12_many.py: rank 1 of 2: CheckFailed: the workers ended with different parameters" \
+        in done.stdout, done.stdout
+    assert "ChildFailedError" not in done.stdout  # --quiet: the table and the reason only
+
+
+@pytest.mark.lesson
+def test_run_course_names_the_failed_check_and_rank_of_a_broken_lesson(tmp_path):
+    """A real lesson whose ranks miniddp forks, broken from outside (tests/breakage)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([str(LESSONS_DIR.parent),
+                                           str(LESSONS_DIR.parent / "tests" / "breakage")]),
+               MINIDDP_BREAK="set_epoch_ignored", MINIDDP_RUNS=str(tmp_path / "runs"))
+    done = run_course(LESSONS_DIR, tmp_path, "04", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "    2. shuffle=True" in done.stdout  # the lesson's own story, streamed
+    assert re.search(r"04_the_sampler\.py: rank \d of 2: CheckFailed: with set_epoch, three "
+                     r"epochs must give three different orders", done.stdout), done.stdout
 
 
 def test_run_course_passes_when_every_lesson_passes(tmp_path):
     lessons = write_lessons(tmp_path / "lessons", {"00_a.py": "print('OK: a')\n",
                                                    "01_b.py": "print('OK: b')\n"})
-    done = run([sys.executable, str(LESSONS_DIR / "run_course.py"), "--lessons-dir",
-                str(lessons)], tmp_path, cwd=tmp_path, timeout=60)
+    done = run_course(lessons, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 of 2 lessons passed" in done.stdout

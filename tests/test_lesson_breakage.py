@@ -1,0 +1,74 @@
+"""Each lesson's OK means its mechanism works: broken from outside, the lesson fails.
+
+Every case runs a lesson exactly as a learner would (``python lessons/NN_topic.py``) with one
+mechanism broken by ``tests/breakage`` (see ``breakages.py``: the library or the collective is
+patched in every process the lesson starts, torchrun's workers included), and asserts that the
+lesson exits non-zero with the message of the check that proves that mechanism. A lesson that
+still printed OK would prove nothing. Lesson 06's breakage is tested beside its own exercise.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BREAKAGE_DIR = Path(__file__).resolve().parent / "breakage"
+TIMEOUT = 120
+
+# lesson, what is broken, the message of the check that must fail
+# (lesson 11 runs with --rounds 4: its correctness checks come after the timed rounds)
+ARGUMENTS = {"11_benchmarking_buckets": ["--rounds", "4"]}
+CASES = [
+    ("00_one_process", "no_optimizer_step", "the model did not learn"),
+    ("02_naive_data_parallel", "reversed_gather",
+     "DataParallel must compute the plain module's output and gradients"),
+    ("03_data_parallel_by_hand", "all_reduce_does_nothing",
+     "the ranks ended with different weights"),
+    ("04_the_sampler", "set_epoch_ignored",
+     "with set_epoch, three epochs must give three different orders"),
+    ("07_no_sync_accumulation", "no_sync_ignored", "all_reduce calls"),
+    ("08_miniddp_vs_torch_ddp", "divide_instead_of_multiply",
+     "at 3 ranks miniddp differs from torch's DDP"),
+    ("09_checkpoints_and_restarts", "write_not_atomic", "should still hold the previous snapshot"),
+    ("10_mixed_precision", "no_grad_scaler", "gradients still flushed to zero"),
+    ("11_benchmarking_buckets", "bucket_cap_ignored", "miniddp's buckets differ from torch's"),
+    ("12_many_machines", "averages_not_written_back",
+     "the workers ended with different parameters"),
+]
+
+
+def run_broken(lesson: str, breakage: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(BREAKAGE_DIR)]),
+               MINIDDP_BREAK=breakage, MINIDDP_RUNS=str(tmp_path / "runs"))
+    [path] = (REPO / "lessons").glob(f"{lesson}.py")
+    command = [sys.executable, str(path), *ARGUMENTS.get(lesson, [])]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+
+
+@pytest.mark.lesson
+@pytest.mark.parametrize("lesson, breakage, message", CASES, ids=[c[0] for c in CASES])
+def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, tmp_path):
+    done = run_broken(lesson, breakage, tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, f"{lesson} passed with {breakage}:\n{output[-3000:]}"
+    assert message in output, f"{lesson} with {breakage} failed, but not with '{message}':\n" \
+                              f"{output[-3000:]}"
+    assert "OK:" not in done.stdout
+
+
+def test_a_breakage_whose_target_is_gone_fails_loudly(tmp_path):
+    sys.path.insert(0, str(BREAKAGE_DIR))
+    try:
+        import breakages
+    finally:
+        sys.path.remove(str(BREAKAGE_DIR))
+    with pytest.raises(AttributeError, match="no longer exists"):
+        breakages.divide_instead_of_multiply(type("module", (), {"Reducer": object})())
+    with pytest.raises(KeyError, match="no breakage named"):
+        breakages.apply("nothing_broken")
