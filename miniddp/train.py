@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     torchrun = launched_by_torchrun()
     rank0 = not torchrun or os.environ["RANK"] == "0"  # the launcher, or torchrun's rank 0
     try:
-        ranks_here = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else args.nproc
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else args.nproc
         lock = prepare(args.out, args.snapshot, holds_lock=rank0,
                        nccl_ranks=ranks_here if args.backend == "nccl" else 0)
     except JobFileError as error:

@@ -38,12 +38,34 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
                   "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK")
 
 
-def run_job(argv: list[str], timeout: float = 60.0) -> list:
-    """``python -m miniddp.train --nproc 2 ARGV``, ranks forked from this process; a failing
+def run_job(argv: list[str], timeout: float = 60.0, nproc: int = 2) -> list:
+    """``python -m miniddp.train --nproc NPROC ARGV``, ranks forked from this process; a failing
     rank raises RankError (``main`` would print it and return 1)."""
     args = train.parse_args(argv)
-    return launch(train.train, world_size=2, args=(args,), backend="gloo", timeout=timeout,
+    return launch(train.train, world_size=nproc, args=(args,), backend="gloo", timeout=timeout,
                   pg_timeout=args.timeout)
+
+
+class RecordingDataset(torch.utils.data.TensorDataset):
+    """The job's dataset, writing each batch's sample indices to ``DIR/<label>-rank<R>.txt``.
+
+    Set ``label`` before each run. With ``num_workers=0`` the loader fetches a batch right before
+    the step that trains on it, so line k of a rank's file is the batch of its k-th step.
+    """
+
+    def __init__(self, dataset, directory: Path):
+        super().__init__(*dataset.tensors)
+        self.directory, self.label = directory, "run"
+
+    def __getitems__(self, indices):
+        path = self.directory / f"{self.label}-rank{dist.get_rank()}.txt"
+        with open(path, "a") as f:
+            f.write(" ".join(map(str, indices)) + "\n")
+        return [self[i] for i in indices]
+
+    def batches(self, label: str, rank: int) -> list[list[int]]:
+        path = self.directory / f"{label}-rank{rank}.txt"
+        return [[int(i) for i in line.split()] for line in path.read_text().splitlines()]
 
 
 def weights(path) -> dict:
