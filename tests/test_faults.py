@@ -7,9 +7,13 @@ running. The torchrun runs cost seconds of ``import torch`` per process, so ther
 import os
 import re
 import signal
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from jobs import (
     REPO,
     Job,
@@ -202,3 +206,105 @@ def test_a_torch_ddp_script_runs_unchanged_with_miniddp_imports(tmp_path, capfd)
                                          "--out", str(uninterrupted)], tmp_path)
     assert same_weights(finals["miniddp"], finals["torch"])
     assert same_weights(finals["torch"], weights(uninterrupted))
+
+
+# --- clear messages and clean exits ---
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--bucket-cap-mb", "inf", "must be a size in MB above 0"),
+    ("--bucket-cap-mb", "0", "must be a size in MB above 0"),
+    ("--save-every-steps", "-1", "must be 0 (never) or more"),
+    ("--timeout", "0", "must be a number of seconds above 0"),
+    ("--timeout", "nan", "must be a number of seconds above 0"),
+])
+def test_impossible_numbers_are_refused_when_the_flags_are_read(capsys, flag, value, says):
+    with pytest.raises(SystemExit) as info:
+        train.parse_args([flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {says}" in err and err.rstrip().endswith(f"not {value}"), err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without a GPU")
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_nccl_without_a_gpu_says_nccl_needs_one_gpu_per_rank(capfd, monkeypatch, under_torchrun):
+    if under_torchrun:  # the environment torchrun gives a worker; it fails before joining
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+            monkeypatch.setenv(name, value)
+    assert train.main(["--backend", "nccl", *JOB]) == 2
+    err = capfd.readouterr().err
+    assert "--backend nccl needs one GPU per rank and none was found" in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x80\x02 not a whole snapshot", b"PK\x03\x04"])
+def test_a_damaged_snapshot_is_named_by_the_job(tmp_path, capfd, damage):
+    (tmp_path / "snap.pt").write_bytes(damage)
+    assert train.main(["--nproc", "2", *JOB, "--snapshot", str(tmp_path / "snap.pt")]) == 1
+    err = capfd.readouterr().err
+    assert f"{tmp_path / 'snap.pt'} is not a complete snapshot ({len(damage)} bytes" in err
+    assert "No previous snapshot (snap.pt.prev) is there to resume from" in err
+    assert "weights_only=False" not in err
+
+
+def group_dirs(pid):
+    return sorted(Path(tempfile.gettempdir()).glob(f"miniddp-{pid}-*"))
+
+
+def start_long_job(tmp_path, *extra):
+    command = [sys.executable, "-m", "miniddp.train", "--nproc", "2", *LONG_JOB, "--snapshot",
+               str(tmp_path / "snap.pt"), "--pid-dir", str(tmp_path / "pids"), *extra]
+    job = Job(command, tmp_path / "log.txt", cwd=tmp_path)
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "snap.pt").exists() and len(pids_in(tmp_path / "pids")) == 2):
+        assert job.running(), f"the job ended early:\n{job.output()}"
+        assert time.monotonic() < deadline, f"no snapshot after 60 s:\n{job.output()}"
+        time.sleep(0.05)
+    return job
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["Ctrl-C", "SIGTERM", "SIGHUP"])
+def test_a_stopped_job_says_where_its_last_snapshot_is_and_leaves_nothing(tmp_path, capfd, sig):
+    with start_long_job(tmp_path) as job:
+        launcher, ranks = job.proc.pid, pids_in(tmp_path / "pids")
+        assert group_dirs(launcher), "the ranks' directory is named with the launcher's pid"
+        # While it runs, a second job on the same snapshot is refused, naming the holder.
+        assert train.main(["--nproc", "2", *JOB, "--snapshot", str(tmp_path / "snap.pt")]) == 2
+        err = capfd.readouterr().err
+        assert (f"the snapshot {tmp_path / 'snap.pt'} is in use by another job (pid {launcher} "
+                "on") in err and "snap.pt.lock" in err, err
+        if sig == signal.SIGINT:
+            os.killpg(launcher, sig)  # Ctrl-C: the terminal signals the whole foreground group
+        else:
+            os.kill(launcher, sig)
+        code = job.wait(30)
+        output = job.output()
+    assert code == 128 + sig, output
+    how = "Ctrl-C" if sig == signal.SIGINT else sig.name
+    assert re.search(rf"miniddp.train: stopped by {how}; the last snapshot is \S+snap.pt "
+                     r"\(epoch \d+, step \d+\)", output), output
+    assert "Traceback" not in output, output
+    assert_all_gone(ranks)
+    assert not group_dirs(launcher), "SIGTERM, SIGHUP and Ctrl-C leave no directory behind"
+
+
+@pytest.mark.slow
+def test_after_a_sigkill_the_next_job_removes_what_the_killed_one_left(tmp_path, capfd):
+    with start_long_job(tmp_path) as job:
+        launcher, ranks = job.proc.pid, pids_in(tmp_path / "pids")
+        os.kill(launcher, signal.SIGKILL)  # nothing can clean up after this...
+        job.wait(30)
+    assert_all_gone(ranks)  # ...but the ranks die with their parent
+    assert group_dirs(launcher), "the killed launcher's directory is still there"
+    tmp = tmp_path / ".snap.pt.tmp"
+    tmp.write_bytes(b"half a snapshot")  # what a kill in the middle of a save leaves
+    capfd.readouterr()
+    run_job_to_the_end = train.main(["--nproc", "2", *LONG_JOB, "--epochs", "1",
+                                     "--snapshot", str(tmp_path / "snap.pt")])
+    assert run_job_to_the_end == 0
+    err = capfd.readouterr().err
+    assert f"removed {tmp}, left by a job killed while it wrote a snapshot" in err
+    assert not tmp.exists() and not group_dirs(launcher)
