@@ -289,7 +289,10 @@ def main(argv=None) -> int:
         lock = prepare(args.out, args.snapshot, holds_lock=rank0,
                        nccl_ranks=ranks_here if args.backend == "nccl" else 0)
     except JobFileError as error:
-        print(f"miniddp.train: {error}", file=sys.stderr, flush=True)
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        again = (f" (torchrun restart {restart}: restarting cannot fix this; stop the job and "
+                 "fix the command)" if restart else "")
+        print(f"miniddp.train: {error}{again}", file=sys.stderr, flush=True)
         return 2
     backend = None if args.backend == "auto" else args.backend
     try:

@@ -29,6 +29,7 @@ from jobs import (
 )
 
 from miniddp import train
+from miniddp.data import make_model
 from miniddp.launch import RankError
 from miniddp.torch_versions import TORCHRUN_CAN_RESTART_WORKERS
 
@@ -151,6 +152,23 @@ def test_torchrun_shows_the_error_of_the_rank_that_raised(tmp_path):
     assert_all_gone(pids_in(tmp_path / "pids"))
 
 
+def test_torchrun_workers_resume_a_two_rank_snapshot_at_three_ranks(tmp_path, capfd):
+    """The torchrun side of a resize (forked like torchrun's workers: no seconds of imports)."""
+    argv = [*JOB, "--snapshot", str(tmp_path / "snap.pt"), "--out", str(tmp_path / "final.pt")]
+    with pytest.raises(RankError):
+        run_job([*argv, "--fault", "exit:1:22"])
+    capfd.readouterr()
+    run_like_torchrun(REPO / "miniddp" / "train.py", argv, tmp_path, world_size=3)
+    out = capfd.readouterr().out
+    assert re.search(r"resuming from \S+snap.pt: epoch 1, step 20, saved by 2 ranks, resumed by "
+                     r"3: the 384 samples of epoch 1 that no rank had reached are dealt over the "
+                     r"3 ranks, each used once; ranks \[0, 1\] continue the saved ranks' random "
+                     r"generators, ranks \[2\] start from their seeds\. From here the run is NOT "
+                     "bit-identical", out), out
+    assert "epoch   4/4" in out
+    make_model().load_state_dict(weights(tmp_path / "final.pt"))
+
+
 @pytest.mark.slow
 def test_two_torchrun_agents_train_the_job_together(tmp_path, reference):
     """Two "nodes" on one machine, one rank each, meeting through c10d rendezvous on loopback."""
@@ -228,14 +246,16 @@ def test_impossible_numbers_are_refused_when_the_flags_are_read(capsys, flag, va
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without a GPU")
 @pytest.mark.parametrize("under_torchrun", [False, True])
 def test_nccl_without_a_gpu_says_nccl_needs_one_gpu_per_rank(capfd, monkeypatch, under_torchrun):
-    if under_torchrun:  # the environment torchrun gives a worker; it fails before joining
+    if under_torchrun:  # a restarted torchrun worker: it fails before joining the group
         for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
-                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                            "TORCHELASTIC_RESTART_COUNT": "1"}.items():
             monkeypatch.setenv(name, value)
     assert train.main(["--backend", "nccl", *JOB]) == 2
     err = capfd.readouterr().err
     assert "--backend nccl needs one GPU per rank and none was found" in err, err
     assert "Traceback" not in err
+    assert ("restarting cannot fix this" in err) == under_torchrun
 
 
 @pytest.mark.parametrize("damage", [b"", b"\x80\x02 not a whole snapshot", b"PK\x03\x04"])
