@@ -46,6 +46,55 @@ def run_job(argv: list[str], timeout: float = 60.0, nproc: int = 2) -> list:
                   pg_timeout=args.timeout)
 
 
+def _main_in_child(argv: list[str], log: str) -> None:
+    os.setpgrp()  # a process group of its own, as a shell gives a job: Ctrl-C reaches its ranks
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout, sys.stderr = os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
+    code = train.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ForkedMain:
+    """``python -m miniddp.train ARGV`` as a process forked from this one: the same launcher
+    (``main``), its signals and exit code, without the seconds a new interpreter costs."""
+
+    def __init__(self, argv: list[str], log: Path):
+        self.log = log
+        self.proc = mp.get_context("fork").Process(target=_main_in_child, args=(argv, str(log)))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.is_alive()
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        """The exit code (negative: killed by that signal); past ``timeout``, kill and fail."""
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+            raise AssertionError(f"the job did not finish within {timeout:.0f} s; output:\n"
+                                 f"{self.output()[-6000:]}")
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.killpg(self.pid, signal.SIGKILL)  # the launcher and its ranks
+        self.proc.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
 class RecordingDataset(torch.utils.data.TensorDataset):
     """The job's dataset, writing each batch's sample indices to ``DIR/<label>-rank<R>.txt``.
 
