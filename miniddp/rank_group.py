@@ -12,28 +12,24 @@ The rules that keep a failing run from hanging or leaving orphans:
 * the first rank that raises sends its traceback to the parent, which kills every rank and
   raises :class:`RankError` naming that rank (the likeliest cause, not a bystander);
 * a rank that dies without a word (segfault, SIGKILL, an abort inside gloo) is reported with
-  its exit code and the last lines it wrote to stderr: each rank's stderr is a pipe that the
-  parent reads while it waits, passing every byte on to its own stderr and keeping the tail;
+  its exit code and the last lines it wrote to stderr (``miniddp.rank_files``);
 * past the parent's deadline the ranks still running dump their Python stacks (faulthandler)
   into the error, then are killed.
 
 :class:`RankGroup` keeps its ranks (and their process group) alive across many calls, which
-is what makes hundreds of distributed test cases affordable. Its files (the store, the stack
-dumps) live in ``$TMPDIR/miniddp-<parent pid>-*``, removed on close; a parent killed by SIGKILL
-cannot remove its own, so each new group removes those whose parent is dead.
+is what makes hundreds of distributed test cases affordable. Its files live in
+``$TMPDIR/miniddp-<parent pid>-*`` (``miniddp.rank_files``: what SIGKILL leaves is removed later).
 Functions and arguments travel by pickle, so functions must be importable at module level.
 """
 
 from __future__ import annotations
 
-import codecs
 import ctypes
 import faulthandler
 import math
 import multiprocessing as mp
 import os
 import pickle
-import re
 import shutil
 import signal
 import sys
@@ -45,6 +41,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from miniddp.rank_files import StderrTail, remove_stale_group_dirs
 
 
 class RankError(RuntimeError):
@@ -103,73 +101,6 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
         leave_group()  # not a bare destroy: older torch can deadlock there (see leave_group)
     conn.close()
     os._exit(0)
-
-
-class StderrTail:
-    """One rank's stderr, read from a pipe without blocking: passed on, its last lines kept."""
-
-    KEEP_BYTES = 8192
-
-    def __init__(self, read_fd: int):
-        self.fd = read_fd
-        os.set_blocking(read_fd, False)
-        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._tail = b""
-
-    def drain(self) -> None:
-        """Read what is there now; pass it on to this process's stderr."""
-        while self.fd is not None:
-            try:
-                data = os.read(self.fd, 65536)
-            except BlockingIOError:
-                return
-            if not data:  # every writer has gone: nothing more will come
-                os.close(self.fd)
-                self.fd = None
-                return
-            self._tail = (self._tail + data)[-self.KEEP_BYTES:]
-            sys.stderr.write(self._decoder.decode(data))
-            sys.stderr.flush()
-
-    def last_lines(self, count: int = 20) -> str:
-        self.drain()
-        lines = self._tail.decode("utf-8", "replace").splitlines()
-        return "\n".join(lines[-count:])
-
-    def close(self) -> None:
-        self.drain()
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-_GROUP_DIR = re.compile(r"miniddp-(\d+)-")
-
-
-def remove_stale_group_dirs(directory: str | None = None) -> list[str]:
-    """Remove ``miniddp-<pid>-*`` directories whose parent process no longer exists.
-
-    A parent killed by SIGKILL leaves its group's directory (a store file, stack dumps: small and
-    harmless); its name carries the pid, so the next group can tell it is stale.
-    """
-    directory = directory or tempfile.gettempdir()
-    removed = []
-    for name in os.listdir(directory):
-        match = _GROUP_DIR.match(name)
-        if match and not _pid_alive(int(match.group(1))):
-            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
-            removed.append(name)
-    return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class RankGroup:
