@@ -128,6 +128,10 @@ def collective(what: str, timeout: float):
         else:
             why = (f"another rank left the group after {waited:.1f} s (it failed or was killed; "
                    "its own error is the cause)")
+            if launched_by_torchrun():  # its stderr is torchrun's to show, not ours
+                why += (". A rank that died without a traceback (an exit code only) wrote why on "
+                        "its stderr: in torchrun's output, or with --log-dir DIR --redirects 2 "
+                        "in DIR/<run id>_*/attempt_<n>/<local rank>/stderr.log")
         raise CollectiveFailed(f"rank {dist.get_rank()}: {what} did not complete: {why}.",
                                peer_gone=not timed_out) from error  # torch's error is chained
 

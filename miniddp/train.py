@@ -253,9 +253,13 @@ def _train(args) -> dict:
 def _resized(saved_by: int, world_size: int, sampler, epoch: int, epochs: int) -> str:
     """The one line that says what resuming at another world size changes."""
     state = sampler.state_dict()
-    rest = (f"the {state['end'] - state['begin']} samples of epoch {epoch} that no rank had "
-            f"reached are dealt over the {world_size} ranks, each used once" if epoch < epochs
-            else "the epochs are done")
+    if epoch >= epochs:
+        rest = "every epoch is done"
+    elif state["epoch"] != epoch:  # saved at the end of an epoch: the next starts afresh
+        rest = f"epoch {epoch} is dealt over the {world_size} ranks from its start"
+    else:
+        rest = (f"the {state['end'] - state['begin']} samples of epoch {epoch} that no rank had "
+                f"reached are dealt over the {world_size} ranks, each used once")
     kept = list(range(min(saved_by, world_size)))
     fresh = list(range(saved_by, world_size))
     return (f"saved by {saved_by} ranks, resumed by {world_size}: {rest}; ranks {kept} continue "
@@ -296,9 +300,9 @@ def main(argv=None) -> int:
         return 2
     backend = None if args.backend == "auto" else args.backend
     try:
+        if torchrun:  # torchrun's agent owns the signals: SIGTERM from it must kill at once
+            return _run_under_torchrun(args)
         with stop_on_signals():
-            if torchrun:
-                return _run_under_torchrun(args)
             results = launch(train, world_size=args.nproc, args=(args,), backend=backend,
                              timeout=None, pg_timeout=args.timeout)
     except RankError as error:

@@ -241,3 +241,22 @@ def test_a_group_dir_left_by_a_killed_parent_is_removed_by_the_next_group(tmp_pa
         assert not os.path.exists(stale) and os.path.exists(ours)
     finally:
         os.rmdir(ours)
+
+
+def rank1_dies_during_a_collective_under_torchruns_variables():
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    if rank == 1:
+        os._exit(5)
+    from miniddp.launch import collective
+    with collective("the test's barrier", 10):
+        dist.barrier()
+
+
+def test_under_torchrun_a_peer_that_vanished_is_looked_for_in_torchruns_logs():
+    """torchrun, not miniddp, holds a dead worker's stderr: the survivors say where it is."""
+    with pytest.raises(RankError, match="rank 1 of 2 died without reporting") as info:
+        spawn(rank1_dies_during_a_collective_under_torchruns_variables, 2, timeout=30)
+    assert "the test's barrier did not complete: another rank left the group" in str(info.value)
+    assert "--log-dir DIR --redirects 2 in DIR/<run id>_*/attempt_<n>/<local rank>/stderr.log" \
+        in str(info.value)
