@@ -48,7 +48,7 @@ class StderrTail:
             sys.stderr.write(self._decoder.decode(data))
             sys.stderr.flush()
 
-    def last_lines(self, count: int = 20) -> str:
+    def last_lines(self, count: int = 30) -> str:
         self.drain()
         lines = self._tail.decode("utf-8", "replace").splitlines()
         return "\n".join(lines[-count:])

@@ -73,6 +73,8 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
     _die_with_parent()
     os.dup2(stderr_fd, 2)  # the parent shows it, and keeps the tail in case this rank dies
     os.close(stderr_fd)
+    if faulthandler.is_enabled():  # (pytest enables it on a copy of fd 2): into the tail too
+        faulthandler.enable(file=sys.stderr, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
     for name in ("SIGTERM", "SIGHUP"):  # whatever handler the parent had: die as by default
         signal.signal(getattr(signal, name), signal.SIG_DFL)

@@ -1,5 +1,6 @@
 """The rank launcher: results come back in rank order; every failure names its rank; no orphans."""
 
+import faulthandler
 import os
 import time
 
@@ -200,6 +201,7 @@ def test_leave_group_right_after_a_collective_does_not_deadlock(tmp_path):
 
 def rank1_writes_to_stderr_and_aborts():
     if dist.get_rank() == 1:
+        faulthandler.disable()  # gloo's abort() in C++ would print no Python stack after this
         os.write(2, b"noise from earlier\n" * 30)
         os.write(2, b"gloo says: Received data size doesn't match\n")
         os.abort()  # SIGABRT, as gloo's own abort: no Python error, no report to the parent
