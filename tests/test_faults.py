@@ -1,7 +1,9 @@
-"""Faults: a rank raises, hangs or is killed; torchrun restarts; two nodes; torch's script swapped.
+"""Faults: a rank raises, hangs or is killed; torchrun restarts; two nodes; torch's script swapped;
+bad flags, a damaged snapshot, a second job on the same snapshot; Ctrl-C, SIGTERM, SIGHUP, SIGKILL.
 
 Each failure must stop every rank and name the rank that caused it; nothing may hang or be left
-running. The torchrun runs cost seconds of ``import torch`` per process, so there are three.
+running. The torchrun runs cost seconds of ``import torch`` per process, so there are three; the
+signal tests fork the launcher (``jobs.ForkedMain``) rather than start an interpreter.
 """
 
 import os
@@ -227,6 +229,15 @@ def test_a_torch_ddp_script_runs_unchanged_with_miniddp_imports(tmp_path, capfd)
 
 
 # --- clear messages and clean exits ---
+
+def test_help_says_how_to_resume_at_another_world_size(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "With another --nproc (or torchrun size) than the run that saved, the rest of the " \
+           "interrupted epoch is dealt over the new ranks, each sample once" in text
+    assert "not bit for bit" in text
+
 
 @pytest.mark.parametrize("flag, value, says", [
     ("--bucket-cap-mb", "inf", "must be a size in MB above 0"),
