@@ -194,8 +194,9 @@ def _train(args) -> dict:
         snapshot = checkpoint.load(args.snapshot, model, optimizer, sampler, resize=True)
         epoch, step = snapshot["epoch"], snapshot["step"]
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        where = (f"{sampler.state_dict()['consumed']}/{sampler.num_samples} of the epoch's "
-                 "samples done on each rank" if len(snapshot["rng"]) == world_size else
+        done = sampler.state_dict()["consumed"]
+        where = (f"{done}/{done + len(sampler)} of the epoch's samples done on each rank"
+                 if len(snapshot["rng"]) == world_size else
                  _resized(len(snapshot["rng"]), world_size, sampler, epoch, args.epochs))
         print0(f"resuming from {args.snapshot}: epoch {epoch}, step {step}, {where}"
                + (f" (torchrun restart {restart})" if restart else ""))
