@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from miniddp.checkpoint import leftovers, write_atomic
+from miniddp.checkpoint import leftovers, load, write_atomic
 
 try:
     import fcntl
@@ -163,7 +163,9 @@ class SnapshotLock:
 
 def prepare(out: str | None, snapshot: str | None, holds_lock: bool,
             nccl_ranks: int = 0) -> SnapshotLock | None:
-    """Everything that can fail before training, checked now: GPUs, output paths, the lock.
+    """Everything that can fail before training, checked now: GPUs, output paths, the snapshot
+    (a damaged one fails the same way on every retry: under torchrun, before the group forms),
+    the lock.
 
     ``nccl_ranks``: the ranks on this machine that need a GPU each (0: gloo). The process that
     ``holds_lock`` takes the snapshot's lock and returns it, to release when the job ends.
@@ -173,6 +175,11 @@ def prepare(out: str | None, snapshot: str | None, holds_lock: bool,
     for flag, path in (("--out", out), ("--snapshot", snapshot)):
         if path:
             check_writable(path, flag)
+    if snapshot and Path(snapshot).is_file():  # damaged: say so now, not once per rank
+        try:
+            load(snapshot, map_location="cpu", restore_rng=False)
+        except ValueError as error:  # SnapshotError included
+            raise JobFileError(str(error)) from None
     if not (snapshot and holds_lock):
         return None
     lock = SnapshotLock(snapshot)

@@ -282,7 +282,7 @@ def _run_under_torchrun(args) -> int:
         finally:
             leave_group()
 
-    return 1 if run()["rescued"] else 0  # --out was not written: the job did not do its job
+    return 1 if run()["rescued"] else 0  # the model is safe, but not where --out asked
 
 
 def main(argv=None) -> int:

@@ -272,11 +272,13 @@ def test_nccl_without_a_gpu_says_nccl_needs_one_gpu_per_rank(capfd, monkeypatch,
 @pytest.mark.parametrize("damage", [b"", b"\x80\x02 not a whole snapshot", b"PK\x03\x04"])
 def test_a_damaged_snapshot_is_named_by_the_job(tmp_path, capfd, damage):
     (tmp_path / "snap.pt").write_bytes(damage)
-    assert train.main(["--nproc", "2", *JOB, "--snapshot", str(tmp_path / "snap.pt")]) == 1
-    err = capfd.readouterr().err
-    assert f"{tmp_path / 'snap.pt'} is not a complete snapshot ({len(damage)} bytes" in err
+    assert train.main(["--nproc", "2", *JOB, "--snapshot", str(tmp_path / "snap.pt")]) == 2
+    out, err = capfd.readouterr()
+    assert err.startswith(f"miniddp.train: {tmp_path / 'snap.pt'} is not a complete snapshot "
+                          f"({len(damage)} bytes"), err
     assert "No previous snapshot (snap.pt.prev) is there to resume from" in err
-    assert "weights_only=False" not in err
+    assert "weights_only=False" not in err and "Traceback" not in err
+    assert "starting from scratch" not in out and not (tmp_path / ".snap.pt.tmp").exists()
 
 
 def group_dirs(pid):
