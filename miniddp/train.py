@@ -199,7 +199,7 @@ def _train(args) -> dict:
                  if len(snapshot["rng"]) == world_size else
                  _resized(len(snapshot["rng"]), world_size, sampler, epoch, args.epochs))
         print0(f"resuming from {args.snapshot}: epoch {epoch}, step {step}, {where}"
-               + (f" (torchrun restart {restart})" if restart else ""))
+               + (f" (torchrun restart {restart})" if restart not in (None, "0") else ""))
     else:
         print0(f"starting from scratch: {world_size} ranks, backend {dist.get_backend()}, "
                f"{args.epochs} epochs of {len(dataset)} samples, batch {args.batch_size} per rank"
