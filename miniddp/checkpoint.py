@@ -16,8 +16,15 @@ made by :func:`save` holds all of it:
 Only rank 0 writes, and the write is atomic: the bytes go to a temporary file in the same
 directory, are flushed and fsynced, then ``os.replace`` swaps the file in and the directory is
 fsynced. A crash at any moment leaves either the previous snapshot or the new one, never half of
-one. The other ranks wait at a barrier, so when :func:`save` returns on any rank the snapshot is
-on disk: a rank that dies right afterwards cannot lose it.
+one (and perhaps the temporary file, ``.NAME.tmp``: :func:`leftovers` names it). The snapshot it
+replaces stays beside it as ``NAME.prev``, for the day the file is damaged after the fact (a disk
+fault, a copy cut short). The other ranks wait at a barrier, so when :func:`save` returns on any
+rank the snapshot is on disk: a rank that dies right afterwards cannot lose it.
+
+A snapshot saved by N ranks can resume a job of M ranks (``load(..., resize=True)``): the sampler
+deals the samples the N ranks had not reached over the M (see
+``miniddp.DistributedSampler.load_state_dict``), and rank r gets saved rank r's generators where
+there was one. The job goes on correctly, but not as the N-rank run would have, bit for bit.
 
 Everything is stored as tensors, ints, floats, strings, lists, tuples and dicts, which is what
 ``torch.load(weights_only=True)`` (torch's default since 2.6) accepts. NumPy's RNG state holds a
@@ -40,6 +47,10 @@ FORMAT = "miniddp.snapshot/1"
 
 class CheckpointMismatchError(RuntimeError):
     """A state dict does not fit the model: the message lists the keys and shapes that differ."""
+
+
+class SnapshotError(ValueError):
+    """A snapshot file cannot be read: the message names it and says what is left to resume from."""
 
 
 def _wrappers() -> tuple[type, ...]:
@@ -139,21 +150,49 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(obj, path: str | os.PathLike) -> None:
+def previous(path: str | os.PathLike) -> Path:
+    """Where :func:`save` keeps the snapshot that the one at ``path`` replaced."""
+    path = Path(path).absolute()
+    return path.with_name(f"{path.name}.prev")
+
+
+def leftovers(path: str | os.PathLike) -> list[Path]:
+    """The temporary files a writer of ``path`` killed mid-write can leave (one writer per path:
+    remove them only while no job writes ``path``)."""
+    path = Path(path).absolute()
+    return [path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.prev.tmp")]
+
+
+def _keep_previous(path: Path) -> None:
+    """Hard-link the current file as ``NAME.prev`` (atomically; skipped where links are not)."""
+    if not path.exists():
+        return
+    link = leftovers(path)[1]
+    try:
+        link.unlink(missing_ok=True)
+        os.link(path, link)
+        os.replace(link, previous(path))
+    except OSError:
+        link.unlink(missing_ok=True)
+
+
+def write_atomic(obj, path: str | os.PathLike, keep_previous: bool = False) -> None:
     """``torch.save(obj)`` to ``path`` so that a crash leaves the old file or the new one.
 
     The temporary file ``.NAME.tmp`` sits in the same directory (``os.replace`` is atomic only
     within one file system). One writer per path: two jobs sharing a snapshot path would share
-    the temporary file too.
+    the temporary file too. ``keep_previous`` keeps the replaced file as ``NAME.prev``.
     """
     path = Path(path).absolute()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = leftovers(path)[0]
     try:
         with open(tmp, "wb") as f:
             torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        if keep_previous:
+            _keep_previous(path)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -200,7 +239,7 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, sampler=None
             "rng": rngs,
             "extra": extra or {},
         }
-        write_atomic(snapshot, path)
+        write_atomic(snapshot, path, keep_previous=True)
     if _in_group():
         dist.barrier()  # nobody goes on (or dies) before the snapshot is on disk
 
@@ -210,30 +249,53 @@ def _device_of(model: nn.Module | None) -> torch.device:
     return torch.device("cpu") if tensor is None else tensor.device
 
 
+def _read(path, location) -> dict:
+    """``torch.load`` the file, or say in plain words that it is not a whole snapshot.
+
+    torch's own errors name no file (``EOFError``, a zip reader's complaint), and for random
+    bytes advise ``weights_only=False``: never the advice for a file of unknown origin.
+    """
+    try:
+        return torch.load(path, map_location=location, weights_only=True)
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise
+    except Exception as error:
+        size = os.path.getsize(path)
+        prev = previous(path)
+        there = (f"The snapshot it replaced is still there: {prev}; to resume from it, move it "
+                 f"to {path}." if prev.exists() else f"No previous snapshot ({prev.name}) is "
+                 "there to resume from.")
+        raise SnapshotError(
+            f"{path} is not a complete snapshot ({size} bytes; torch.load raised "
+            f"{type(error).__name__}): it was cut short or damaged, or is not a snapshot at all. "
+            f"Nothing was loaded. {there}") from None
+
+
 def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None, sampler=None,
-         *, map_location=None, restore_rng: bool = True) -> dict:
+         *, map_location=None, restore_rng: bool = True, resize: bool = False) -> dict:
     """Restore what :func:`save` stored into whichever of the objects are given; return it all.
 
     Tensors are mapped to ``map_location`` (default: the model's device, so a snapshot written on
     ``cuda:0`` loads onto ``cuda:3`` or the CPU). The file is read with ``weights_only=True``.
-    ``restore_rng`` sets this rank's generators to what this rank had; it needs the same number
-    of ranks as the job that saved.
+    ``restore_rng`` sets this rank's generators to what this rank had. A job with another number
+    of ranks than the one that saved is refused unless ``resize``: then the sampler deals the
+    rest of the epoch over this job's ranks, and rank r gets saved rank r's generators when
+    there was a rank r (the others keep theirs). ``len(snapshot["rng"])`` is the saved count.
     """
     location = _device_of(model) if map_location is None else map_location
-    snapshot = torch.load(path, map_location=location, weights_only=True)
+    snapshot = _read(path, location)
     if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
         raise ValueError(f"{path} is not a snapshot written by miniddp.checkpoint.save (it has "
                          f"no format={FORMAT!r}); a bare state dict loads with "
                          "load_model_state(model, torch.load(path, weights_only=True)).")
-    if restore_rng:
-        saved_by = len(snapshot["rng"])
-        world_size = dist.get_world_size() if _in_group() else 1
-        if saved_by != world_size:
-            raise ValueError(
-                f"the snapshot {path} holds the random generators of {saved_by} rank(s) and "
-                f"this job has {world_size}: there is no state to give each rank. Resume with "
-                f"{saved_by} rank(s), or pass restore_rng=False (the run goes on with fresh "
-                "random numbers and will not repeat the original bit for bit).")
+    saved_by = len(snapshot["rng"])
+    world_size = dist.get_world_size() if _in_group() else 1
+    if saved_by != world_size and not resize and (restore_rng or sampler is not None):
+        raise ValueError(
+            f"the snapshot {path} was saved by {saved_by} rank(s) and this job has "
+            f"{world_size}. Resume with {saved_by} rank(s) to repeat the original run bit for "
+            "bit, or pass resize=True: the sampler deals the rest of the epoch over this job's "
+            "ranks and rank r gets saved rank r's random generators where there was one.")
     if model is not None:
         load_model_state(model, snapshot["model"], source=f"the snapshot {path}")
     if optimizer is not None:
@@ -243,7 +305,7 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     if sampler is not None:
         if snapshot["sampler"] is None:
             raise ValueError(f"the snapshot {path} was saved without a sampler state")
-        sampler.load_state_dict(snapshot["sampler"])
-    if restore_rng:
+        sampler.load_state_dict(snapshot["sampler"], reshard=resize)
+    if restore_rng and _rank() < saved_by:
         set_rng_state(snapshot["rng"][_rank()])
     return snapshot

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
+import threading
 import time
 from contextlib import contextmanager
 from datetime import timedelta
@@ -20,9 +22,9 @@ import torch.distributed as dist
 from miniddp.rank_group import RankError, RankGroup
 from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL
 
-__all__ = ["CollectiveFailed", "RankError", "RankGroup", "collective", "default_backend",
-           "join_torchrun_group", "launch", "launched_by_torchrun", "leave_group", "rank_device",
-           "spawn"]
+__all__ = ["CollectiveFailed", "RankError", "RankGroup", "Stopped", "collective",
+           "default_backend", "join_torchrun_group", "launch", "launched_by_torchrun",
+           "leave_group", "rank_device", "spawn", "stop_on_signals"]
 
 
 def launched_by_torchrun() -> bool:
@@ -126,8 +128,49 @@ def collective(what: str, timeout: float):
         else:
             why = (f"another rank left the group after {waited:.1f} s (it failed or was killed; "
                    "its own error is the cause)")
+            if launched_by_torchrun():  # its stderr is torchrun's to show, not ours
+                why += (". A rank that died without a traceback (an exit code only) wrote why on "
+                        "its stderr: in torchrun's output, or with --log-dir DIR --redirects 2 "
+                        "in DIR/<run id>_*/attempt_<n>/<local rank>/stderr.log")
         raise CollectiveFailed(f"rank {dist.get_rank()}: {what} did not complete: {why}.",
                                peer_gone=not timed_out) from error  # torch's error is chained
+
+
+class Stopped(SystemExit):
+    """SIGTERM or SIGHUP arrived. A ``SystemExit`` (status 128 + the signal's number, as a shell
+    reports it), so a script that does not catch it exits quietly, after its cleanup has run."""
+
+    def __init__(self, signum: int):
+        self.signal = signal.Signals(signum)
+        super().__init__(128 + signum)
+
+
+@contextmanager
+def stop_on_signals():
+    """Inside: SIGTERM and SIGHUP raise :class:`Stopped` instead of killing the process at once.
+
+    Killed by default, a launcher would leave its ranks' temporary directory behind; raised as
+    an exception, every ``with`` and ``finally`` on the way out runs: the ranks are killed and
+    the directory removed. Only default handlers are replaced, and only in the main thread
+    (Python runs signal handlers there alone). SIGKILL cannot be caught: see
+    ``miniddp.rank_group.remove_stale_group_dirs`` for what it leaves.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise Stopped(signum)
+
+    replaced = {}
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(sig) == signal.SIG_DFL:
+            replaced[sig] = signal.signal(sig, stop)
+    try:
+        yield
+    finally:
+        for sig, handler in replaced.items():
+            signal.signal(sig, handler)
 
 
 def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo",
@@ -137,7 +180,7 @@ def spawn(fn, world_size: int = 2, args=(), backend: str = "gloo",
     ``timeout`` bounds the whole call (``None``: no bound, for long training jobs; a rank that
     stops taking part still fails after ``pg_timeout``).
     """
-    with RankGroup(world_size, backend=backend, pg_timeout=pg_timeout) as group:
+    with stop_on_signals(), RankGroup(world_size, backend=backend, pg_timeout=pg_timeout) as group:
         return group.run(fn, *args, timeout=timeout)
 
 

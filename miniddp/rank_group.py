@@ -11,12 +11,14 @@ The rules that keep a failing run from hanging or leaving orphans:
   rank skipped fails inside the ranks with torch's own message first;
 * the first rank that raises sends its traceback to the parent, which kills every rank and
   raises :class:`RankError` naming that rank (the likeliest cause, not a bystander);
-* a rank that dies without a word (segfault, SIGKILL) is reported with its exit code;
+* a rank that dies without a word (segfault, SIGKILL, an abort inside gloo) is reported with
+  its exit code and the last lines it wrote to stderr (``miniddp.rank_files``);
 * past the parent's deadline the ranks still running dump their Python stacks (faulthandler)
   into the error, then are killed.
 
 :class:`RankGroup` keeps its ranks (and their process group) alive across many calls, which
-is what makes hundreds of distributed test cases affordable.
+is what makes hundreds of distributed test cases affordable. Its files live in
+``$TMPDIR/miniddp-<parent pid>-*`` (``miniddp.rank_files``: what SIGKILL leaves is removed later).
 Functions and arguments travel by pickle, so functions must be importable at module level.
 """
 
@@ -39,6 +41,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from miniddp.rank_files import StderrTail, remove_stale_group_dirs
 
 
 class RankError(RuntimeError):
@@ -63,9 +67,17 @@ def _send(conn, message) -> None:
     conn.send_bytes(payload)
 
 
-def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads):
+def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads,
+               stderr_fd):
     """The life of one forked rank: join the group, run tasks until told to stop."""
     _die_with_parent()
+    os.dup2(stderr_fd, 2)  # the parent shows it, and keeps the tail in case this rank dies
+    os.close(stderr_fd)
+    if faulthandler.is_enabled():  # (pytest enables it on a copy of fd 2): into the tail too
+        faulthandler.enable(file=sys.stderr, all_threads=True)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
+    for name in ("SIGTERM", "SIGHUP"):  # whatever handler the parent had: die as by default
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     torch.set_num_threads(threads)
     with open(stack_path, "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
@@ -112,20 +124,24 @@ class RankGroup:
         # torch imports torch._dynamo lazily (DDP construction, optimizers): seconds of CPU in
         # every rank unless it is imported once here, before the fork.
         import torch._dynamo  # noqa: F401
-        self._dir = tempfile.mkdtemp(prefix="miniddp-")
+        remove_stale_group_dirs()
+        self._dir = tempfile.mkdtemp(prefix=f"miniddp-{os.getpid()}-")
         ctx = mp.get_context("fork")
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._stderr = [], [], []
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
+            stderr_read, stderr_write = os.pipe()
             stack_path = os.path.join(self._dir, f"stack-{rank}.txt")
             proc = ctx.Process(
                 target=_rank_main, name=f"miniddp-rank{rank}", daemon=True,
                 args=(rank, world_size, child_end, os.path.join(self._dir, "store"), backend,
-                      pg_timeout, stack_path, threads))
+                      pg_timeout, stack_path, threads, stderr_write))
             proc.start()
             child_end.close()
+            os.close(stderr_write)
             self._procs.append(proc)
             self._conns.append(parent_end)
+            self._stderr.append(StderrTail(stderr_read))
 
     @property
     def alive(self) -> bool:
@@ -160,8 +176,15 @@ class RankGroup:
             pending = [r for r in range(self.world_size) if r not in results and r not in failures]
             waitables = [self._conns[r] for r in pending] + [self._procs[r].sentinel
                                                             for r in pending]
+            by_stderr = {tail.fd: tail for tail in self._stderr if tail.fd is not None}
             left = deadline - time.monotonic()
-            ready = wait(waitables, timeout=None if left == math.inf else max(0.0, left))
+            ready = wait(waitables + list(by_stderr),
+                         timeout=None if left == math.inf else max(0.0, left))
+            for fd in [obj for obj in ready if obj in by_stderr]:
+                by_stderr[fd].drain()
+                ready.remove(fd)
+            if not ready and time.monotonic() < deadline:
+                continue
             if not ready:
                 if failures:
                     break
@@ -176,7 +199,7 @@ class RankGroup:
                     status, value = pickle.loads(self._conns[rank].recv_bytes())
                 except EOFError:  # its end of the pipe closed: the process is gone
                     self._procs[rank].join(1)
-                    status, value = "died", f"exit code {self._procs[rank].exitcode}"
+                    status, value = "died", self._death(rank)
                 if status == "ok":
                     results[rank] = value
                 else:
@@ -186,7 +209,8 @@ class RankGroup:
                 deadline = min(deadline, time.monotonic() + self.GRACE_S)
         if failures:
             silent = [r for r in range(self.world_size) if r not in results and r not in failures]
-            if silent and all(_peer_failure(details) for _, details in failures.values()):
+            if silent and all(what == "raised" and _peer_failure(details)
+                              for what, details in failures.values()):
                 # The others gave up waiting for ranks that are still busy: blame those.
                 waited = "\n".join(f"rank {r} {what}: {details.strip().splitlines()[-1]}"
                                     for r, (what, details) in sorted(failures.items()))
@@ -195,6 +219,19 @@ class RankGroup:
                                 f"{self._stacks(silent)}\n{waited}")
             raise _root_cause(failures, self.world_size)
         return [results[r] for r in range(self.world_size)]
+
+    def _death(self, rank: int) -> str:
+        """The exit code of a rank that died without reporting, and its own last words."""
+        code = self._procs[rank].exitcode
+        text = f"exit code {code}"
+        if code is not None and code < 0:
+            text += f" ({signal.Signals(-code).name})" if -code in signal.valid_signals() else ""
+        last = self._stderr[rank].last_lines()
+        if last:
+            text += f"\nthe last lines rank {rank} wrote to stderr:\n{last}"
+        else:
+            text += f"\n(rank {rank} wrote nothing to stderr)"
+        return text
 
     def _stacks(self, ranks) -> str:
         """Ask hung ranks for their Python stacks, so a timeout says where each one was."""
@@ -225,7 +262,9 @@ class RankGroup:
             proc.join(5)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        for tail in self._stderr:
+            tail.close()
+        self._procs, self._conns, self._stderr = [], [], []
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self):
@@ -245,6 +284,12 @@ def _peer_failure(details: str) -> bool:
     return any(marker in details for marker in _PEER_FAILURE)
 
 
+def _headline(what: str, details: str) -> str:
+    """One line of a failure: a traceback's last line, a death's exit code."""
+    lines = details.strip().splitlines() or [""]
+    return lines[0] if what == "died without reporting" else lines[-1]
+
+
 def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankError:
     """The failure most likely to be the cause: a death, then an error of the rank's own."""
     def rank_key(rank):
@@ -253,7 +298,7 @@ def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankEr
 
     culprit = min(failures, key=rank_key)
     what, details = failures[culprit]
-    others = [f"rank {r} {failures[r][0]}: {failures[r][1].strip().splitlines()[-1]}"
+    others = [f"rank {r} {failures[r][0]}: {_headline(*failures[r])}"
               for r in sorted(failures) if r != culprit]
     if others:
         details += "\n(then " + "; ".join(others) + ")"

@@ -9,11 +9,13 @@ communication is needed to agree on who reads what.
 It yields the same indices as ``torch.utils.data.distributed.DistributedSampler``, index for
 index, so a run can switch between the two without changing what it trains on. It adds one thing
 torch's lacks: a position inside the epoch, saved by :meth:`~DistributedSampler.state_dict`, so a
-job killed mid-epoch resumes where it stopped instead of at the start of the epoch.
+job killed mid-epoch resumes where it stopped instead of at the start of the epoch, with as many
+ranks as before or with another number of them.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator, Sized
 
 import torch
@@ -43,6 +45,15 @@ class DistributedSampler(Sampler[int]):
     :meth:`state_dict` saves that count with the epoch and the layout; :meth:`load_state_dict` on
     a fresh sampler makes the next iteration yield only the indices this rank had not yet reached,
     in the same order. Every rank yields equally many, so one rank's state fits all ranks.
+
+    **Resuming with another number of ranks** (``load_state_dict(state, reshard=True)``). The
+    dealing means that when every rank has used ``c`` indices, the ranks together have used the
+    first ``c * R`` positions of the epoch's list, whichever rank saved. The rest of the list is
+    dealt over the new ranks the same way, so every position of the epoch is used exactly once
+    (the new shares may differ by one; :class:`EqualBatchCount` batches them so that every rank
+    still takes part in every step). Should fewer positions remain than there are ranks, they
+    are repeated until each rank has one. The per-rank batches, and so the sums, change: the run
+    goes on correctly but not bit for bit as the old number of ranks would have.
 
     **With** ``DataLoader(num_workers>0)`` the loader pulls indices ahead of training to prefetch
     batches, so the yielded count runs ahead of what the model has actually seen. Resuming from it
@@ -92,6 +103,7 @@ class DistributedSampler(Sampler[int]):
         else:
             self.num_samples = -(-self.dataset_len // num_replicas)
         self.total_size = self.num_samples * num_replicas
+        self._begin, self._end = 0, self.total_size  # the positions of the epoch's list dealt
         self._position = 0  # indices of this epoch yielded so far (or loaded from a state)
         self._start = 0  # where the latest iteration began
         self._resume_pending = False  # the next iteration starts at _position, not at 0
@@ -104,9 +116,23 @@ class DistributedSampler(Sampler[int]):
             order = torch.randperm(self.dataset_len, generator=generator).tolist()
         else:
             order = list(range(self.dataset_len))
-        if self.total_size > self.dataset_len:  # pad by cycling: the first total_size of order*k
-            order = order * -(-self.total_size // self.dataset_len)
-        return order[self.rank:self.total_size:self.num_replicas]
+        if self._end > self.dataset_len:  # pad by cycling: the first total_size of order * k
+            order = order * -(-self._end // self.dataset_len)
+        dealt = order[self._begin:self._end]
+        if 0 < len(dealt) < self.num_replicas:  # too few left for one each: repeat them
+            dealt = (dealt * self.num_replicas)[:self.num_replicas]
+        return dealt[self.rank::self.num_replicas]
+
+    def _share(self, rank: int) -> int:
+        """How many indices ``rank`` gets in the current epoch (all the same, unless resharded)."""
+        left = self._end - self._begin
+        if 0 < left < self.num_replicas:
+            return 1
+        return len(range(rank, left, self.num_replicas))
+
+    def shortest_len(self) -> int:
+        """``len()`` of the rank with the fewest indices left: the last rank's."""
+        return self._share(self.num_replicas - 1) - (self._position if self._resume_pending else 0)
 
     def __iter__(self) -> Iterator[int]:
         # Claimed now rather than on the first next(), so iter() alone decides where it starts.
@@ -122,7 +148,7 @@ class DistributedSampler(Sampler[int]):
 
     def __len__(self) -> int:
         """How many indices the next iteration yields: fewer right after a mid-epoch resume."""
-        return self.num_samples - (self._position if self._resume_pending else 0)
+        return self._share(self.rank) - (self._position if self._resume_pending else 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch``'s order from the next iteration on.
@@ -134,6 +160,7 @@ class DistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self.epoch = epoch
             self._position = self._start = 0
+            self._begin, self._end = 0, self.total_size
             self._resume_pending = False
 
     def state_dict(self, trained: int | None = None) -> dict[str, int]:
@@ -153,25 +180,75 @@ class DistributedSampler(Sampler[int]):
                 "Count this rank's samples only (not all ranks'), since iter(loader).")
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
                 "num_replicas": self.num_replicas, "dataset_len": self.dataset_len,
-                "shuffle": int(self.shuffle), "drop_last": int(self.drop_last)}
+                "shuffle": int(self.shuffle), "drop_last": int(self.drop_last),
+                "begin": self._begin, "end": self._end}
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume from :meth:`state_dict`: the next iteration yields the rest of that epoch."""
+    def load_state_dict(self, state: dict[str, int], reshard: bool = False) -> None:
+        """Resume from :meth:`state_dict`: the next iteration yields the rest of that epoch.
+
+        ``reshard`` accepts a state saved with another ``num_replicas``: the positions of the
+        epoch that no rank had reached are dealt over this sampler's ranks (see the class
+        docstring); every rank must load the same state.
+        """
         missing = sorted({"epoch", "consumed", *_LAYOUT_KEYS} - set(state))
         if missing:
             raise ValueError(f"not a DistributedSampler state: missing keys {missing}")
         ours = self.state_dict()
         for key in _LAYOUT_KEYS:
-            if int(state[key]) != ours[key]:
+            if int(state[key]) != ours[key] and not (reshard and key == "num_replicas"):
                 raise ValueError(
                     f"the state was saved with {key}={state[key]} but this sampler has "
                     f"{key}={ours[key]}: resuming would not continue the same order. Build the "
-                    "sampler with the settings of the run that saved it.")
-        consumed = int(state["consumed"])
-        if not 0 <= consumed <= self.num_samples:
-            raise ValueError(f"consumed={consumed} is out of range: each rank has "
-                             f"{self.num_samples} samples per epoch, so it must be in "
-                             f"[0, {self.num_samples}]")
+                    "sampler with the settings of the run that saved it"
+                    + (", or pass reshard=True." if key == "num_replicas" else "."))
+        saved = DistributedSampler(range(self.dataset_len), int(state["num_replicas"]), 0,
+                                   drop_last=self.drop_last)
+        saved._begin = int(state.get("begin", 0))  # states saved before resizing existed
+        saved._end = int(state.get("end", saved.total_size))
+        consumed, most = int(state["consumed"]), saved._share(0)
+        if not 0 <= consumed <= most:
+            raise ValueError(f"consumed={consumed} is out of range: each rank has at most "
+                             f"{most} samples in that epoch, so it must be in [0, {most}]")
         self.epoch = int(state["epoch"])
-        self._position = self._start = consumed
+        if saved.num_replicas == self.num_replicas:
+            self._begin, self._end = saved._begin, saved._end
+            self._position = self._start = consumed
+        else:  # every rank had used `consumed`: the first consumed * R positions are done
+            done = min(saved._begin + consumed * saved.num_replicas, saved._end)
+            self._begin, self._end = done, saved._end
+            self._position = self._start = 0
         self._resume_pending = True
+
+
+class EqualBatchCount(Sampler[list[int]]):
+    """Batches of ``batch_size`` of ``sampler``'s indices, as many batches on every rank.
+
+    The same batches as ``DataLoader(batch_size=...)`` makes when every rank has an equal share.
+    After a resume with another number of ranks the shares can differ by one; where that would
+    give some ranks one more batch than the others (a batch of one sample, and a step the others
+    never take, so a collective they never join), that sample joins the rank's last full batch.
+    Use it as ``DataLoader(dataset, batch_sampler=EqualBatchCount(sampler, batch_size))``.
+    """
+
+    def __init__(self, sampler: DistributedSampler, batch_size: int) -> None:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        self.sampler, self.batch_size = sampler, batch_size
+
+    def _sizes(self) -> list[int]:
+        mine, fewest = len(self.sampler), self.sampler.shortest_len()
+        sizes = [self.batch_size] * (mine // self.batch_size)
+        sizes += [mine % self.batch_size] if mine % self.batch_size else []
+        if len(sizes) > -(-fewest // self.batch_size) and len(sizes) > 1:
+            extra = sizes.pop()  # one sample more than the rank with the fewest
+            sizes[-1] += extra
+        return sizes
+
+    def __iter__(self) -> Iterator[list[int]]:
+        sizes = self._sizes()  # before iter(): that consumes a resumed position
+        indices = iter(self.sampler)
+        for size in sizes:
+            yield list(itertools.islice(indices, size))
+
+    def __len__(self) -> int:
+        return len(self._sizes())

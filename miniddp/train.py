@@ -37,19 +37,32 @@ ranks, samples per second), the held-out loss at the end. Bit-identity across a 
 2 ranks; with 3 or more, gloo's sum depends on the bucket layout, which DDP rebuilds after its
 first step, so the first step after a resume may differ in the last bits.
 
-For the fault tests: ``--pid-dir`` makes each rank write its pid to ``DIR/rank<R>.pid``;
-``--fault KIND:RANK:STEP`` makes rank RANK, at step STEP, ``raise``, ``hang`` (sleep instead of
-taking part) or ``exit`` (die without a word); under torchrun only in the first attempt, so a
-restarted job gets past it.
+**Resuming with another number of ranks** (a node lost, torchrun's elastic ``--nnodes=1:4``)
+works: the samples of the interrupted epoch that no rank had reached are dealt over the new
+ranks, each used exactly once; rank r continues saved rank r's random generators where there
+was one, and a new rank starts from its seed. The job says so in one line, and that from there
+the run is no longer bit-identical to an uninterrupted one: the per-rank batches, the order in
+which gradients are summed and the random streams all differ.
+
+Before the first step every output path is tried (``miniddp.job_files``): a ``--out`` or
+``--snapshot`` that cannot be written stops the job at once, named. Should the final write fail
+anyway, the model is written beside the snapshot or in the temporary directory, and the job
+says where. While it runs, the job holds ``<snapshot>.lock``: a second job given the same
+``--snapshot`` is refused, naming the holder. The snapshot it replaces stays as ``NAME.prev``.
+Ctrl-C, SIGTERM and SIGHUP stop it with one line saying where the last snapshot is.
+
+For the fault tests: ``--fault`` and ``--pid-dir`` (``miniddp.faults``).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import socket
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -59,46 +72,66 @@ from torch.utils.data import DataLoader
 from miniddp import checkpoint
 from miniddp.data import make_dataset, make_model
 from miniddp.ddp import DistributedDataParallel
+from miniddp.faults import inject_fault, parse_fault, write_pid_file
+from miniddp.job_files import JobFileError, last_snapshot, prepare, write_final_model
 from miniddp.launch import (
     CollectiveFailed,
     RankError,
+    Stopped,
     collective,
     join_torchrun_group,
     launch,
     launched_by_torchrun,
     leave_group,
     rank_device,
+    stop_on_signals,
 )
 from miniddp.report import mean_over_ranks, print0
-from miniddp.sampler import DistributedSampler
+from miniddp.sampler import DistributedSampler, EqualBatchCount
 
 LR = 3e-3
 NOISE = 0.05  # std of the noise each rank adds to its inputs: the job's use of the global RNG
 PEER_GRACE = 3.0  # seconds a rank whose peer vanished waits, so the peer's error is seen first
 
 
-def parse_fault(text: str) -> tuple[str, int, int]:
-    kind, rank, step = text.split(":")
-    if kind not in ("raise", "hang", "exit"):
-        raise argparse.ArgumentTypeError(f"fault kind must be raise, hang or exit, not {kind!r}")
-    return kind, int(rank), int(step)
+def _number(convert, least: float, what: str):
+    """An argparse type: a finite number above ``least`` (``inf`` and ``nan`` are numbers too)."""
+    def parse(text: str):
+        value = convert(text)
+        if not (math.isfinite(value) and value > least):
+            raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
+        return value
+    parse.__name__ = convert.__name__  # argparse's "invalid float value: 'x'"
+    return parse
+
+
+RESUME_HELP = """resuming: run the same command again with the same --snapshot. With another
+--nproc (or torchrun size) than the run that saved, the rest of the interrupted epoch is dealt
+over the new ranks, each sample once; the run then goes on correctly but not bit for bit as an
+uninterrupted one would."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m miniddp.train", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m miniddp.train", description=__doc__.split("\n")[0],
+                                epilog=RESUME_HELP)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--dataset-size", type=int, default=4096)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--save-every", type=int, default=1, help="snapshot every N epochs")
-    p.add_argument("--save-every-steps", type=int, default=0,
+    p.add_argument("--save-every-steps", type=_number(int, -1, "0 (never) or more"),
+                   default=0,
                    help="also snapshot every N steps, mid-epoch included (0: never)")
-    p.add_argument("--snapshot", help="snapshot file: resumed from when it exists")
+    p.add_argument("--snapshot", help="snapshot file: resumed from when it exists, at any number "
+                                      "of ranks; locked (FILE.lock) while the job runs")
     p.add_argument("--out", help="rank 0 writes the final model state dict here")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto")
-    p.add_argument("--bucket-cap-mb", type=float, default=None)
+    p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                   help="auto: NCCL when every rank gets a GPU of its own, else gloo")
+    p.add_argument("--bucket-cap-mb", default=None, type=_number(
+        float, 0, "a size in MB above 0 (for a single bucket, one above the model's size)"))
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (without torchrun)")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=_number(float, 0, "a number of seconds above 0"),
+                   default=60.0,
                    help="process-group timeout in seconds: how long a collective waits for a "
                         "rank that does not join it")
     p.add_argument("--pid-dir", help="write each rank's pid to DIR/rank<R>.pid")
@@ -109,27 +142,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
     return args
-
-
-def _write_pid_file(directory: str, rank: int) -> None:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, f"rank{rank}.pid")
-    with open(path + ".tmp", "w") as f:
-        f.write(f"{os.getpid()}\n")
-    os.replace(path + ".tmp", path)  # a reader never sees a half-written pid
-
-
-def _inject_fault(fault, rank: int, step: int) -> None:
-    """Fire ``--fault`` once: in the first attempt, not again when torchrun restarts the job."""
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if fault is None or fault[1:] != (rank, step) or not first_attempt:
-        return
-    kind = fault[0]
-    if kind == "raise":
-        raise RuntimeError(f"injected fault: rank {rank} raises at step {step}")
-    if kind == "hang":
-        time.sleep(24 * 3600)  # alive, but never joins the next collective
-    os._exit(3)
 
 
 def _agree_on_snapshot(path: str | None) -> bool:
@@ -165,11 +177,11 @@ def _train(args) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     if args.pid_dir:
-        _write_pid_file(args.pid_dir, rank)
+        write_pid_file(args.pid_dir, rank)
 
     dataset = make_dataset(args.dataset_size, seed=args.seed)
     sampler = DistributedSampler(dataset, seed=args.seed)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+    loader = DataLoader(dataset, batch_sampler=EqualBatchCount(sampler, args.batch_size),
                         generator=torch.Generator())  # keeps iter(loader) off the global RNG
     model = make_model(seed=args.seed).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -179,12 +191,15 @@ def _train(args) -> dict:
     with collective("checking that every rank sees the same snapshot", args.timeout):
         resume = _agree_on_snapshot(args.snapshot)
     if resume:
-        snapshot = checkpoint.load(args.snapshot, model, optimizer, sampler)
+        snapshot = checkpoint.load(args.snapshot, model, optimizer, sampler, resize=True)
         epoch, step = snapshot["epoch"], snapshot["step"]
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        print0(f"resuming from {args.snapshot}: epoch {epoch}, step {step}, "
-               f"{sampler.state_dict()['consumed']}/{sampler.num_samples} of the epoch's samples "
-               "done on each rank" + (f" (torchrun restart {restart})" if restart else ""))
+        done = sampler.state_dict()["consumed"]
+        where = (f"{done}/{done + len(sampler)} of the epoch's samples done on each rank"
+                 if len(snapshot["rng"]) == world_size else
+                 _resized(len(snapshot["rng"]), world_size, sampler, epoch, args.epochs))
+        print0(f"resuming from {args.snapshot}: epoch {epoch}, step {step}, {where}"
+               + (f" (torchrun restart {restart})" if restart not in (None, "0") else ""))
     else:
         print0(f"starting from scratch: {world_size} ranks, backend {dist.get_backend()}, "
                f"{args.epochs} epochs of {len(dataset)} samples, batch {args.batch_size} per rank"
@@ -199,7 +214,7 @@ def _train(args) -> dict:
         batches = len(loader)  # before iter(): after a resume, only what is left of the epoch
         seen, losses, start = 0, [], time.perf_counter()
         for i, (x, y) in enumerate(loader):
-            _inject_fault(args.fault, rank, step)
+            inject_fault(args.fault, rank, step)
             x, y = x.to(device), y.to(device)
             x = x + NOISE * torch.randn_like(x)
             with collective(f"step {step}: DDP's forward and the gradient all_reduce in "
@@ -228,13 +243,34 @@ def _train(args) -> dict:
         x, y = held_out.tensors
         held_out_loss = F.mse_loss(model(x.to(device)), y.to(device)).item()
     print0(f"done: {step} steps, held-out loss {held_out_loss:.6f}")
+    rescued = None
     if args.out and rank == 0:
-        checkpoint.write_atomic(checkpoint.model_state(ddp), args.out)
-        print0(f"final model state dict written to {args.out}")
-    return {"steps": step, "held_out_loss": held_out_loss}
+        written = write_final_model(checkpoint.model_state(ddp), args.out, args.snapshot)
+        print0(f"final model state dict written to {written}")
+        rescued = None if written == Path(args.out).absolute() else str(written)
+    return {"steps": step, "held_out_loss": held_out_loss, "rescued": rescued}
 
 
-def _run_under_torchrun(args) -> None:
+def _resized(saved_by: int, world_size: int, sampler, epoch: int, epochs: int) -> str:
+    """The one line that says what resuming at another world size changes."""
+    state = sampler.state_dict()
+    if epoch >= epochs:
+        rest = "every epoch is done"
+    elif state["epoch"] != epoch:  # saved at the end of an epoch: the next starts afresh
+        rest = f"epoch {epoch} is dealt over the {world_size} ranks from its start"
+    else:
+        rest = (f"the {state['end'] - state['begin']} samples of epoch {epoch} that no rank had "
+                f"reached are dealt over the {world_size} ranks, each used once")
+    kept = list(range(min(saved_by, world_size)))
+    fresh = list(range(saved_by, world_size))
+    return (f"saved by {saved_by} ranks, resumed by {world_size}: {rest}; ranks {kept} continue "
+            "the saved ranks' random generators" + (f", ranks {fresh} start from their seeds"
+                                                    if fresh else "") +
+            ". From here the run is NOT bit-identical to an uninterrupted one: the per-rank "
+            "batches, the order in which gradients are summed and the random streams differ.")
+
+
+def _run_under_torchrun(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import record
 
     @record  # torchrun's summary then shows this rank's traceback, not only its exit code
@@ -242,26 +278,47 @@ def _run_under_torchrun(args) -> None:
         backend = None if args.backend == "auto" else args.backend
         join_torchrun_group(backend, args.timeout)
         try:
-            train(args)
+            return train(args)
         finally:
             leave_group()
 
-    run()
+    return 1 if run()["rescued"] else 0  # the model is safe, but not where --out asked
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if launched_by_torchrun():
-        _run_under_torchrun(args)
-        return 0
+    torchrun = launched_by_torchrun()
+    rank0 = not torchrun or os.environ["RANK"] == "0"  # the launcher, or torchrun's rank 0
+    try:
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if torchrun else args.nproc
+        lock = prepare(args.out, args.snapshot, holds_lock=rank0,
+                       nccl_ranks=ranks_here if args.backend == "nccl" else 0)
+    except JobFileError as error:
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        again = (f" (torchrun restart {restart}: restarting cannot fix this; stop the job and "
+                 "fix the command)" if restart else "")
+        print(f"miniddp.train: {error}{again}", file=sys.stderr, flush=True)
+        return 2
     backend = None if args.backend == "auto" else args.backend
     try:
-        launch(train, world_size=args.nproc, args=(args,), backend=backend,
-               timeout=None, pg_timeout=args.timeout)
+        if torchrun:  # torchrun's agent owns the signals: SIGTERM from it must kill at once
+            return _run_under_torchrun(args)
+        with stop_on_signals():
+            results = launch(train, world_size=args.nproc, args=(args,), backend=backend,
+                             timeout=None, pg_timeout=args.timeout)
     except RankError as error:
         print(f"miniddp.train failed: {error}", file=sys.stderr, flush=True)
         return 1
-    return 0
+    except (KeyboardInterrupt, Stopped) as stop:
+        how = "Ctrl-C" if isinstance(stop, KeyboardInterrupt) else stop.signal.name
+        if rank0:
+            print(f"miniddp.train: stopped by {how}; {last_snapshot(args.snapshot)}.",
+                  file=sys.stderr, flush=True)
+        return 130 if isinstance(stop, KeyboardInterrupt) else stop.code
+    finally:
+        if lock is not None:
+            lock.release()
+    return 1 if results[0]["rescued"] else 0
 
 
 if __name__ == "__main__":

@@ -38,12 +38,83 @@ _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTE
                   "MASTER_PORT", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK")
 
 
-def run_job(argv: list[str], timeout: float = 60.0) -> list:
-    """``python -m miniddp.train --nproc 2 ARGV``, ranks forked from this process; a failing
+def run_job(argv: list[str], timeout: float = 60.0, nproc: int = 2) -> list:
+    """``python -m miniddp.train --nproc NPROC ARGV``, ranks forked from this process; a failing
     rank raises RankError (``main`` would print it and return 1)."""
     args = train.parse_args(argv)
-    return launch(train.train, world_size=2, args=(args,), backend="gloo", timeout=timeout,
+    return launch(train.train, world_size=nproc, args=(args,), backend="gloo", timeout=timeout,
                   pg_timeout=args.timeout)
+
+
+def _main_in_child(argv: list[str], log: str) -> None:
+    os.setpgrp()  # a process group of its own, as a shell gives a job: Ctrl-C reaches its ranks
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout, sys.stderr = os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
+    code = train.main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class ForkedMain:
+    """``python -m miniddp.train ARGV`` as a process forked from this one: the same launcher
+    (``main``), its signals and exit code, without the seconds a new interpreter costs."""
+
+    def __init__(self, argv: list[str], log: Path):
+        self.log = log
+        self.proc = mp.get_context("fork").Process(target=_main_in_child, args=(argv, str(log)))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def running(self) -> bool:
+        return self.proc.is_alive()
+
+    def output(self) -> str:
+        return self.log.read_text() if self.log.exists() else ""
+
+    def wait(self, timeout: float) -> int:
+        """The exit code (negative: killed by that signal); past ``timeout``, kill and fail."""
+        self.proc.join(timeout)
+        if self.proc.is_alive():
+            self.kill()
+            raise AssertionError(f"the job did not finish within {timeout:.0f} s; output:\n"
+                                 f"{self.output()[-6000:]}")
+        return self.proc.exitcode
+
+    def kill(self) -> None:
+        if self.proc.is_alive():
+            os.killpg(self.pid, signal.SIGKILL)  # the launcher and its ranks
+        self.proc.join(10)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.kill()
+
+
+class RecordingDataset(torch.utils.data.TensorDataset):
+    """The job's dataset, writing each batch's sample indices to ``DIR/<label>-rank<R>.txt``.
+
+    Set ``label`` before each run. With ``num_workers=0`` the loader fetches a batch right before
+    the step that trains on it, so line k of a rank's file is the batch of its k-th step.
+    """
+
+    def __init__(self, dataset, directory: Path):
+        super().__init__(*dataset.tensors)
+        self.directory, self.label = directory, "run"
+
+    def __getitems__(self, indices):
+        path = self.directory / f"{self.label}-rank{dist.get_rank()}.txt"
+        with open(path, "a") as f:
+            f.write(" ".join(map(str, indices)) + "\n")
+        return [self[i] for i in indices]
+
+    def batches(self, label: str, rank: int) -> list[list[int]]:
+        path = self.directory / f"{label}-rank{rank}.txt"
+        return [[int(i) for i in line.split()] for line in path.read_text().splitlines()]
 
 
 def weights(path) -> dict:

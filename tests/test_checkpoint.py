@@ -1,4 +1,5 @@
-"""miniddp.checkpoint: a snapshot restores it all, loads anywhere, survives a crash mid-write."""
+"""miniddp.checkpoint: a snapshot restores it all, loads anywhere (at another world size too),
+survives a crash mid-write, and a damaged one is named with what is left to resume from."""
 
 import os
 import random
@@ -147,7 +148,7 @@ def test_an_error_while_writing_keeps_the_previous_snapshot(tmp_path, monkeypatc
         checkpoint.save(path, model, optimizer, step=2)
     monkeypatch.undo()
     assert checkpoint.load(path, make_model(1), restore_rng=False)["step"] == 1
-    assert os.listdir(tmp_path) == ["snap.pt"], "the temporary file must be cleaned up"
+    assert sorted(os.listdir(tmp_path)) == ["snap.pt"], "the temporary file must be cleaned up"
 
 
 def test_a_crash_while_writing_keeps_the_previous_snapshot(tmp_path):
@@ -258,7 +259,72 @@ def load_in_a_bigger_world(path):
     return checkpoint.load(path, make_model())
 
 
-def test_random_state_of_fewer_ranks_is_refused_with_a_clear_error(ranks, tmp_path):
+def test_a_snapshot_of_fewer_ranks_is_refused_unless_resize(ranks, tmp_path):
     checkpoint.save(tmp_path / "snap.pt", make_model())  # one process, no group
-    with pytest.raises(Exception, match=r"random generators of 1 rank\(s\) and this job has 2"):
+    with pytest.raises(Exception, match=r"saved by 1 rank\(s\) and this job has 2.*resize=True"):
         ranks(2).run(load_in_a_bigger_world, str(tmp_path / "snap.pt"))
+
+
+def save_with_a_seed_per_rank(path):
+    torch.manual_seed(100 + dist.get_rank())
+    checkpoint.save(path, make_model())
+    return torch.rand(1).item()  # what each rank draws next
+
+
+def resize_and_draw(path):
+    torch.manual_seed(200 + dist.get_rank())
+    checkpoint.load(path, make_model(), resize=True)
+    return torch.rand(1).item()
+
+
+def test_resized_rank_r_gets_saved_rank_rs_generators_and_a_new_rank_keeps_its_own(ranks,
+                                                                                   tmp_path):
+    path = str(tmp_path / "snap.pt")
+    saved = ranks(2).run(save_with_a_seed_per_rank, path)
+    resumed = ranks(3).run(resize_and_draw, path)
+    torch.manual_seed(202)
+    assert resumed == [*saved, torch.rand(1).item()]
+    saved = ranks(3).run(save_with_a_seed_per_rank, path)
+    assert ranks(2).run(resize_and_draw, path) == saved[:2]
+
+
+# --- damaged files ---
+
+DAMAGE = {
+    "empty": lambda data: b"",
+    "truncated": lambda data: data[:len(data) // 2],
+    "random bytes": lambda data: bytes(random.Random(0).randrange(256) for _ in range(4096)),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_snapshot_names_the_file_and_says_the_previous_one_is_there(tmp_path, damage):
+    model, optimizer = trained_model_and_optimizer()
+    path = tmp_path / "snap.pt"
+    checkpoint.save(path, model, optimizer, step=1)
+    checkpoint.save(path, model, optimizer, step=2)
+    path.write_bytes(DAMAGE[damage](path.read_bytes()))
+    with pytest.raises(checkpoint.SnapshotError) as info:
+        checkpoint.load(path, make_model(1), optimizer)
+    message = str(info.value)
+    assert f"{path} is not a complete snapshot" in message
+    assert f"still there: {path}.prev" in message
+    assert "weights_only=False" not in message and info.value.__cause__ is None
+    assert checkpoint.load(f"{path}.prev", make_model(1), restore_rng=False)["step"] == 1
+
+
+def test_a_damaged_snapshot_without_a_previous_one_says_so(tmp_path):
+    path = tmp_path / "snap.pt"
+    path.write_bytes(b"")
+    with pytest.raises(checkpoint.SnapshotError, match="No previous snapshot .* to resume from"):
+        checkpoint.load(path, make_model(1))
+
+
+def test_each_save_keeps_the_snapshot_it_replaces(tmp_path):
+    model, optimizer = trained_model_and_optimizer()
+    path = tmp_path / "snap.pt"
+    for step in (1, 2, 3):
+        checkpoint.save(path, model, optimizer, step=step)
+    assert checkpoint.load(path, make_model(1), restore_rng=False)["step"] == 3
+    assert checkpoint.load(f"{path}.prev", make_model(1), restore_rng=False)["step"] == 2
+    assert sorted(os.listdir(tmp_path)) == ["snap.pt", "snap.pt.prev"]

@@ -1,17 +1,23 @@
-"""Faults: a rank raises, hangs or is killed; torchrun restarts; two nodes; torch's script swapped.
+"""Faults: a rank raises, hangs or is killed; torchrun restarts; two nodes; torch's script swapped;
+bad flags, a damaged snapshot, a second job on the same snapshot; Ctrl-C, SIGTERM, SIGHUP, SIGKILL.
 
 Each failure must stop every rank and name the rank that caused it; nothing may hang or be left
-running. The torchrun runs cost seconds of ``import torch`` per process, so there are three.
+running. The torchrun runs cost seconds of ``import torch`` per process, so there are three; the
+signal tests fork the launcher (``jobs.ForkedMain``) rather than start an interpreter.
 """
 
 import os
 import re
 import signal
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from jobs import (
     REPO,
+    ForkedMain,
     Job,
     alive,
     free_port,
@@ -25,6 +31,7 @@ from jobs import (
 )
 
 from miniddp import train
+from miniddp.data import make_model
 from miniddp.launch import RankError
 from miniddp.torch_versions import TORCHRUN_CAN_RESTART_WORKERS
 
@@ -75,7 +82,7 @@ def test_a_rank_that_stops_taking_part_makes_the_others_fail_within_the_timeout(
     message = str(info.value)
     # rank 1 is asleep: it is blamed, with its stack, and rank 0's wait is named too
     assert info.value.rank == 1 and "rank 1 of 2 stopped taking part" in message, message
-    assert "_inject_fault" in message  # where rank 1 was
+    assert "inject_fault" in message  # where rank 1 was
     assert ("step 3: DDP's forward and the gradient all_reduce in backward did not complete: "
             "timed out after") in message
     assert "--timeout 3" in message
@@ -147,6 +154,23 @@ def test_torchrun_shows_the_error_of_the_rank_that_raised(tmp_path):
     assert_all_gone(pids_in(tmp_path / "pids"))
 
 
+def test_torchrun_workers_resume_a_two_rank_snapshot_at_three_ranks(tmp_path, capfd):
+    """The torchrun side of a resize (forked like torchrun's workers: no seconds of imports)."""
+    argv = [*JOB, "--snapshot", str(tmp_path / "snap.pt"), "--out", str(tmp_path / "final.pt")]
+    with pytest.raises(RankError):
+        run_job([*argv, "--fault", "exit:1:22"])
+    capfd.readouterr()
+    run_like_torchrun(REPO / "miniddp" / "train.py", argv, tmp_path, world_size=3)
+    out = capfd.readouterr().out
+    assert re.search(r"resuming from \S+snap.pt: epoch 1, step 20, saved by 2 ranks, resumed by "
+                     r"3: the 384 samples of epoch 1 that no rank had reached are dealt over the "
+                     r"3 ranks, each used once; ranks \[0, 1\] continue the saved ranks' random "
+                     r"generators, ranks \[2\] start from their seeds\. From here the run is NOT "
+                     "bit-identical", out), out
+    assert "epoch   4/4" in out
+    make_model().load_state_dict(weights(tmp_path / "final.pt"))
+
+
 @pytest.mark.slow
 def test_two_torchrun_agents_train_the_job_together(tmp_path, reference):
     """Two "nodes" on one machine, one rank each, meeting through c10d rendezvous on loopback."""
@@ -202,3 +226,116 @@ def test_a_torch_ddp_script_runs_unchanged_with_miniddp_imports(tmp_path, capfd)
                                          "--out", str(uninterrupted)], tmp_path)
     assert same_weights(finals["miniddp"], finals["torch"])
     assert same_weights(finals["torch"], weights(uninterrupted))
+
+
+# --- clear messages and clean exits ---
+
+def test_help_says_how_to_resume_at_another_world_size(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "With another --nproc (or torchrun size) than the run that saved, the rest of the " \
+           "interrupted epoch is dealt over the new ranks, each sample once" in text
+    assert "not bit for bit" in text
+
+
+@pytest.mark.parametrize("flag, value, says", [
+    ("--bucket-cap-mb", "inf", "must be a size in MB above 0"),
+    ("--bucket-cap-mb", "0", "must be a size in MB above 0"),
+    ("--save-every-steps", "-1", "must be 0 (never) or more"),
+    ("--timeout", "0", "must be a number of seconds above 0"),
+    ("--timeout", "nan", "must be a number of seconds above 0"),
+])
+def test_impossible_numbers_are_refused_when_the_flags_are_read(capsys, flag, value, says):
+    with pytest.raises(SystemExit) as info:
+        train.parse_args([flag, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {says}" in err and err.rstrip().endswith(f"not {value}"), err
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without a GPU")
+@pytest.mark.parametrize("under_torchrun", [False, True])
+def test_nccl_without_a_gpu_says_nccl_needs_one_gpu_per_rank(capfd, monkeypatch, under_torchrun):
+    if under_torchrun:  # a restarted torchrun worker: it fails before joining the group
+        for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1",
+                            "TORCHELASTIC_RESTART_COUNT": "1"}.items():
+            monkeypatch.setenv(name, value)
+    assert train.main(["--backend", "nccl", *JOB]) == 2
+    err = capfd.readouterr().err
+    assert "--backend nccl needs one GPU per rank and none was found" in err, err
+    assert "Traceback" not in err
+    assert ("restarting cannot fix this" in err) == under_torchrun
+
+
+@pytest.mark.parametrize("damage", [b"", b"\x80\x02 not a whole snapshot", b"PK\x03\x04"])
+def test_a_damaged_snapshot_is_named_by_the_job(tmp_path, capfd, damage):
+    (tmp_path / "snap.pt").write_bytes(damage)
+    assert train.main(["--nproc", "2", *JOB, "--snapshot", str(tmp_path / "snap.pt")]) == 2
+    out, err = capfd.readouterr()
+    assert err.startswith(f"miniddp.train: {tmp_path / 'snap.pt'} is not a complete snapshot "
+                          f"({len(damage)} bytes"), err
+    assert "No previous snapshot (snap.pt.prev) is there to resume from" in err
+    assert "weights_only=False" not in err and "Traceback" not in err
+    assert "starting from scratch" not in out and not (tmp_path / ".snap.pt.tmp").exists()
+
+
+def group_dirs(pid):
+    return sorted(Path(tempfile.gettempdir()).glob(f"miniddp-{pid}-*"))
+
+
+def start_long_job(tmp_path):
+    argv = ["--nproc", "2", *LONG_JOB, "--snapshot", str(tmp_path / "snap.pt"), "--pid-dir",
+            str(tmp_path / "pids")]
+    job = ForkedMain(argv, tmp_path / "log.txt")
+    deadline = time.monotonic() + 60
+    while not ((tmp_path / "snap.pt").exists() and len(pids_in(tmp_path / "pids")) == 2):
+        assert job.running(), f"the job ended early:\n{job.output()}"
+        assert time.monotonic() < deadline, f"no snapshot after 60 s:\n{job.output()}"
+        time.sleep(0.05)
+    return job
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
+                         ids=["Ctrl-C", "SIGTERM", "SIGHUP"])
+def test_a_stopped_job_says_where_its_last_snapshot_is_and_leaves_nothing(tmp_path, capfd, sig):
+    with start_long_job(tmp_path) as job:
+        launcher, ranks = job.pid, pids_in(tmp_path / "pids")
+        assert group_dirs(launcher), "the ranks' directory is named with the launcher's pid"
+        # While it runs, a second job on the same snapshot is refused, naming the holder.
+        assert train.main(["--nproc", "2", *JOB, "--snapshot", str(tmp_path / "snap.pt")]) == 2
+        err = capfd.readouterr().err
+        assert (f"the snapshot {tmp_path / 'snap.pt'} is in use by another job (pid {launcher} "
+                "on") in err and "snap.pt.lock" in err, err
+        if sig == signal.SIGINT:
+            os.killpg(launcher, sig)  # Ctrl-C: the terminal signals the whole foreground group
+        else:
+            os.kill(launcher, sig)
+        code = job.wait(30)
+        output = job.output()
+    assert code == 128 + sig, output
+    how = "Ctrl-C" if sig == signal.SIGINT else sig.name
+    assert re.search(rf"miniddp.train: stopped by {how}; the last snapshot is \S+snap.pt "
+                     r"\(epoch \d+, step \d+\)", output), output
+    assert "Traceback" not in output, output
+    assert_all_gone(ranks)
+    assert not group_dirs(launcher), "SIGTERM, SIGHUP and Ctrl-C leave no directory behind"
+
+
+def test_after_a_sigkill_the_next_job_removes_what_the_killed_one_left(tmp_path, capfd):
+    with start_long_job(tmp_path) as job:
+        launcher, ranks = job.pid, pids_in(tmp_path / "pids")
+        os.kill(launcher, signal.SIGKILL)  # nothing can clean up after this...
+        job.wait(30)
+    assert_all_gone(ranks)  # ...but the ranks die with their parent
+    assert group_dirs(launcher), "the killed launcher's directory is still there"
+    tmp = tmp_path / ".snap.pt.tmp"
+    tmp.write_bytes(b"half a snapshot")  # what a kill in the middle of a save leaves
+    capfd.readouterr()
+    run_job_to_the_end = train.main(["--nproc", "2", *LONG_JOB, "--epochs", "1",
+                                     "--snapshot", str(tmp_path / "snap.pt")])
+    assert run_job_to_the_end == 0
+    err = capfd.readouterr().err
+    assert f"removed {tmp}, left by a job killed while it wrote a snapshot" in err
+    assert not tmp.exists() and not group_dirs(launcher)

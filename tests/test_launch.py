@@ -1,5 +1,6 @@
 """The rank launcher: results come back in rank order; every failure names its rank; no orphans."""
 
+import faulthandler
 import os
 import time
 
@@ -196,3 +197,68 @@ def test_leave_group_right_after_a_collective_does_not_deadlock(tmp_path):
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def rank1_writes_to_stderr_and_aborts():
+    if dist.get_rank() == 1:
+        faulthandler.disable()  # gloo's abort() in C++ would print no Python stack after this
+        os.write(2, b"noise from earlier\n" * 30)
+        os.write(2, b"gloo says: Received data size doesn't match\n")
+        os.abort()  # SIGABRT, as gloo's own abort: no Python error, no report to the parent
+    dist.barrier()
+
+
+def test_a_rank_that_aborts_is_reported_with_the_last_lines_of_its_stderr(capfd):
+    with pytest.raises(RankError, match="rank 1 of 2 died without reporting") as info:
+        spawn(rank1_writes_to_stderr_and_aborts, 2, timeout=30)
+    message = str(info.value)
+    assert "exit code -6 (SIGABRT)" in message
+    last_words = message.split("the last lines rank 1 wrote to stderr:\n")[1].split("\n(then")[0]
+    lines = last_words.splitlines()
+    assert lines[-1] == "gloo says: Received data size doesn't match", message
+    assert 1 < len(lines) < 31 and set(lines[:-1]) == {"noise from earlier"}, "only the tail"
+    assert "gloo says" in capfd.readouterr().err, "what a rank writes still reaches the terminal"
+
+
+def rank_writes_lots_to_stderr(n_bytes):
+    os.write(2, b"x" * n_bytes)  # more than a pipe holds: the parent must read while waiting
+    return dist.get_rank()
+
+
+def test_a_rank_writing_more_than_a_pipe_holds_does_not_block(capfd):
+    assert spawn(rank_writes_lots_to_stderr, 2, args=(1 << 20,), timeout=30) == [0, 1]
+    assert capfd.readouterr().err.count("x") == 2 << 20
+
+
+def test_a_group_dir_left_by_a_killed_parent_is_removed_by_the_next_group(tmp_path):
+    import subprocess
+    import tempfile
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tempfile.mkdtemp(prefix=f"miniddp-{dead.pid}-")
+    ours = tempfile.mkdtemp(prefix=f"miniddp-{os.getpid()}-")  # a live pid: kept
+    try:
+        with RankGroup(2) as group:
+            assert os.path.basename(group._dir).startswith(f"miniddp-{os.getpid()}-")
+        assert not os.path.exists(stale) and os.path.exists(ours)
+    finally:
+        os.rmdir(ours)
+
+
+def rank1_dies_during_a_collective_under_torchruns_variables():
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    if rank == 1:
+        os._exit(5)
+    from miniddp.launch import collective
+    with collective("the test's barrier", 10):
+        dist.barrier()
+
+
+def test_under_torchrun_a_peer_that_vanished_is_looked_for_in_torchruns_logs():
+    """torchrun, not miniddp, holds a dead worker's stderr: the survivors say where it is."""
+    with pytest.raises(RankError, match="rank 1 of 2 died without reporting") as info:
+        spawn(rank1_dies_during_a_collective_under_torchruns_variables, 2, timeout=30)
+    assert "the test's barrier did not complete: another rank left the group" in str(info.value)
+    assert "--log-dir DIR --redirects 2 in DIR/<run id>_*/attempt_<n>/<local rank>/stderr.log" \
+        in str(info.value)

@@ -1,5 +1,6 @@
 """The sampler: torch's DistributedSampler is the oracle, index for index; resuming mid-epoch
-yields exactly the rest; wrong use gets a message that says what to do."""
+yields exactly the rest, with as many ranks or another number; wrong use gets a message that
+says what to do."""
 
 import io
 import itertools
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
-from miniddp.sampler import DistributedSampler
+from miniddp.sampler import DistributedSampler, EqualBatchCount
 
 FAST = settings(deadline=None, derandomize=True, max_examples=60, database=None)
 
@@ -195,6 +196,94 @@ def test_dataloader_with_workers_runs_ahead_and_trained_fixes_it():
     resumed = DistributedSampler(data, num_replicas=2, rank=1, seed=9)
     resumed.load_state_dict(state)
     assert list(resumed) == list(TorchSampler(data, num_replicas=2, rank=1, seed=9))[seen:]
+
+
+# --- resuming with another number of ranks --------------------------------------------------
+
+def epoch_list(n, world, **kw):
+    """Every rank's share of one epoch laid out by torch's sampler: what the epoch trains on."""
+    return sorted(i for r in range(world) for i in torchs(n, world, r, **kw))
+
+
+def resumed_shares(state, n, world, **kw):
+    """Every rank of a ``world``-rank job resumed from ``state``: its sampler after loading."""
+    samplers = []
+    for rank in range(world):
+        sampler = ours(n, world, rank, **kw)
+        sampler.load_state_dict(state, reshard=True)
+        sampler.set_epoch(state["epoch"])
+        samplers.append(sampler)
+    return samplers
+
+
+@FAST
+@given(n=lengths, old=worlds, new=worlds, shuffle=st.booleans(), seed=seeds, epoch=epochs,
+       drop_last=st.booleans(), fraction=st.floats(0, 1), batch=st.integers(1, 9))
+def test_resuming_with_another_world_size_uses_every_sample_of_the_epoch_exactly_once(
+        n, old, new, shuffle, seed, epoch, drop_last, fraction, batch):
+    kw = dict(shuffle=shuffle, seed=seed, drop_last=drop_last)
+    before = [ours(n, old, r, epoch=epoch, **kw) for r in range(old)]
+    k = round(fraction * len(before[0]))  # every rank has used k indices when rank 0 saves
+    seen = [i for s in before for i in itertools.islice(iter(s), k)]
+    after = resumed_shares(before[0].state_dict(), n, new, epoch=epoch, **kw)
+    batches = [list(EqualBatchCount(s, batch)) for s in after]
+    seen += [i for rank in batches for b in rank for i in b]
+    left = len(epoch_list(n, old, epoch=epoch, **kw)) - k * old
+    if left >= new or left == 0:
+        assert sorted(seen) == epoch_list(n, old, epoch=epoch, **kw)
+    else:  # fewer samples left than ranks: one each, so some twice
+        assert set(seen) == set(epoch_list(n, old, epoch=epoch, **kw))
+    assert len({len(b) for b in batches}) == 1, "every rank must take part in every step"
+    assert all(1 <= len(b) <= batch + 1 for rank in batches for b in rank)
+
+
+@FAST
+@given(n=st.integers(20, 200), sizes=st.lists(worlds, min_size=3, max_size=4), seed=seeds,
+       fractions=st.lists(st.floats(0, 1), min_size=3, max_size=3))
+def test_resizing_again_in_the_same_epoch_still_uses_every_sample_once(n, sizes, seed,
+                                                                        fractions):
+    """E.g. 2 -> 3 -> 1 ranks inside one epoch: a state saved after a resize resizes again."""
+    samplers = [ours(n, sizes[0], r, seed=seed) for r in range(sizes[0])]
+    seen, repeats = [], False
+    for world, fraction in zip(sizes[1:], fractions):
+        k = round(fraction * min(len(s) for s in samplers))  # mid-epoch: every rank used k
+        seen += [i for s in samplers for i in itertools.islice(iter(s), k)]
+        samplers = resumed_shares(samplers[0].state_dict(), n, world, seed=seed)
+        state = samplers[0].state_dict()
+        repeats |= 0 < state["end"] - state["begin"] < world  # fewer left than ranks
+    seen += [i for s in samplers for i in s]
+    expected = epoch_list(n, sizes[0], seed=seed)
+    if repeats:
+        assert set(seen) == set(expected)
+    else:
+        assert sorted(seen) == expected
+
+
+def test_a_resharded_position_is_saved_and_resumed_by_the_same_world_size():
+    state = {**ours(100, 2, 0).state_dict(), "consumed": 10}  # 20 of the 100 done
+    three = resumed_shares(state, 100, 3)
+    assert [len(s) for s in three] == [27, 27, 26]
+    rest = [list(s) for s in three]
+    again = resumed_shares(three[0].state_dict(trained=5), 100, 3)  # 5 each, then saved
+    assert [list(s) for s in again] == [r[5:] for r in rest]
+
+
+def test_equal_shares_are_batched_exactly_as_dataloader_batches_them():
+    batches = list(EqualBatchCount(ours(100, 3, 1), 8))
+    assert batches == [b.tolist() for b in DataLoader(range(100), batch_size=8,
+                                                      sampler=ours(100, 3, 1))]
+
+
+def test_a_share_one_longer_puts_its_extra_sample_into_the_last_batch():
+    samplers = resumed_shares({**ours(41, 1, 0).state_dict(), "consumed": 1}, 41, 3)
+    assert [len(s) for s in samplers] == [14, 13, 13]  # the 40 left, dealt over 3
+    sizes = [[len(b) for b in EqualBatchCount(s, 13)] for s in samplers]
+    assert sizes == [[14], [13], [13]], "not a second step, of one sample, on rank 0 alone"
+
+
+def test_another_world_size_is_refused_without_reshard():
+    with pytest.raises(ValueError, match="saved with num_replicas=2.*or pass reshard=True"):
+        ours(30, 3, 0).load_state_dict(ours(30, 2, 0).state_dict())
 
 
 # --- errors that say what to do --------------------------------------------------------------

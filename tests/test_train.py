@@ -1,18 +1,21 @@
-"""The reference job: it learns, says what it does, and a killed run resumes to the same bits.
+"""The reference job: it learns, says what it does, and a killed run resumes to the same bits,
+or, at another world size, to every sample of the interrupted epoch exactly once.
 
 The runs here fork their ranks from the test process, as ``python -m miniddp.train`` does (its
 ``main`` is called directly), minus the seconds of ``import torch`` a new interpreter costs.
 The torchrun runs of the same module are in test_faults.py.
 """
 
+import math
 import re
 
 import pytest
 import torch
-from jobs import run_job, same_weights, weights
+from jobs import RecordingDataset, run_job, same_weights, weights
+from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from miniddp import checkpoint, train
-from miniddp.data import make_model
+from miniddp.data import make_dataset, make_model
 from miniddp.launch import RankError
 
 # 2 ranks x 256 samples per epoch / 16 per batch: 16 steps an epoch, 64 in all.
@@ -84,3 +87,95 @@ def test_without_its_random_state_a_resume_diverges(tmp_path, reference, monkeyp
     monkeypatch.setattr(checkpoint, "set_rng_state", lambda state: None)
     resumed, _ = interrupted_then_resumed(tmp_path, "exit:1:21")
     assert not same_weights(resumed, reference)
+
+
+# --- resuming at another world size ---
+
+# 2 epochs of 512 samples, 16 per batch, a snapshot every 5 steps.
+SMALL = ["--epochs", "2", "--dataset-size", "512", "--batch-size", "16", "--save-every-steps", "5"]
+
+
+def epoch_positions(world_size: int, epoch: int) -> list[int]:
+    """What epoch ``epoch`` trains on at ``world_size`` ranks, as torch's sampler lays it out."""
+    samplers = [TorchSampler(range(512), world_size, r, seed=0) for r in range(world_size)]
+    for sampler in samplers:
+        sampler.set_epoch(epoch)
+    return sorted(i for sampler in samplers for i in sampler)
+
+
+@pytest.mark.parametrize("old, new, fault", [(2, 3, "exit:1:22"), (3, 2, "exit:1:17"),
+                                             (2, 1, "exit:1:22")])
+def test_resumed_at_another_world_size_every_sample_of_the_epoch_is_trained_once(
+        tmp_path, monkeypatch, capfd, old, new, fault):
+    recorder = RecordingDataset(make_dataset(512), tmp_path)
+    monkeypatch.setattr(train, "make_dataset", lambda n, seed: recorder)
+    argv = [*SMALL, "--snapshot", str(tmp_path / "snap.pt"), "--out", str(tmp_path / "out.pt")]
+    recorder.label = "before"
+    with pytest.raises(RankError):
+        run_job([*argv, "--fault", fault], nproc=old)
+    snap = torch.load(tmp_path / "snap.pt", weights_only=True)
+    per_epoch = math.ceil(math.ceil(512 / old) / 16)  # steps: each rank's share, 16 a batch
+    assert snap["epoch"] == 1 and 0 < snap["step"] - per_epoch < per_epoch, "a mid-epoch snapshot"
+    kept = range(per_epoch, snap["step"])  # epoch 1's steps before the snapshot; later ones lost
+    seen = [i for r in range(old) for k in kept for i in recorder.batches("before", r)[k]]
+
+    capfd.readouterr()
+    recorder.label = "after"
+    run_job(argv, nproc=new)
+    out = capfd.readouterr().out
+    assert f"saved by {old} ranks, resumed by {new}" in out
+    assert "NOT bit-identical to an uninterrupted one" in out
+    after = [recorder.batches("after", r) for r in range(new)]
+    assert len({len(batches) for batches in after}) == 1, "every rank took every step"
+    seen += [i for batches in after for batch in batches for i in batch]
+    assert sorted(seen) == epoch_positions(old, epoch=1), "each sample of the epoch once"
+    make_model().load_state_dict(weights(tmp_path / "out.pt"))
+
+
+# --- output paths: checked before training, the final model never thrown away ---
+
+def bad_out_paths(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    (tmp_path / "a_dir").mkdir()
+    return {"/proc": ("/proc/x", "cannot be written"),
+            "a directory": (str(tmp_path / "a_dir"), "is a directory"),
+            "under a file": (str(tmp_path / "a_file" / "model.pt"), "cannot be created")}
+
+
+@pytest.mark.parametrize("flag", ["--out", "--snapshot"])
+@pytest.mark.parametrize("case", ["/proc", "a directory", "under a file"])
+def test_an_output_path_that_cannot_be_written_stops_the_job_before_training(
+        tmp_path, capfd, flag, case):
+    path, why = bad_out_paths(tmp_path)[case]
+    assert train.main(["--nproc", "2", *JOB, flag, path]) == 2
+    out, err = capfd.readouterr()
+    assert f"miniddp.train: {flag} {path}" in err and why in err, err
+    assert "starting from scratch" not in out, "nothing may train before the paths are checked"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == [], "probe left"
+
+
+def test_a_missing_output_directory_is_created(tmp_path):
+    assert train.main(["--nproc", "2", "--epochs", "1", "--dataset-size", "64",
+                       "--out", str(tmp_path / "new" / "dir" / "final.pt")]) == 0
+    make_model().load_state_dict(weights(tmp_path / "new" / "dir" / "final.pt"))
+
+
+def test_when_the_final_write_fails_the_model_is_written_beside_the_snapshot(
+        tmp_path, monkeypatch, capfd):
+    from miniddp import job_files
+    out, snap = tmp_path / "out" / "final.pt", tmp_path / "snaps" / "snap.pt"
+    real_write = job_files.write_atomic
+
+    def disk_full_for_out(state, path, **kwargs):
+        if str(path) == str(out):
+            raise OSError(28, "No space left on device")
+        real_write(state, path, **kwargs)
+
+    monkeypatch.setattr(job_files, "write_atomic", disk_full_for_out)  # the forks inherit it
+    assert train.main(["--nproc", "2", "--epochs", "1", "--dataset-size", "64",
+                       "--out", str(out), "--snapshot", str(snap)]) == 1
+    err = capfd.readouterr().err
+    rescued = snap.with_name("rescued-final.pt")
+    assert (f"the final model could NOT be written to {out} ({out}: No space left on device); "
+            f"it was written to {rescued} instead") in err, err
+    make_model().load_state_dict(weights(rescued))
