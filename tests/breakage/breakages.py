@@ -102,7 +102,7 @@ def bucket_cap_ignored(module):
 
 def averages_not_written_back(module):
     """Lesson 12: the reducer all_reduces the buckets but never writes the averages to .grad."""
-    _patch(module.Reducer, "_write_back", lambda original: lambda self, index, view: None)
+    _patch(module.Reducer, "_write_back", lambda original: lambda self, index, view, *rest: None)
 
 
 #: name -> (module it patches, the patch)
