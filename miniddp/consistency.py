@@ -45,6 +45,7 @@ import torch.distributed as dist
 from miniddp import out_of_step
 from miniddp.fingerprints import CollectiveFingerprints
 from miniddp.ledger import RecordsMissing
+from miniddp.unused import output_grad_fns
 
 DEBUG_VARIABLE = "TORCH_DISTRIBUTED_DEBUG"
 EVERY_VARIABLE = "MINIDDP_CHECK_EVERY"
@@ -243,14 +244,31 @@ def check_replicas(ddp, step: int | None = None) -> None:
 _warned: weakref.WeakSet = weakref.WeakSet()
 
 
+def watch_for_a_second_backward(reducer, outputs) -> None:
+    """Mark the outputs of a synchronized forward, so that a backward reaching them after the
+    reduction is known to be a second backward through that forward (:func:`late_gradient`).
+
+    A forward through ``ddp.module`` leaves no mark: gradients it accumulates before the next
+    synchronized step are averaged by that step, as with ``no_sync``, and are not reported."""
+    me = weakref.ref(reducer)
+
+    def reached(_grad_outputs):
+        watched = me()
+        if watched is not None and watched.reduced:
+            watched.second_backward = True
+
+    for node in output_grad_fns(outputs):
+        node.register_prehook(reached)
+
+
 def late_gradient(reducer, index: int) -> None:
     """A hook fired after this forward's gradients were averaged: warn once, or raise."""
     name = reducer.names[index]
     message = (
         f"parameter {name!r} got a gradient after this forward's gradients were already "
-        "averaged across ranks, so that gradient stays local and the replicas drift apart. "
-        "Usually a second backward through one forward (loss.backward(retain_graph=True) "
-        "twice, or a backward through ddp.module instead of ddp): add the losses and call "
+        "averaged across ranks, so that gradient stays local and the replicas drift apart: "
+        "a second backward through one forward of the DDP model (loss.backward("
+        "retain_graph=True) twice, or two losses from one forward). Add the losses and call "
         "backward once, or run one forward of the DDP model per backward.")
     if reducer.consistency is not None:
         raise LateGradient(message)

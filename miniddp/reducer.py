@@ -51,7 +51,11 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
-from miniddp.consistency import explain_failed_wait, late_gradient
+from miniddp.consistency import (
+    explain_failed_wait,
+    late_gradient,
+    watch_for_a_second_backward,
+)
 from miniddp.gradient_views import GradientsAsBucketViews
 from miniddp.ledger import Ledger
 from miniddp.unused import UnusedParameters
@@ -87,6 +91,7 @@ class Reducer:
         # Where this step stands.
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
+        self.second_backward = False  # and a backward reached its outputs again since
         self.require_finalize = False  # a parameter was marked ready and finalize has not run
         self.ready: set[int] = set()
         self.next_bucket = 0
@@ -136,7 +141,7 @@ class Reducer:
         """At a forward with grad enabled: fail on an unfinished reduction, rebuild once."""
         self.ensure_prior_reduction_finished()
         self.forwards += 1  # miniddp.consistency
-        self.reduced = False
+        self.reduced = self.second_backward = False
         self.allreduce_calls = 0
         if self.should_rebuild and self.ready_order:
             limits = self.bucket_caps or [self.first_bucket_bytes, self.bucket_bytes]
@@ -158,6 +163,7 @@ class Reducer:
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # firings to expect; the first backward waits
             outputs = self.static_graph.prepare(outputs)
+        watch_for_a_second_backward(self, outputs)  # miniddp.consistency
         return outputs
 
     def _hook(self, index: int) -> None:
@@ -167,10 +173,10 @@ class Reducer:
                 return  # static_graph: counted, not yet this parameter's last firing
             if self.expect_hooks:
                 self._gradient_ready(index)
-            elif not self.reduced and self.unused is not None:
-                self.unused.note_use(index)  # inside no_sync: gradients just accumulate
-            elif self.reduced:  # a second backward: warn, or raise (miniddp.consistency)
-                late_gradient(self, index)
+            elif self.second_backward:  # through a reduced forward: warn, or raise
+                late_gradient(self, index)  # (miniddp.consistency)
+            elif self.unused is not None:  # no_sync, or a forward through ddp.module:
+                self.unused.note_use(index)  # gradients just accumulate
 
     def _gradient_ready(self, index: int) -> None:
         self._record("ready", index)

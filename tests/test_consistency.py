@@ -104,6 +104,36 @@ def test_a_second_backward_raises_when_the_checks_are_on(ranks):
         assert kind == "LateGradient" and re.search(r"'\d\.(weight|bias)' got a gradient", message)
 
 
+def accumulate_through_the_module(every):
+    """Micro-batches through ``ddp.module`` (a common alternative to no_sync), the last one
+    through ``ddp``: legitimate, averaged by the synced step, so no warning and no error."""
+    torch.manual_seed(0)
+    ddp = make_ddp(every)
+    theirs = nn.parallel.DistributedDataParallel(MLP())
+    theirs.module.load_state_dict(ddp.module.state_dict())
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ddp, theirs)]
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for model, opt in zip((ddp, theirs), optimizers):
+                opt.zero_grad()
+                for micro in range(2):
+                    x, y = data(10 * step + micro)
+                    F.mse_loss(model.module(x), y).backward()
+                x, y = data(10 * step + 2)
+                F.mse_loss(model(x), y).backward()
+                opt.step()
+    same = all(torch.equal(a, b) for a, b in zip(ddp.parameters(), theirs.parameters()))
+    return {"same": same, "warnings": [str(w.message) for w in seen
+                                       if "got a gradient after" in str(w.message)]}
+
+
+@pytest.mark.parametrize("every", [None, 1])
+def test_accumulating_through_ddp_module_is_not_a_second_backward(ranks, every):
+    for r in ranks(2).run(accumulate_through_the_module, every):
+        assert r["warnings"] == [] and r["same"]
+
+
 # ----- 1. replicas that drift apart -----
 
 def edit_on_one_rank(every, explicit=False):
@@ -352,14 +382,19 @@ def calls_per_step(every, depth, detail=False):
             train_step(ddp, opt, step)
     finally:
         sys.setprofile(None)
-    return {"calls": len(counted), "buckets": len(ddp.buckets),
-            "allreduce_calls": ddp.allreduce_calls}
+    watch = {"watch_for_a_second_backward", "reached"}
+    return {"calls": len([c for c in counted if c not in watch]),
+            "watch_calls": len([c for c in counted if c in watch]),
+            "buckets": len(ddp.buckets), "allreduce_calls": ddp.allreduce_calls}
 
 
 def test_with_the_checks_off_nothing_runs_on_the_hot_path(ranks):
+    """Off, only the second-backward watch runs: once per forward and once per backward
+    reaching the outputs, whatever the number of parameters; no collective."""
     for depth in (3, 12):
         for r in ranks(2).run(calls_per_step, None, depth):
             assert r["calls"] == 0, "with the checks off, no check code may run"
+            assert r["watch_calls"] == 4, "the watch: one mark and one pass per step"
             assert r["allreduce_calls"] == r["buckets"], "and no collective is added"
     # the counter can see the checks: on, they run (the control for the assertion above)
     assert all(r["calls"] > 0 for r in ranks(2).run(calls_per_step, 100, 3))
