@@ -108,7 +108,12 @@ def _number(convert, least: float, what: str):
 RESUME_HELP = """resuming: run the same command again with the same --snapshot. With another
 --nproc (or torchrun size) than the run that saved, the rest of the interrupted epoch is dealt
 over the new ranks, each sample once; the run then goes on correctly but not bit for bit as an
-uninterrupted one would."""
+uninterrupted one would.
+
+consistency: --check-every N compares every rank's step each synchronized step and a checksum
+of every parameter every N steps, and stops every rank, naming the ranks and parameters, if the
+replicas drift apart or fall out of step (TORCH_DISTRIBUTED_DEBUG=INFO does the same with
+N=100, =DETAIL also compares each collective before it is launched; miniddp/consistency.py)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -134,9 +139,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=60.0,
                    help="process-group timeout in seconds: how long a collective waits for a "
                         "rank that does not join it")
+    p.add_argument("--check-every", type=_number(int, 0, "a number of steps, 1 or more"),
+                   metavar="N", help="check that the replicas agree every N steps (see below)")
     p.add_argument("--pid-dir", help="write each rank's pid to DIR/rank<R>.pid")
     p.add_argument("--fault", type=parse_fault, metavar="KIND:RANK:STEP",
-                   help="inject a fault: raise, hang or exit on rank RANK at step STEP")
+                   help="inject a fault: raise, hang, exit or drift on rank RANK at step STEP")
     args = p.parse_args(argv)
     for name in ("epochs", "dataset_size", "batch_size", "save_every", "nproc"):
         if getattr(args, name) < 1:
@@ -207,6 +214,8 @@ def _train(args) -> dict:
     with collective("DDP's construction (shape check and broadcast from rank 0)", args.timeout):
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
                                       bucket_cap_mb=args.bucket_cap_mb)
+    if args.check_every:
+        ddp.check_every(args.check_every)
 
     every = args.save_every_steps
     while epoch < args.epochs:
@@ -214,7 +223,7 @@ def _train(args) -> dict:
         batches = len(loader)  # before iter(): after a resume, only what is left of the epoch
         seen, losses, start = 0, [], time.perf_counter()
         for i, (x, y) in enumerate(loader):
-            inject_fault(args.fault, rank, step)
+            inject_fault(args.fault, rank, step, ddp.module)
             x, y = x.to(device), y.to(device)
             x = x + NOISE * torch.randn_like(x)
             with collective(f"step {step}: DDP's forward and the gradient all_reduce in "

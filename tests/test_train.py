@@ -179,3 +179,20 @@ def test_when_the_final_write_fails_the_model_is_written_beside_the_snapshot(
     assert (f"the final model could NOT be written to {out} ({out}: No space left on device); "
             f"it was written to {rescued} instead") in err, err
     make_model().load_state_dict(weights(rescued))
+
+
+def test_with_check_every_a_rank_that_drifts_stops_the_job_naming_it(tmp_path):
+    """--check-every: a weight nudged on rank 1 alone is caught at the next checksum, on every
+    rank, naming rank 1 and the parameter; without the flag the same job ends silently."""
+    argv = [*JOB, "--out", str(tmp_path / "final.pt"), "--fault", "drift:1:5"]
+    with pytest.raises(RankError) as caught:
+        run_job([*argv, "--check-every", "4"])
+    message = str(caught.value)
+    assert "ReplicasDiverged" in message and "rank 1" in message and "0.weight" in message, message
+    assert run_job(argv)  # the control: unchecked, the drift goes unnoticed
+
+
+def test_with_check_every_an_honest_job_ends_as_without_it(tmp_path, reference):
+    run_job([*JOB, "--check-every", "1", "--out", str(tmp_path / "final.pt")])
+    assert same_weights(weights(tmp_path / "final.pt"), reference)
+
