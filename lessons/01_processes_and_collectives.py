@@ -30,7 +30,8 @@ addition is not associative. With ``1.0`` on rank 0 and ``2**-24`` on the others
 three numbers give ``1.0000001`` in chunk 0 and ``1.0`` elsewhere, in the ring by hand and in
 gloo's own all_reduce. That is why DDP must use torch's bucket layout to match torch's bits at
 3 ranks and more (lessons 05 and 08). gloo's ring also cuts chunks into segments, so it matches
-this one in the order's idea, not in every bit (``ddp-internals`` in the project notes).
+this one in the order's idea, not in every bit (``miniddp/buckets.py``'s docstring says how the
+offset and the buffer's length decide an element's order).
 
 Who starts the processes:
 

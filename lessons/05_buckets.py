@@ -36,9 +36,11 @@ Before the library does it, the lesson does it by hand, in two short functions:
 
 * ``assign_by_hand``: torch's assignment rule. Walk the parameters in an order; per dtype and
   device, add each one to the open bucket and close the bucket once it holds at least the limit
-  (the first limit, then the cap; a parameter is never split). At construction torch walks them
-  in parameter order and *reverses* the list of buckets (the last layers' bucket is reduced
-  first); at the rebuild it walks them in the order their gradients became ready.
+  (the first limit, then the cap; a parameter is never split). Torch uses it at two moments. At
+  construction, *when it will never rebuild* (``find_unused_parameters=True``; otherwise the
+  first step runs with one bucket holding everything), it walks the parameters in model order and
+  *reverses* the list of buckets (the last layers' bucket is reduced first). At the rebuild,
+  after the first step, it walks them in the order their gradients became ready.
 * ``all_reduce_in_buckets``: flatten each bucket's gradients, times ``1 / world_size``, into one
   buffer, one all_reduce per bucket, copy the averages back into ``.grad``.
 
@@ -164,7 +166,7 @@ def by_hand_like_the_library(device, ddp, theirs, x, y):
     check(rebuilt == [b.param_indices for b in ddp.buckets],
           f"buckets by hand {rebuilt} differ from ddp.buckets after the rebuild")
     unused_ddp = DistributedDataParallel(deep_student(device), find_unused_parameters=True)
-    built = at_construction(params, first, cap)  # torch builds these when it cannot rebuild
+    built = at_construction(params, first, cap)  # with find_unused_parameters: never rebuilt
     theirs_at_construction, _ = dist._compute_bucket_assignment_by_size(params, [first, cap])
     check(built == [b.param_indices for b in unused_ddp.buckets]
           == list(reversed(theirs_at_construction)),

@@ -57,7 +57,7 @@ Run it:
 
     python lessons/06_overlap.py              # forks 2 ranks, gloo on CPU
     python lessons/06_overlap.py --nproc 3
-    python lessons/06_overlap.py --trace      # one backward, event by event, on rank 0
+    python lessons/06_overlap.py --trace      # one backward, event by event, every rank
     torchrun --standalone --nproc_per_node=2 lessons/06_overlap.py
 
 With one GPU per rank it uses NCCL and the GPUs.
@@ -291,7 +291,7 @@ def show_trace(ddp, x, y) -> None:
     loss = F.mse_loss(ddp(x), y)
     with trace_backward(ddp, all_ranks=True) as trace:
         loss.backward()
-    print0(f"\none backward, event by event (--trace), ms since each rank's backward began:\n"
+    print0(f"\none backward, event by event (--trace):\n"
            f"{trace.format()}")
 
 

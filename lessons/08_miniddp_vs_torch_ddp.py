@@ -16,8 +16,9 @@ not ``allclose``). Three things come along that a simple reimplementation gets w
 * **unused parameters.** A parameter that takes no part in the loss never gets a gradient, so
   its bucket never fills and the next forward fails, on both DDPs (shown). With
   ``find_unused_parameters=True``, each forward walks the autograd graph and marks the
-  parameters it cannot reach as ready: a parameter unused on some ranks gets the average of the
-  others' gradients, one unused everywhere keeps ``.grad = None``.
+  parameters it cannot reach as ready, contributing zeros: a parameter unused on some ranks gets
+  the sum of the other ranks' gradients divided by the *whole* world size (the ranks that did not
+  use it count as zeros), one unused everywhere keeps ``.grad = None``.
 * **buffers.** BatchNorm's running statistics are not gradients: each rank updates its own in
   forward. DDP broadcasts rank 0's buffers before every synchronized forward, so whoever
   evaluates through the wrapper uses rank 0's statistics.

@@ -1,6 +1,6 @@
 """Communication hooks: replace the bucket's all_reduce with a function of your own.
 
-By default each bucket holds ``grad / world_size`` and is summed across ranks with one
+By default each bucket holds ``grad * (1 / world_size)`` and is summed across ranks with one
 all_reduce. ``ddp.register_comm_hook(state, hook)`` hands that step to ``hook(state, bucket)``
 instead, as torch's DDP does: compress the bucket before sending it (fp16, bf16, PowerSGD), send
 it elsewhere, or skip communication to measure what it costs. What changes, as in torch's reducer:

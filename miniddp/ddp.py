@@ -250,8 +250,9 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
 
     def register_comm_hook(self, state: object, hook) -> None:  # see miniddp.comm_hooks
         """Reduce each bucket with ``hook(state, bucket) -> torch.futures.Future`` instead of
-        the all_reduce of ``grad / world_size``: torch's hooks (``torch.distributed.algorithms.
-        ddp_comm_hooks``) or your own. Once per model; the hook does its own averaging."""
+        the all_reduce of ``grad * (1 / world_size)``: torch's hooks
+        (``torch.distributed.algorithms.ddp_comm_hooks``) or your own. Once per model; the hook
+        does its own averaging."""
         comm_hooks.register(self.reducer, state, hook)
 
     def check_every(self, steps: int | None, detail: bool = False) -> None:

@@ -216,7 +216,7 @@ class Reducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _copy_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
-        """``view = grad / world_size``; unscaled when a comm hook does its own scaling."""
+        """``view = grad * (1 / world_size)``; unscaled when a comm hook does its own scaling."""
         scale = self.comm_hook is None
         try:
             if self.views is not None:

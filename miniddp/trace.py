@@ -63,23 +63,32 @@ class BackwardTrace:
             elif event == "backward_end":
                 what = "backward  last gradient computed; the queued callback runs"
             elif event == "waited":
-                what = f"waited    bucket {ident}; its averages go into .grad"
+                what = f"waited    bucket {ident}: its all_reduce is complete here"
             elif event == "finalized":
-                what = "finalized .grad holds the averages; backward() returns"
+                what = "finalized the averages copied into .grad; backward() returns"
             else:
                 what = f"{event} {ident}"
             lines.append(f"{1e3 * t:8.3f} ms  {what}")
         return lines
 
-    def format(self) -> str:
-        """This rank's trace, or every rank's side by side when gathered with ``all_ranks``."""
+    LEGEND = ("(ms since each rank's own backward began; buckets may finish out of launch\n"
+              " order, since gloo runs them on threads of its own; the averages are copied\n"
+              " into .grad after the last wait, at 'finalized')")
+
+    def format(self, side_by_side: bool = False) -> str:
+        """This rank's trace, or, gathered with ``all_ranks``, every rank's: one after another,
+        or ``side_by_side`` (rows paired by event number, not by time)."""
         if not self.others:
-            return "\n".join([f"rank {self.rank}:"] + self.lines())
+            return "\n".join([self.LEGEND, f"rank {self.rank}:"] + self.lines())
+        if not side_by_side:
+            return "\n".join([self.LEGEND] + [line for t in self.others
+                                               for line in [f"rank {t.rank}:"] + t.lines()])
         columns = [[f"rank {t.rank}:"] + t.lines() for t in self.others]
         width = max(len(line) for column in columns for line in column)
         rows = max(len(column) for column in columns)
-        return "\n".join("  ".join(f"{(c[k] if k < len(c) else ''):<{width}}" for c in columns)
-                         .rstrip() for k in range(rows))
+        table = ["  ".join(f"{(c[k] if k < len(c) else ''):<{width}}" for c in columns).rstrip()
+                 for k in range(rows)]
+        return "\n".join([self.LEGEND] + table)
 
     def count(self, event: str) -> int:
         return sum(e == event for e, _, _ in self.events)

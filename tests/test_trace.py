@@ -55,12 +55,12 @@ def test_first_backward_reads_event_by_event_with_names_and_fullness(ranks):
             "ready     encoder.weight -> bucket 0 (4/4)",
             "launch    bucket 0: all_reduce of 4 tensors, 0.00 MiB",
             "backward  last gradient computed; the queued callback runs",
-            "waited    bucket 0; its averages go into .grad",
-            "finalized .grad holds the averages; backward() returns",
+            "waited    bucket 0: its all_reduce is complete here",
+            "finalized the averages copied into .grad; backward() returns",
         ]
         done = lines.index("done      bucket 0: all_reduce finished")
         assert lines.index("launch    bucket 0: all_reduce of 4 tensors, 0.00 MiB") < done
-        assert done < lines.index("waited    bucket 0; its averages go into .grad")
+        assert done < lines.index("waited    bucket 0: its all_reduce is complete here")
         assert timeline_after is None  # the reducer's record is switched off again
 
 
@@ -100,19 +100,30 @@ def test_a_backward_inside_no_sync_shows_nothing_launched(ranks):
     assert ranks(2).run(no_sync_trace) == [[], []]
 
 
-def every_rank_side_by_side():
+def every_rank(side_by_side):
     ddp = miniddp.DistributedDataParallel(TwoLayers())
     loss = F.mse_loss(ddp(torch.randn(8, 16) + dist.get_rank()), torch.randn(8, 4))
     with ddp.trace(all_ranks=True) as trace:
         loss.backward()
-    return trace.format()
+    return trace.format(side_by_side)
+
+
+def test_all_ranks_one_after_another(ranks):
+    lines = ranks(3).run(every_rank, False)[0].splitlines()
+    legend = miniddp.trace.BackwardTrace.LEGEND.splitlines()
+    assert lines[:len(legend)] == legend
+    starts = [lines.index(f"rank {r}:") for r in range(3)]
+    assert starts == sorted(starts)
+    for begin, end in zip(starts, starts[1:] + [len(lines)]):
+        kinds = [line.split()[2] for line in lines[begin + 1:end]]
+        assert kinds[0] == "ready" and kinds[-1] == "finalized"
 
 
 def test_all_ranks_side_by_side(ranks):
-    text = ranks(3).run(every_rank_side_by_side)[0]
-    header = text.splitlines()[0]
+    text = ranks(3).run(every_rank, True)[0]
+    header = text.splitlines()[3]
     assert header.index("rank 0:") < header.index("rank 1:") < header.index("rank 2:")
-    assert all(line.count("ready") == 3 for line in text.splitlines()[1:5])
+    assert all(line.count("ready") == 3 for line in text.splitlines()[4:8])
 
 
 @pytest.mark.lesson
@@ -126,4 +137,4 @@ def test_lesson_06_prints_the_trace_with_trace(tmp_path):
     trace = done.stdout.split("event by event (--trace)")[1]
     assert "rank 0:" in trace and "rank 1:" in trace
     assert "ready     10.weight -> bucket 0 (2/" in trace
-    assert "finalized .grad holds the averages" in trace
+    assert "finalized the averages copied into .grad" in trace
