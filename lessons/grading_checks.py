@@ -79,9 +79,16 @@ def average_task():
     theirs, mine = TorchDDP(make_model(seed=0)), make_model(seed=0)
     for model in (theirs, mine):
         F.mse_loss(model(x), y).backward()
+    reference = [p.grad.clone() for p in mine.parameters()]
     sys.modules["exercise_03"].average_gradients(mine)
+    for grad in reference:  # torch's arithmetic, per parameter: scale, then sum
+        grad.mul_(1.0 / dist.get_world_size())
+        dist.all_reduce(grad)
     ours, torchs = flat_grads(mine), flat_grads(theirs)
+    expected = torch.cat([g.reshape(-1) for g in reference])
     return {"equal": torch.equal(ours, torchs), "diff": (ours - torchs).abs().max().item(),
+            "as_reference": torch.equal(ours, expected),
+            "reference_diff": (ours - expected).abs().max().item(),
             "same_everywhere": all(torch.equal(g, ours) for g in everyone(ours))}
 
 
@@ -92,14 +99,20 @@ def grade_03():
         if world == 2:
             yield (all(r["equal"] for r in results), "2 ranks: every .grad equals torch's DDP's "
                    "bit for bit", f"expected torch's bits; largest difference {diff:.3g}. "
-                   "Did you scale by 1 / world_size and all_reduce every gradient?")
-        else:
-            yield (all(r["same_everywhere"] for r in results), "3 ranks: every rank holds the "
-                   "same bits", "the ranks hold different gradients: every rank must "
-                   "all_reduce every gradient")
-            yield (diff < 1e-6, "3 ranks: within 1e-6 of torch's DDP (not bit for bit: torch "
-                   "sums whole buckets, and a ring's order depends on an element's offset)",
-                   f"largest difference {diff:.3g}")
+                   "Every gradient must be scaled by 1 / world_size and summed over the ranks.")
+            continue
+        yield (all(r["same_everywhere"] for r in results), "3 ranks: every rank holds the "
+               "same bits", "the ranks hold different gradients: every rank must "
+               "all_reduce every gradient")
+        off = max(r["reference_diff"] for r in results)
+        yield (all(r["as_reference"] for r in results), "3 ranks: bit for bit the gradients "
+               "of torch's arithmetic (each gradient times 1 / 3, then summed)",
+               f"largest difference {off:.3g} from scaling first, then summing. Dividing "
+               "after the sum rounds differently at 3 ranks (at 2 ranks both are exact, so "
+               "it passed there): multiply by the reciprocal BEFORE the all_reduce (lesson 03)")
+        yield (diff < 1e-6, "3 ranks: within 1e-6 of torch's DDP (not bit for bit: torch "
+               "sums whole buckets, and a ring's order depends on an element's offset)",
+               f"largest difference {diff:.3g}")
 
 
 # ----- 04: the sampler -----

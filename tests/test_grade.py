@@ -93,3 +93,30 @@ def test_each_wrong_solution_fails_the_check_that_names_its_mistake(tmp_path):
     for number, (_, _, check) in MISTAKES.items():
         failed = [line for line in found[number].splitlines() if line.strip().startswith("FAIL")]
         assert any(check in line for line in failed), f"{number}:\n{found[number]}"
+
+
+# Each: (exercise, text in the solution, the mistake, the check that must fail, words its message
+# must hold). One grader run per case, so that several mistakes in one exercise can be shown.
+ROOT_CAUSES = {
+    "03 divides after the sum": (
+        "03", "        p.grad.mul_(1.0 / world_size)\n        dist.all_reduce(p.grad)\n",
+        "        dist.all_reduce(p.grad)\n        p.grad.div_(world_size)\n",
+        "3 ranks: bit for bit the gradients of torch's arithmetic",
+        "multiply by the reciprocal BEFORE the all_reduce"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(ROOT_CAUSES))
+def test_a_wrong_solution_fails_naming_its_root_cause(tmp_path, case):
+    number, right, wrong, check, words = ROOT_CAUSES[case]
+    solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+    text = solution.read_text()
+    assert right in text, f"{solution.name} no longer contains {right!r}"
+    (tmp_path / solution.name).write_text(text.replace(right, wrong))
+    done = grade(number, "--dir", tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = sections(done.stdout)[number].splitlines()
+    failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
+    assert failed and check in lines[failed[0]], done.stdout
+    assert words in lines[failed[0] + 1], done.stdout
