@@ -241,7 +241,8 @@ def reducer_task(steps: int = 3):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
                   for m in (mine, theirs, ours)]
     x_all, y_all = make_dataset(n=16 * steps, seed=rank).tensors
-    report = {"mismatch": None, "sync": [], "order": [], "late": [], "early_wait": []}
+    report = {"mismatch": None, "sync": [], "order": [], "late": [], "early_wait": [],
+              "no_finish": [], "not_reset": []}
     for s in range(steps):
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
         losses = [F.mse_loss(m(x), y) for m in (mine, theirs, ours)]
@@ -262,6 +263,10 @@ def reducer_task(steps: int = 3):
             raise
         finally:
             dist.all_reduce = spy.original
+        if "backward_end" not in [event for event, _, _ in reducer.timeline]:
+            report["no_finish"].append(s)
+        elif reducer.in_flight or reducer.missing != [len(m) for m in reducer.buckets]:
+            report["not_reset"].append((s, len(reducer.in_flight), list(reducer.missing)))
         for loss in losses[1:]:
             loss.backward()
         if report["mismatch"] is None and not torch.equal(flat_grads(mine), flat_grads(theirs)):
@@ -278,15 +283,38 @@ def reducer_task(steps: int = 3):
     return report
 
 
-def grade_06():
-    for world in (2, 3):
-        results = on_ranks(world, reducer_task)
-        mismatch = next((r["mismatch"] for r in results if r["mismatch"]), None)
-        yield (mismatch is None, f"{world} ranks: .grad equals torch's DDP's bit for bit after "
-               "every backward (one bucket, then torch's rebuilt buckets)",
-               f"{mismatch}. Scale with torch.mul(grad, 1.0 / world_size, out=view), and copy "
-               "every bucket back in _finish")
-    r = results[0]
+def grade_06(steps: int = 3):
+    by_world = {world: on_ranks(world, reducer_task, steps) for world in (2, 3)}
+    reports = [r for results in by_world.values() for r in results]
+    not_reset = min((r["not_reset"][0] for r in reports if r["not_reset"]), default=None)
+    first_unreset = not_reset[0] if not_reset else steps  # what follows it is its consequence
+    no_finish = sorted({s for r in reports for s in r["no_finish"] if s < first_unreset})
+    yield (not no_finish, "_finish runs at the end of every backward",
+           f"at steps {no_finish} no 'backward_end' was recorded. _finish never ran: no "
+           "bucket was waited for or copied back. Queue it on the autograd engine with "
+           "torch.autograd.Variable._execution_engine.queue_callback once the last bucket "
+           "is launched")
+    if no_finish:
+        return
+    yield (not_reset is None, "every backward starts from a reset state (no work in flight, "
+           "every bucket missing all its gradients)",
+           "" if not_reset is None else f"after the backward of step {not_reset[0]}, in_flight "
+           f"held {not_reset[1]} works and missing was {not_reset[2]}: reset the state at the "
+           "end of _finish, or the next backward launches nothing")
+    if not_reset is not None:
+        return
+    mismatch = {}
+    for world, results in by_world.items():
+        mismatch[world] = next((r["mismatch"] for r in results if r["mismatch"]), None)
+        why = f"{mismatch[world]}. Each gradient times the reciprocal of world_size into its " \
+              "view, and every bucket's average copied back into .grad in _finish"
+        if world == 3 and mismatch[3] and not mismatch[2]:
+            why = f"{mismatch[3]}. 2 ranks matched, so this points at the scaling arithmetic: " \
+                  "x / 2 and x * (1 / 2) are the same bits, x / 3 and x * (1 / 3) are not. " \
+                  "Multiply by the reciprocal 1.0 / world_size, as torch does (lesson 03)"
+        yield (mismatch[world] is None, f"{world} ranks: .grad equals torch's DDP's bit for bit "
+               "after every backward (one bucket, then torch's rebuilt buckets)", why)
+    r = by_world[3][0]
     yield (not r["sync"], "every all_reduce is asynchronous (async_op=True)",
            f"{len(r['sync'])} all_reduce calls ran synchronously: backward stopped for each")
     yield (not r["early_wait"], "no all_reduce is waited for before backward has computed every "

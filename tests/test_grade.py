@@ -103,6 +103,21 @@ ROOT_CAUSES = {
         "        dist.all_reduce(p.grad)\n        p.grad.div_(world_size)\n",
         "3 ranks: bit for bit the gradients of torch's arithmetic",
         "multiply by the reciprocal BEFORE the all_reduce"),
+    "06 never queues _finish": (
+        "06", "            if k == len(self.buckets) - 1:\n                torch.autograd.Variable"
+        "._execution_engine.queue_callback(self._finish)\n", "",
+        "_finish runs at the end of every backward",
+        "_finish never ran: no bucket was waited for or copied back. Queue it on the autograd "
+        "engine with torch.autograd.Variable._execution_engine.queue_callback"),
+    "06 never resets its state": (
+        "06", "        self.missing = [len(members) for members in self.buckets]\n"
+        "        self.in_flight = []\n\n", "\n",
+        "every backward starts from a reset state", "reset the state at the end of _finish"),
+    "06 divides instead of multiplying by the reciprocal": (
+        "06", "torch.mul(param.grad, 1.0 / self.world_size, out=view)",
+        "torch.div(param.grad, self.world_size, out=view)",
+        "3 ranks: .grad equals torch's DDP's bit for bit",
+        "2 ranks matched, so this points at the scaling arithmetic"),
 }
 
 
