@@ -27,6 +27,14 @@ def sections(stdout: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
+def solution_lines(number: str) -> list[str]:
+    """The reference solution's lines of code that the exercise leaves out."""
+    exercise = next((LESSONS_DIR / "exercises").glob(f"{number}_*.py")).read_text()
+    solution = next(SOLUTIONS.glob(f"{number}_*.py")).read_text()
+    return [line.strip() for line in solution.splitlines()
+            if len(line.strip()) > 12 and line not in exercise and line.strip()[0] not in "\"#"]
+
+
 @pytest.mark.slow
 def test_shipped_exercises_all_fail_saying_what_to_write():
     done = grade()
@@ -35,7 +43,10 @@ def test_shipped_exercises_all_fail_saying_what_to_write():
     assert sorted(found) == NUMBERS
     for number, text in found.items():
         assert f"TODO  not written yet: exercise {number}" in text, text
+        assert f"python lessons/grade.py --hint {number}" in text, text
         assert "PASS" not in text
+        for line in solution_lines(number):  # says what must be true, not the code
+            assert line not in text, f"exercise {number}'s instruction dictates {line!r}"
     assert "0 of 5 exercises pass; next: python lessons/grade.py 03" in done.stdout
 
 
@@ -135,3 +146,36 @@ def test_a_wrong_solution_fails_naming_its_root_cause(tmp_path, case):
     failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
     assert failed and check in lines[failed[0]], done.stdout
     assert words in lines[failed[0] + 1], done.stdout
+
+
+def test_hint_prints_the_code_the_instruction_leaves_out():
+    done = grade("--hint", "03")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all(line in done.stdout for line in solution_lines("03")), done.stdout
+    assert grade("--hint", "99").returncode == 2
+
+
+def test_help_is_plain_text():
+    done = grade("--help")
+    assert done.returncode == 0 and "--hint" in done.stdout and "``" not in done.stdout
+
+
+def test_a_directory_without_the_file_is_refused_with_a_message(tmp_path):
+    for args in (["--dir", tmp_path], ["05", "--dir", tmp_path]):
+        done = grade(*args)
+        assert done.returncode == 2, done.stdout + done.stderr
+        assert "05_*.py" in done.stderr and "no file" in done.stderr, done.stderr
+        assert "Traceback" not in done.stderr
+
+
+def test_a_crash_shows_the_learners_line_and_next_keeps_the_flags(tmp_path):
+    solution = next(SOLUTIONS.glob("07_*.py"))
+    text = solution.read_text()
+    assert "    optimizer.step()\n" in text
+    (tmp_path / solution.name).write_text(text.replace("optimizer.step()", "optimizer.stepp()"))
+    done = grade("--dir", tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "not graded" in done.stdout
+    assert "raised: AttributeError" in done.stdout
+    assert "at 07_no_sync.py:" in done.stdout and "optimizer.stepp()" in done.stdout
+    assert f"next: python lessons/grade.py 07 --dir {tmp_path}" in done.stdout
