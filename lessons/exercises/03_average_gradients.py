@@ -5,8 +5,9 @@ needs every rank to hold the mean of all of them. Do it the way torch's DDP does
 multiply each gradient by ``1 / world_size`` first, then ``dist.all_reduce`` it (a SUM), in place.
 
 Graded by ``python lessons/grade.py 03``: at 2 ranks every ``.grad`` must equal torch's DDP's bit
-for bit; at 3 ranks every rank must hold the very same bits, close to torch's (not equal: torch
-sums whole buckets, and a ring's summation order depends on where an element sits).
+for bit; at 3 ranks every rank must hold the very same bits, those of scale-then-sum computed
+in the same run (where dividing after the sum rounds differently), and close to torch's (not
+equal: torch sums whole buckets, and a ring's summation order depends on where an element sits).
 """
 
 import torch.distributed as dist
@@ -20,7 +21,10 @@ def average_gradients(model: nn.Module) -> None:
         if p.grad is None:
             continue
         raise NotImplementedError(
-            "exercise 03: here, scale this gradient in place, p.grad.mul_(1.0 / world_size), "
-            "then sum it over the ranks in place with dist.all_reduce(p.grad). Multiply before "
-            "the sum (not divide after it): that is torch's arithmetic, and what makes the bits "
-            f"match. (world_size here: {world_size})")
+            "exercise 03: make this p.grad the mean of its values over all ranks, in place. "
+            "Multiply it by the reciprocal of the world size BEFORE summing it over the ranks "
+            "(not divide after the sum): lesson 03 shows why that is torch's arithmetic, and "
+            "the grader compares bits at 3 ranks, where the two differ. Look up "
+            "torch.distributed.all_reduce (what it sums, and where the result goes) and "
+            f"Tensor.mul_. (world_size here: {world_size}.) Stuck? python lessons/grade.py "
+            "--hint 03")

@@ -21,14 +21,15 @@ def rank_indices(dataset_len: int, num_replicas: int, rank: int, epoch: int, see
     """This rank's dataset indices for ``epoch``, exactly as torch's DistributedSampler."""
     if shuffle:
         raise NotImplementedError(
-            "exercise 04, step 1: make `order`, a list: g = torch.Generator(); "
-            "g.manual_seed(seed + epoch); order = torch.randperm(dataset_len, generator=g)"
-            ".tolist(). Every rank computes the same permutation, with no communication.")
+            "exercise 04, step 1: make `order`, a list: a permutation of range(dataset_len) "
+            "drawn from a torch.Generator seeded with seed + epoch (look up torch.randperm). "
+            "Every rank computes the same one, with no communication. Stuck? python "
+            "lessons/grade.py --hint 04")
     else:
         order = list(range(dataset_len))  # noqa: F841  (you will use it)
     raise NotImplementedError(
-        "exercise 04, steps 2 and 3: num_samples = dataset_len // num_replicas with drop_last, "
-        "else ceil(dataset_len / num_replicas) (in integers: -(-dataset_len // num_replicas)); "
-        "total_size = num_samples * num_replicas; repeat `order` from its start until it holds "
-        "at least total_size indices and cut it to total_size; return "
-        "order[rank:total_size:num_replicas].")
+        "exercise 04, steps 2 and 3: give every rank the same number of indices (the tail cut "
+        "with drop_last, else `order` padded by repeating it from its start, in integer "
+        "arithmetic), then return this rank's share: every num_replicas-th index from position "
+        "`rank`. The module docstring gives torch's rule. Stuck? python lessons/grade.py "
+        "--hint 04")

@@ -23,10 +23,11 @@ def assign_buckets(params: list[torch.Tensor], first_bytes: int,
     for i, p in enumerate(params):  # noqa: B007  (you will use i)
         entry = open_buckets.setdefault((p.dtype, p.device), [[], 0, 0])  # noqa: F841
         raise NotImplementedError(
-            "exercise 05: here, append i to entry[0], add p.numel() * p.element_size() to "
-            "entry[1], and if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes): "
-            "append entry[0] to `closed` and start a new bucket (entry[0] = [], entry[1] = 0, "
-            "entry[2] += 1). After the loop (replace the return below): add the non-empty open "
-            "buckets to `closed`, sort by smallest index (sorted(closed, key=min)) and return "
-            "the list reversed.")
+            "exercise 05: add parameter i to the open bucket of its (dtype, device) (`entry`), "
+            "count its bytes (look up Tensor.element_size), and close that bucket once it holds "
+            "at least its limit: first_bytes for the first bucket of that (dtype, device), "
+            "cap_bytes after. After the loop (the return below must change too): close the "
+            "non-empty open buckets as well, and return all of them ordered by their smallest "
+            "parameter index, reversed (the module docstring gives torch's rule). Stuck? "
+            "python lessons/grade.py --hint 05")
     return closed

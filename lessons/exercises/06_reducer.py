@@ -13,6 +13,9 @@ Write the two pieces that make DDP:
 * ``_finish`` (after backward computed every gradient): wait for every bucket in order and copy
   the averages back into ``.grad``; reset for the next backward.
 
+Try it before re-reading lesson 06's ``SmallReducer``: the reference solution is close to it.
+``python lessons/grade.py --hint 06`` prints the code-level steps if you are stuck.
+
 Graded by ``python lessons/grade.py 06``: gradients equal torch's DDP's bit for bit at every
 step at 2 and 3 ranks (one bucket at step 0, torch's rebuilt buckets after), every all_reduce
 asynchronous and launched during backward, in bucket order.
@@ -57,22 +60,24 @@ class Reducer:
         self._record("ready", i)
         b, view = self.views[i]
         raise NotImplementedError(
-            "exercise 06, the hook: (1) torch.mul(param.grad, 1.0 / self.world_size, out=view) "
-            "(multiply by the reciprocal: torch's op, so the bits match); (2) "
-            "self.missing[b] -= 1; (3) while len(self.in_flight) < len(self.buckets) and the "
-            "next bucket k = len(self.in_flight) has self.missing[k] == 0: "
-            "self._record('launch', k) and append dist.all_reduce(self.flat[k], async_op=True) "
-            "to self.in_flight (never .wait() here: backward must go on while it flies); (4) "
-            "right after launching the last bucket (k == len(self.buckets) - 1), queue the end: "
-            "torch.autograd.Variable._execution_engine.queue_callback(self._finish).")
+            "exercise 06, the hook: (1) write param.grad times the reciprocal of world_size "
+            "into `view` with torch's own op and no temporary (look up torch.mul's out=), as "
+            "in exercise 03; (2) count one gradient fewer missing from bucket b; (3) launch "
+            "every bucket that is next in order and complete, never one out of order, with an "
+            "all_reduce that does not block (look up async_op in torch.distributed.all_reduce) "
+            "and keep its work in self.in_flight; never wait here, backward must go on; (4) "
+            "after launching the last bucket, have self._finish run when backward ends (look "
+            "up queue_callback on torch.autograd.Variable._execution_engine, lesson 06). Try "
+            "it before re-reading lesson 06's SmallReducer: the reference is close to it. "
+            "Stuck? python lessons/grade.py --hint 06")
 
     def _finish(self) -> None:
         self._record("backward_end", -1)
         raise NotImplementedError(
-            "exercise 06, the callback: for each bucket b in order, self.in_flight[b].wait(), "
-            "then for each i in self.buckets[b] copy the average back: "
-            "self.params[i].grad.copy_(self.views[i][1]). Then reset for the next backward: "
-            "self.missing = [len(m) for m in self.buckets]; self.in_flight = [].")
+            "exercise 06, the callback: wait for each launched bucket, in bucket order, and "
+            "copy every parameter's averaged slice back into its .grad; then reset `missing` "
+            "and `in_flight` so that the next backward starts afresh (the grader checks it). "
+            "Stuck? python lessons/grade.py --hint 06")
 
     def _record(self, event: str, ident: int) -> None:
         self.timeline.append((event, ident, time.perf_counter()))

@@ -22,7 +22,9 @@ def accumulation_step(ddp, optimizer, micro_batches) -> None:
     """One optimizer step from ``micro_batches``, communicating once."""
     k = len(micro_batches)
     raise NotImplementedError(
-        f"exercise 07: write the step for these k={k} micro-batches: optimizer.zero_grad() once; "
-        "for j, (x, y) in enumerate(micro_batches): compute loss = F.mse_loss(ddp(x), y) / k "
-        "and call loss.backward(), both inside `with ddp.no_sync():` when j < k - 1 and outside "
-        "it for the last one; then optimizer.step() once.")
+        f"exercise 07: one optimizer step from these k={k} micro-batches whose gradient is that "
+        "of the mean loss over all of them on all ranks, with one all_reduce round: gradients "
+        "zeroed once and accumulated over the micro-batches, each loss divided by k, the "
+        "forward AND backward of all but the last micro-batch inside ddp.no_sync() (DDP "
+        "reads the flag at forward time, lesson 07), one optimizer step. Stuck? python "
+        "lessons/grade.py --hint 07")
