@@ -35,6 +35,7 @@ import miniddp  # noqa: E402
 from miniddp.buckets import bucket_limits  # noqa: E402
 from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 from miniddp.launch import RankError, RankGroup  # noqa: E402
+from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET  # noqa: E402
 
 EXERCISES = Path(__file__).resolve().parent / "exercises"
 TIMEOUT = 60
@@ -242,8 +243,14 @@ def reducer_task(steps: int = 3):
     Reducer = sys.modules["exercise_06"].Reducer
     rank = dist.get_rank()
     mine = many_layers()
-    theirs = TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_06)
-    ours = miniddp.DistributedDataParallel(many_layers(), bucket_cap_mb=CAP_MB_06)
+    saved_first = dist._DEFAULT_FIRST_BUCKET_BYTES
+    if not EXPLICIT_CAP_COVERS_FIRST_BUCKET:  # torch < 2.4: a 1 MiB first bucket would hold all
+        dist._DEFAULT_FIRST_BUCKET_BYTES = bucket_limits(CAP_MB_06, True)[0]
+    try:
+        theirs = TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_06)
+        ours = miniddp.DistributedDataParallel(many_layers(), bucket_cap_mb=CAP_MB_06)
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved_first
     n = len(list(mine.parameters()))
     reducer = Reducer(mine, [list(range(n))])  # step 0: one bucket, as torch
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
