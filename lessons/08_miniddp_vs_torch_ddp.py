@@ -66,6 +66,7 @@ import miniddp
 from miniddp.data import OUT_FEATURES, make_dataset, make_model, shard
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.report import Progress, check, ok, print0
+from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2
@@ -93,9 +94,19 @@ class StudentWithExtras(nn.Module):
 
 
 def wrap(ddp_class, module, device, **kwargs):
-    """Wrap a copy of ``module`` in a DDP class (miniddp's or torch's), one GPU per rank on GPU."""
+    """Wrap a copy of ``module`` in a DDP class (miniddp's or torch's), one GPU per rank on GPU.
+
+    Before torch 2.4 a cap left the first bucket at 1 MiB (``miniddp.torch_versions``), which
+    would hold the whole student: there the first bucket is capped too, while both are built.
+    """
     ids = [device.index] if device.type == "cuda" else None
-    return ddp_class(copy.deepcopy(module).to(device), device_ids=ids, **kwargs)
+    saved = dist._DEFAULT_FIRST_BUCKET_BYTES
+    if not EXPLICIT_CAP_COVERS_FIRST_BUCKET and kwargs.get("bucket_cap_mb") is not None:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = int(kwargs["bucket_cap_mb"] * 2**20)
+    try:
+        return ddp_class(copy.deepcopy(module).to(device), device_ids=ids, **kwargs)
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved
 
 
 def differences(ours, theirs) -> list[str]:

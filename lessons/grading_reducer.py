@@ -14,7 +14,9 @@ from grading_checks import flat_grads, many_layers, on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from miniddp.buckets import bucket_limits
 from miniddp.data import make_dataset
+from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
 CAP_MB_06 = 0.02
 
@@ -48,8 +50,14 @@ def reducer_task(steps: int = 3):
     Reducer = sys.modules["exercise_06"].Reducer
     rank = dist.get_rank()
     mine = many_layers()
-    theirs = TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_06)
-    ours = miniddp.DistributedDataParallel(many_layers(), bucket_cap_mb=CAP_MB_06)
+    saved_first = dist._DEFAULT_FIRST_BUCKET_BYTES
+    if not EXPLICIT_CAP_COVERS_FIRST_BUCKET:  # torch < 2.4: a 1 MiB first bucket would hold all
+        dist._DEFAULT_FIRST_BUCKET_BYTES = bucket_limits(CAP_MB_06, True)[0]
+    try:
+        theirs = TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_06)
+        ours = miniddp.DistributedDataParallel(many_layers(), bucket_cap_mb=CAP_MB_06)
+    finally:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = saved_first
     n = len(list(mine.parameters()))
     reducer = Reducer(mine, [list(range(n))])  # step 0: one bucket, as torch
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)

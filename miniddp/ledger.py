@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
+from miniddp.torch_versions import STORE_HAS_CHECK
+
 _instances = itertools.count()
 
 
@@ -73,13 +75,23 @@ class Ledger:
     def write(self, key: str, record: dict) -> None:
         """Write this rank's record for ``key``; it also becomes this rank's ``last`` record."""
         value = json.dumps(record)
-        self.store.set(f"{key}/{self.rank}", value)
-        self.store.set(f"last/{self.rank}", value)
+        self._put(f"{key}/{self.rank}", value)
+        self._put(f"last/{self.rank}", value)
+
+    def _put(self, name: str, value: str) -> None:
+        self.store.set(name, value)
+        if not STORE_HAS_CHECK:  # torch 2.1: a counter beside the key says it is there
+            self.store.add(f"{name}/written", 1)
+
+    def _written(self, names: list[str]) -> bool:
+        if STORE_HAS_CHECK:
+            return self.store.check(names)
+        return all(self.store.add(f"{name}/written", 0) > 0 for name in names)
 
     def read(self, key: str, rank: int) -> dict | None:
         """``rank``'s record for ``key``, or None if it has not written one."""
         name = f"{key}/{rank}"
-        if not self.store.check([name]):
+        if not self._written([name]):
             return None
         return json.loads(self.store.get(name))
 
@@ -96,7 +108,7 @@ class Ledger:
         names = [f"{key}/{r}" for r in range(self.world_size)]
         start = time.monotonic()
         pause = 1e-4
-        while not self.store.check(names):
+        while not self._written(names):
             waited = time.monotonic() - start
             if waited >= timeout:
                 arrived = {r: self.read(key, r) for r in range(self.world_size)}

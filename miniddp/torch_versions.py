@@ -10,6 +10,7 @@ Checked by running the test suite under torch 2.1.2, 2.3.1, 2.4.1, 2.11.0 and 2.
 from __future__ import annotations
 
 import torch
+import torch.distributed
 
 
 def _release(version: str) -> tuple[int, int]:
@@ -42,3 +43,9 @@ TORCHRUN_CAN_RESTART_WORKERS = TORCH_RELEASE != (2, 3)
 #: main thread for it, forever (pytorch issue 56297). Seen here on 2.1 (2 of 8 torchrun runs of
 #: lesson 07) and 2.4; ``miniddp.launch.leave_group`` works around it (tests/test_launch.py).
 DESTROY_HOLDS_THE_GIL = TORCH_RELEASE < (2, 8)
+
+#: A missing API: torch 2.1's key-value stores have no ``check`` (is a key there, without
+#: waiting); 2.11 and 2.13 have it. ``miniddp.ledger`` polls with ``check`` where it exists, and
+#: elsewhere counts a marker per key with ``add(name, 0)``, which every release has. Detected
+#: rather than read from the release number, since the release that added it was not checked.
+STORE_HAS_CHECK = hasattr(torch.distributed.Store, "check")

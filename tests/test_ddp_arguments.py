@@ -317,6 +317,7 @@ def test_skip_all_reduce_unused_params_skips_unused_buckets_only(ranks, world_si
         assert unused_only >= 1 and calls == buckets - unused_only
 
 
+@needs("skip_all_reduce_unused_params")
 def test_without_skip_every_bucket_is_reduced(ranks):
     """Control for the test above: the count tells skipping from not skipping."""
     for problems, buckets, unused_only, calls in ranks(2).run(skipped_buckets, False):
