@@ -105,6 +105,20 @@ def averages_not_written_back(module):
     _patch(module.Reducer, "_write_back", lambda original: lambda self, index, view, *rest: None)
 
 
+def comm_hook_ignored(module):
+    """Lesson 13: ``register_comm_hook`` checks the hook and then never uses it."""
+    _patch(module, "register", lambda register: lambda reducer, state, hook:
+           module.check_hook(hook))
+
+
+def join_ignores_the_divisor(module):
+    """Lesson 14: under join, gradients are always divided by the initial world size."""
+    def notify_still_training(ddp):
+        if module.Join.notify_join_context(ddp) is not None:
+            ddp.reducer.divisor = ddp.reducer.world_size
+    _patch(module, "notify_still_training", lambda original: notify_still_training)
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -117,6 +131,8 @@ BREAKAGES = {
     "no_grad_scaler": ("torch.amp", no_grad_scaler),
     "bucket_cap_ignored": ("miniddp.reducer", bucket_cap_ignored),
     "averages_not_written_back": ("miniddp.reducer", averages_not_written_back),
+    "comm_hook_ignored": ("miniddp.comm_hooks", comm_hook_ignored),
+    "join_ignores_the_divisor": ("miniddp.join", join_ignores_the_divisor),
 }
 
 
