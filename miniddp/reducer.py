@@ -331,12 +331,8 @@ class Reducer:
 
 
 def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    if hasattr(torch, "_foreach_copy_"):  # one dispatch for all (torch >= 2.1's private op)
-        if destinations:
-            torch._foreach_copy_(destinations, sources)
-        return
-    for destination, source in zip(destinations, sources):
-        destination.copy_(source)
+    if destinations:  # one dispatch for all: a private op, present from torch 2.1 on
+        torch._foreach_copy_(destinations, sources)
 
 
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
