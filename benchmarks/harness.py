@@ -38,7 +38,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
-from miniddp.report import print0, save_figure  # noqa: E402
+from miniddp.train.report import print0, save_figure  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20

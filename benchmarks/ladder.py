@@ -29,8 +29,8 @@ from harness import Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.naive import STRATEGIES
-from miniddp.report import print0
+from miniddp.baselines.naive import STRATEGIES
+from miniddp.train.report import print0
 
 RUNGS = ["DataParallel", "per_parameter", "buckets_after_backward", "overlap", "torch"]
 

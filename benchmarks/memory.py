@@ -35,7 +35,7 @@ from harness import Trainer, check
 from torch import nn
 
 import miniddp
-from miniddp.report import print0
+from miniddp.train.report import print0
 
 CONFIGS = [(impl, view, none) for impl in ("miniddp", "torch") for view in (False, True)
            for none in (True, False)]

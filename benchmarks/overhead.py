@@ -8,7 +8,7 @@ one bucket per parameter. The CPU time of rank 0's main thread is reported besid
 it is what the Python code costs, and it barely depends on the load of the machine. Parameters
 must end bit-identical between the two DDPs.
 
-The consistency checks (``miniddp.consistency``) are timed on the one-bucket model too: off
+The consistency checks (``miniddp.checks.consistency``) are timed on the one-bucket model too: off
 (the plain miniddp above), on with a parameter checksum every 100 steps and every step, and the
 debug mode that also compares each collective across ranks. Their parameters must stay
 torch's bits.
@@ -35,7 +35,7 @@ from harness import PER_PARAMETER_MB, Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.report import print0
+from miniddp.train.report import print0
 
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
 #: check_every arguments: (steps between parameter checksums, compare every collective)

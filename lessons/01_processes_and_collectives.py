@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.report import check, ok, print0
+from miniddp.train.report import check, ok, print0
 
 
 def meet_the_group(device):

@@ -54,8 +54,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from miniddp import DataParallel
-from miniddp.data import make_dataset, make_model
-from miniddp.report import Progress, check, ok, print0
+from miniddp.train.data import make_dataset, make_model
+from miniddp.train.report import Progress, check, ok, print0
 
 EPOCHS = 3
 BATCH_SIZE = 64

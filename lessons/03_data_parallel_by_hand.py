@@ -48,9 +48,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from miniddp import AllReduceEachParameter
-from miniddp.data import make_dataset, make_model
 from miniddp.launch import launch, rank_device
-from miniddp.report import Progress, check, ok, print0
+from miniddp.train.data import make_dataset, make_model
+from miniddp.train.report import Progress, check, ok, print0
 
 EPOCHS = 4
 LOCAL_BATCH = 32  # per rank; the global batch is LOCAL_BATCH * world size

@@ -49,9 +49,9 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
 from miniddp import DistributedDataParallel, DistributedSampler
-from miniddp.data import make_dataset, make_model
 from miniddp.launch import launch, rank_device
-from miniddp.report import Progress, check, ok, print0
+from miniddp.train.data import make_dataset, make_model
+from miniddp.train.report import Progress, check, ok, print0
 
 EPOCHS = 4
 LOCAL_BATCH = 32

@@ -42,9 +42,10 @@ the same model with ``miniddp.DistributedDataParallel`` (overlap) and with
 * the gradients of the two, of ``SmallReducer`` and of torch's DDP are equal bit for bit at
   every step: the same buckets summed the same way, only launched at other moments.
 
-``--trace`` prints one backward event by event (``miniddp.trace``; ``ddp.trace()`` does the same
-for your own model): each gradient as it becomes ready with its bucket and how full the bucket
-is, each all_reduce launched and finished, the end of backward, the waits and the write-back.
+``--trace`` prints one backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
+the same for your own model): each gradient as it becomes ready with its bucket and how full the
+bucket is, each all_reduce launched and finished, the end of backward, the waits and the
+write-back.
 
 What a 2-core CPU shows and does not: gloo runs each all_reduce on a helper thread, which must
 find a core while backward keeps one busy per rank, so communication stretches out and the
@@ -82,9 +83,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
 from miniddp.buckets import bucket_limits
-from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.report import check, mean_over_ranks, ok, print0, save_figure
+from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from miniddp.train.report import check, mean_over_ranks, ok, print0, save_figure
 
 LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: one bucket per layer with a 0.5 MiB cap
 BUCKET_CAP_MB = 0.5
@@ -285,7 +286,7 @@ def draw_timelines(timelines: dict, buckets):
 
 def show_trace(ddp, x, y) -> None:
     """One more backward, printed event by event from every rank's view of it."""
-    from miniddp.trace import trace_backward
+    from miniddp.checks.trace import trace_backward
 
     dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)

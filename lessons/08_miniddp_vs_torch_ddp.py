@@ -63,10 +63,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
-from miniddp.data import OUT_FEATURES, make_dataset, make_model, shard
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.report import Progress, check, ok, print0
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
+from miniddp.train.data import OUT_FEATURES, make_dataset, make_model, shard
+from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2

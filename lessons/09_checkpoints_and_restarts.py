@@ -9,7 +9,7 @@ weights are bit-identical to those of a run that was never interrupted.
 * **Rank 0 writes, atomically.** After every synchronized step all replicas hold the same
   weights, so one copy is enough: N ranks writing one path would race. ``torch.save(obj, path)``
   empties the file the moment it opens it: a process killed while writing leaves no snapshot at
-  all, not even the previous one. ``miniddp.checkpoint.write_atomic`` writes a temporary file,
+  all, not even the previous one. ``miniddp.train.checkpoint.write_atomic`` writes a temporary file,
   fsyncs it, swaps it in with ``os.replace`` (atomic) and fsyncs the directory: a crash at any
   moment leaves the old snapshot or the new one. ``checkpoint.save`` gathers every rank's random
   generators (they differ per rank), rank 0 writes, and everyone waits at a barrier, so nobody
@@ -43,7 +43,7 @@ Run plainly, it starts one torchrun agent, ``python -m torch.distributed.run --s
 and the agent restarts both workers, which resume from the snapshot and finish. The agent has a
 deadline; on failure it is stopped with its workers (and the workers die with their agent), and
 the lesson exits non-zero (the plumbing, starting an agent and relaying its output, is
-``miniddp.torchrun_agents``). The workers compute on one thread each (``OMP_NUM_THREADS=1``):
+``miniddp.launch.torchrun_agents``). The workers compute on one thread each (``OMP_NUM_THREADS=1``):
 by hand, torchrun sets that itself for 2+ workers and prints a banner of asterisks to say so,
 which ``export OMP_NUM_THREADS=1`` silences. The same happens by hand with ``--max-restarts=1``
 added to the torchrun line above. Without restarts (that line as it is) nobody may die, so each
@@ -78,11 +78,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from miniddp import DistributedDataParallel, DistributedSampler, checkpoint
-from miniddp.data import make_dataset, make_model
+from miniddp import DistributedDataParallel, DistributedSampler
 from miniddp.launch import join_torchrun_group, leave_group, rank_device
-from miniddp.report import check, mean_over_ranks, ok, print0
-from miniddp.torchrun_agents import (
+from miniddp.launch.torchrun_agents import (
     as_worker,
     run_agents,
     shown,
@@ -90,6 +88,9 @@ from miniddp.torchrun_agents import (
     torchrun,
     verdict,
 )
+from miniddp.train import checkpoint
+from miniddp.train.data import make_dataset, make_model
+from miniddp.train.report import check, mean_over_ranks, ok, print0
 
 EPOCHS, DATASET_SIZE, BATCH_SIZE = 4, 1024, 32
 STEPS_PER_EPOCH = DATASET_SIZE // (BATCH_SIZE * 2)  # 16 on the lesson's 2 workers, 64 in all

@@ -92,9 +92,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 from miniddp import DistributedDataParallel
-from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset, shard
 from miniddp.launch import launch, rank_device
-from miniddp.report import check, ok, print0, save_figure
+from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, shard
+from miniddp.train.report import check, ok, print0, save_figure
 
 HIDDEN_LAYERS, WIDTH = 24, 128
 BATCH_SIZE = 16  # per rank

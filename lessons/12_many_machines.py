@@ -67,7 +67,7 @@ lessons/12_many_machines.py --backend gloo``: no ``--node_rank``, the rendezvous
 A free port is picked, and picked again if another program takes it first. The agents have a
 deadline; if anything fails, all are stopped with everything they started (no orphan
 processes, even if this script is killed), and the lesson exits non-zero after their output.
-That plumbing is ``miniddp.torchrun_agents``; it also sets ``OMP_NUM_THREADS=1``, which
+That plumbing is ``miniddp.launch.torchrun_agents``; it also sets ``OMP_NUM_THREADS=1``, which
 torchrun would otherwise set for 2+ workers per node with a banner of asterisks saying so (one
 compute thread per worker, so that the workers do not fight over the cores; on a real node, use
 about cores / workers).
@@ -91,10 +91,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 import miniddp
-from miniddp.data import make_dataset, make_model, shard
 from miniddp.launch import launch, rank_device
-from miniddp.report import Progress, check, ok, print0
-from miniddp.torchrun_agents import (
+from miniddp.launch.torchrun_agents import (
     as_worker,
     free_port,
     run_agents,
@@ -103,6 +101,8 @@ from miniddp.torchrun_agents import (
     torchrun,
     verdict,
 )
+from miniddp.train.data import make_dataset, make_model, shard
+from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per worker
 STEPS = 40

@@ -25,7 +25,7 @@ What this lesson proves, on every rank:
    reducer multiplies by 1/3, and those round differently);
 2. what fp16 costs: the averaged gradients differ from the exact fp32 average by about 3e-4
    (relative), bf16's by about 3e-3, and training still converges to a held-out loss close to
-   the fp32 run's (bf16 with miniddp's own ``miniddp.comm_hooks.bf16_compress``: torch's DDP
+   the fp32 run's (bf16 with miniddp's own ``miniddp.options.comm_hooks.bf16_compress``: torch's DDP
    accepts torch's bf16 hooks only on a CUDA build with NCCL, and miniddp refuses them likewise);
 3. torch's own hook functions run on miniddp unchanged and give torch's DDP bits:
    ``allreduce_hook``, ``fp16_compress_hook``, ``fp16_compress_wrapper``, PowerSGD (one bucket:
@@ -58,10 +58,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
-from miniddp import comm_hooks
-from miniddp.data import make_dataset, make_model, shard
 from miniddp.launch import launch, rank_device
-from miniddp.report import Progress, check, ok, print0
+from miniddp.options import comm_hooks
+from miniddp.train.data import make_dataset, make_model, shard
+from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2
@@ -231,7 +231,7 @@ def on_every_rank():
         check(errors["fp16"] < errors["bf16"] < 1e-2,
               f"bf16's error {errors['bf16']:.1e}: expected above fp16's (bf16 keeps 8 "
               "significant bits) and below 1e-2")
-        runs["bf16 (miniddp.comm_hooks)"] = train(rank, world, device,
+        runs["bf16 (miniddp.options.comm_hooks)"] = train(rank, world, device,
                                                   (None, comm_hooks.bf16_compress))
     reference = train(rank, world, device, (None, None))
     print0(f"  after training, held-out loss without a hook {reference['held_out']:.6f}; "

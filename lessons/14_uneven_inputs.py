@@ -1,7 +1,7 @@
 """Lesson 14: uneven inputs, the hang they cause and ``ddp.join()``, which prevents it.
 
 What this adds: ranks that do not have the same number of batches (lesson 08's DDP and lesson
-03's loop, fed uneven data). Until now every rank had an equal shard (``miniddp.data.shard``
+03's loop, fed uneven data). Until now every rank had an equal shard (``miniddp.train.data.shard``
 drops the remainder on purpose, and ``DistributedSampler`` pads). Real data is often uneven:
 files of different lengths per rank, samples filtered on the fly, variable-length sequences
 packed into batches. Every synchronized backward is a set of collectives that *every* rank must
@@ -14,7 +14,7 @@ First the hang, shown safely: rank 0 gets one batch fewer, in a process group wh
 explained. Then the fix, written out small: each step, every rank all_reduces "I still have
 data"; a rank without data takes part anyway, contributing zero gradients, until the count is 0;
 then the last rank to finish broadcasts its model. That is all ``join`` does
-(``miniddp/join.py`` says which collectives it mirrors). Last, the real thing:
+(``miniddp/options/join.py`` says which collectives it mirrors). Last, the real thing:
 ``with ddp.join():`` around the same uneven loop, miniddp's DDP and torch's side by side,
 bit-identical after every step, and every rank holding the same model at the end.
 
@@ -49,9 +49,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, Subset
 
 import miniddp
-from miniddp.data import make_dataset, make_model, shard
 from miniddp.launch import launch
-from miniddp.report import check, ok, print0
+from miniddp.train.data import make_dataset, make_model, shard
+from miniddp.train.report import check, ok, print0
 
 BATCH_SIZE = 32
 FEWER_PER_RANK = 3  # batches per epoch that each rank has fewer than the next one

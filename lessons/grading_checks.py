@@ -22,8 +22,8 @@ from torch.utils.data.distributed import DistributedSampler as TorchSampler  # n
 
 import miniddp  # noqa: E402
 from miniddp.buckets import bucket_limits  # noqa: E402
-from miniddp.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
+from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
 TIMEOUT = 60
 

@@ -15,8 +15,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.buckets import bucket_limits
-from miniddp.data import make_dataset
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
+from miniddp.train.data import make_dataset
 
 CAP_MB_06 = 0.02
 

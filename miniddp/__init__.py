@@ -1,9 +1,18 @@
-"""miniddp: PyTorch's DistributedDataParallel rebuilt in readable Python, bit for bit."""
+"""miniddp: PyTorch's DistributedDataParallel rebuilt in readable Python, bit for bit.
 
-from miniddp.data_parallel import DataParallel
+The engine is at the top of the package: ``ddp`` (the wrapper), ``reducer`` (one backward:
+hooks, buckets, all_reduce, write-back), ``buckets`` (torch's bucket rules), ``sampler``,
+``sync`` (broadcasts at wrap time) and ``errors`` (the reducer's messages). Around it, each
+in a subpackage named for what it is: ``options`` (DDP's optional features), ``checks``
+(consistency checks and traces, attached to the engine at named points), ``baselines``
+(the naive versions), ``launch`` (starting ranks) and ``train`` (the reference job).
+"""
+
+from miniddp import checks as _checks  # noqa: F401  (attaches the checks to the engine)
+from miniddp.baselines.data_parallel import DataParallel
+from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.ddp import DistributedDataParallel
 from miniddp.launch import RankError, RankGroup, launch, spawn
-from miniddp.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.sampler import DistributedSampler
 
 __all__ = [

@@ -10,7 +10,7 @@ changes nothing else. What happens where:
   when this forward will be followed by a synchronized backward — prepare the reducer;
 * backward (``miniddp.reducer``): hooks fill buckets and launch asynchronous all_reduces;
 * bucket layout and its one rebuild (``miniddp.buckets``);
-* uneven inputs, ``ddp.join()`` and torch's ``Join`` (``miniddp.join``).
+* uneven inputs, ``ddp.join()`` and torch's ``Join`` (``miniddp.options.join``).
 """
 
 from __future__ import annotations
@@ -23,19 +23,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from miniddp import arguments, comm_hooks, pickling
-from miniddp.batched_copy import BatchedGradCopy
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
-from miniddp.consistency import ConsistencyChecks, checks_from_environment
-from miniddp.join import (
+from miniddp.options import arguments, comm_hooks, pickling
+from miniddp.options.batched_copy import BatchedGradCopy
+from miniddp.options.join import (
     DDPJoinHook,
     announce_backward_sync,
     buffer_source,
     join_context,
     notify_still_training,
 )
+from miniddp.options.static_graph import StaticGraph
 from miniddp.reducer import Reducer
-from miniddp.static_graph import StaticGraph
 from miniddp.sync import broadcast_from, broadcast_from_rank0, verify_same_shapes
 
 
@@ -51,7 +50,7 @@ def _move_to(obj, device):
     return obj
 
 
-class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.join
+class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.options.join
     """Data parallelism across processes: every rank trains a replica on its own data, and
     gradients are averaged during backward, so every replica takes the same optimizer step.
 
@@ -63,21 +62,26 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
     ``find_unused_parameters``: allow parameters that take no part in the loss.
     ``gradient_as_bucket_view``: ``.grad`` aliases the bucket (saves one copy of the gradients).
     ``static_graph``: the graph is the same every iteration, which allows a layer used twice
-    under reentrant checkpointing and finds unused parameters once (``miniddp.static_graph``).
+    under reentrant checkpointing and finds unused parameters once
+    (``miniddp.options.static_graph``).
     ``init_sync=False`` skips the construction-time check and broadcast. The arguments are
-    the installed torch's, in torch's order, with its defaults (``miniddp.arguments``; the
+    the installed torch's, in torch's order, with its defaults (``miniddp.options.arguments``; the
     README's "torch's constructor arguments" says which work and which are refused).
     Parameters and buffers named by torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)`` are
     neither broadcast nor averaged. ``copy.deepcopy`` and pickling work as torch's
-    (``miniddp.pickling``).
+    (``miniddp.options.pickling``).
 
     Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
-    layout) or ``overlap`` (launch during backward, or only after it); see ``miniddp.naive``.
+    layout) or ``overlap`` (launch during backward, or only after it); see
+    ``miniddp.baselines.naive``.
     """
 
     reducer_class = Reducer
     overlap = True
+    #: The checks and traces attach here: ``miniddp.checks`` sets it when ``miniddp`` is
+    #: imported (the engine imports no check). None: no checks, no trace.
+    checks = None
     #: torch's (private, but libraries use it): name parameters and buffers DDP must leave alone
     _set_params_and_buffers_to_ignore_for_model = staticmethod(
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
@@ -95,9 +99,9 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
                  forward_sync_buffers: bool | None = None):
         super().__init__()
         arguments.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
-                                     mixed_precision)  # miniddp.arguments
+                                     mixed_precision)  # miniddp.options.arguments
         arguments.warn_check_reduction(check_reduction)
-        Joinable.__init__(self)  # miniddp.join: outside a join context, join does nothing
+        Joinable.__init__(self)  # miniddp.options.join: outside a join context, join does nothing
         # dim and check_reduction are accepted (in torch's positions) so that scripts written
         # for torch's DDP run unchanged: dim only matters to single-process DataParallel, and
         # torch ignores check_reduction.
@@ -109,11 +113,11 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
                 "miniddp.launch.launch / torchrun).")
         bucket_limits(bucket_cap_mb)  # reject a bad cap before any collective runs
         self.bucket_caps = bucket_limits_list(bucket_cap_mb_list)  # miniddp.buckets
-        process_group = arguments.group_of(process_group, device_mesh)  # miniddp.arguments
+        process_group = arguments.group_of(process_group, device_mesh)  # miniddp.options.arguments
         self.module = module
         self.process_group = process_group
         self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync_flags(
-            broadcast_buffers, forward_sync_buffers)  # miniddp.arguments
+            broadcast_buffers, forward_sync_buffers)  # miniddp.options.arguments
         self.bucket_cap_mb = bucket_cap_mb
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
@@ -153,12 +157,12 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
 
         self.reducer = self._make_reducer()
         self.static_graph = False
-        if static_graph:  # miniddp.static_graph
+        if static_graph:  # miniddp.options.static_graph
             self._set_static_graph(initial_buckets=True)
 
     def _make_reducer(self) -> Reducer:
         """The reducer for the trainable parameters DDP manages (at construction, and in a
-        copy: ``miniddp.pickling``)."""
+        copy: ``miniddp.options.pickling``)."""
         trainable = [(name, p) for name, p in self.module.named_parameters()
                      if p.requires_grad and name not in self.ignored]
         reducer = self.reducer_class(
@@ -166,11 +170,12 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
             self.bucket_cap_mb, self.find_unused_parameters, self.gradient_as_bucket_view,
             self.overlap, bucket_caps=self.bucket_caps)
         self.bucket_bytes_cap = max(self.bucket_caps or [reducer.bucket_bytes])
-        if self.batched_grad_copy:  # miniddp.batched_copy
+        if self.batched_grad_copy:  # miniddp.options.batched_copy
             reducer.batched_copy = BatchedGradCopy(reducer)
-        if reducer.unused is not None:  # skip_all_reduce_unused_params (miniddp.unused)
+        if reducer.unused is not None:  # skip_all_reduce_unused_params (miniddp.options.unused)
             reducer.unused.skip_unused_buckets = self.skip_all_reduce_unused_params
-        reducer.consistency = checks_from_environment(self, reducer)  # miniddp.consistency
+        if self.checks is not None:  # miniddp.checks: as TORCH_DISTRIBUTED_DEBUG asks
+            self.checks.to_reducer(self, reducer)
         if getattr(self, "static_graph", False):  # a copy of a static-graph DDP
             StaticGraph.attach(reducer, initial_buckets=True)
         return reducer
@@ -231,7 +236,7 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
 
     def _set_static_graph(self, initial_buckets: bool = False) -> None:
         """Turn ``static_graph`` on after construction, before the first forward (torch's
-        older way, still used by some libraries). See ``miniddp.static_graph``."""
+        older way, still used by some libraries). See ``miniddp.options.static_graph``."""
         if self.static_graph:
             warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
             return
@@ -243,12 +248,10 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
                           "unused).", stacklevel=2)
 
     def trace(self, all_ranks: bool = False):
-        """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.trace`."""
-        from miniddp.trace import trace_backward  # an optional view, kept out of the core path
+        """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.checks.trace`."""
+        return self._checks().trace(self, all_ranks)
 
-        return trace_backward(self, all_ranks)
-
-    def register_comm_hook(self, state: object, hook) -> None:  # see miniddp.comm_hooks
+    def register_comm_hook(self, state: object, hook) -> None:  # see miniddp.options.comm_hooks
         """Reduce each bucket with ``hook(state, bucket) -> torch.futures.Future`` instead of
         the all_reduce of ``grad * (1 / world_size)``: torch's hooks
         (``torch.distributed.algorithms.ddp_comm_hooks``) or your own. Once per model; the hook
@@ -257,10 +260,16 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
 
     def check_every(self, steps: int | None, detail: bool = False) -> None:
         """Compare every rank's step, and every ``steps`` steps its parameters; raise on every
-        rank when they differ (see ``miniddp.consistency``). ``detail=True`` also compares
+        rank when they differ (see ``miniddp.checks.consistency``). ``detail=True`` also compares
         each collective before it is launched. ``None`` switches the checks off. Call it at
         the same point on every rank."""
-        self.reducer.consistency = ConsistencyChecks(self, steps, detail) if steps else None
+        self._checks().check_every(self, steps, detail)
+
+    def _checks(self):
+        if self.checks is None:
+            raise RuntimeError("miniddp.checks is not loaded: import miniddp (the package) "
+                               "rather than loading miniddp/ddp.py on its own.")
+        return self.checks
 
     @contextmanager
     def no_sync(self):
@@ -277,12 +286,13 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
         finally:
             self.require_backward_grad_sync = old
 
-    # ----- uneven inputs (miniddp.join): torch's Joinable interface -----
+    # ----- uneven inputs (miniddp.options.join): torch's Joinable interface -----
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):
         """A context manager around the training loop for ranks with different numbers of
-        batches: those that finish first shadow the others' collectives. See miniddp.join."""
+        batches: those that finish first shadow the others' collectives. See
+        miniddp.options.join."""
         return join_context(self, divide_by_initial_world_size, enable,
                             throw_on_early_termination)
 
@@ -299,19 +309,19 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.joi
 
     def forward(self, *inputs, **kwargs):
         grad_enabled = torch.is_grad_enabled()
-        notify_still_training(self)  # miniddp.join: joined ranks shadow this step
+        notify_still_training(self)  # miniddp.options.join: joined ranks shadow this step
         if grad_enabled:
             self.reducer.begin_forward()
-        checks = self.reducer.consistency  # miniddp.consistency
+        checks = self.reducer.consistency  # miniddp.checks
         if grad_enabled and checks is not None:
             checks.at_forward(self.require_backward_grad_sync)
         if self.require_forward_param_sync and self.forward_sync_buffers:
             buffers = self._buffers_to_sync()
-            if buffers:  # from rank 0, or under join the last rank training (miniddp.join)
+            if buffers:  # from rank 0, or under join the last rank training (miniddp.options.join)
                 if checks is not None:
                     checks.before_collective("the broadcast of buffers", None, buffers)
                 broadcast_from(buffers, buffer_source(self), self.process_group)
-        announce_backward_sync(self)  # miniddp.join
+        announce_backward_sync(self)  # miniddp.options.join
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)

@@ -19,13 +19,15 @@ The life of one synchronized step:
    ``.grad``. So when ``loss.backward()`` returns, gradients are synchronized.
 
 That is all of this file. The options attach where it says so, each in its own module:
-``find_unused_parameters`` (``miniddp.unused``), ``gradient_as_bucket_view``
-(``miniddp.gradient_views``), a communication hook in place of the all_reduce
-(``miniddp.comm_hooks``), ``static_graph`` (``miniddp.static_graph``: counts each parameter's
-hook firings in the first backward and delays its reduction to the end), and the bucket
-layout and its one rebuild (``miniddp.buckets``). ``batched_grad_copy``
-(``miniddp.batched_copy``) copies a bucket's gradients in at once. The checks that ranks
-agree (``miniddp.consistency``, ``self.consistency``) are off by default.
+``find_unused_parameters`` (``miniddp.options.unused``), ``gradient_as_bucket_view``
+(``miniddp.options.gradient_views``), a communication hook in place of the all_reduce
+(``miniddp.options.comm_hooks``), ``static_graph`` (``miniddp.options.static_graph``: counts
+each parameter's hook firings in the first backward and delays its reduction to the end), and
+the bucket layout and its one rebuild (``miniddp.buckets``). ``batched_grad_copy``
+(``miniddp.options.batched_copy``) copies a bucket's gradients in at once. The checks and traces
+(``miniddp.checks``) are not imported here: they attach to ``self.watch`` (a second backward
+through one forward, a failed wait explained) and ``self.consistency`` (ranks compared, off by
+default), and are called at the points marked ``miniddp.checks``.
 ``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
@@ -42,7 +44,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from miniddp import reducer_errors
+from miniddp import errors
 from miniddp.buckets import (
     ONE_BUCKET,
     Bucket,
@@ -51,14 +53,8 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
-from miniddp.consistency import (
-    explain_failed_wait,
-    late_gradient,
-    watch_for_a_second_backward,
-)
-from miniddp.gradient_views import GradientsAsBucketViews
-from miniddp.ledger import Ledger
-from miniddp.unused import UnusedParameters
+from miniddp.options.gradient_views import GradientsAsBucketViews
+from miniddp.options.unused import UnusedParameters
 
 
 class Reducer:
@@ -81,11 +77,11 @@ class Reducer:
         # The options, each in the module named for it; None when off.
         self.unused = UnusedParameters(params, process_group) if find_unused_parameters else None
         self.views = GradientsAsBucketViews(names) if gradient_as_bucket_view else None
-        self.comm_hook = None  # see miniddp.comm_hooks
-        self.static_graph = None  # see miniddp.static_graph
-        self.batched_copy = None  # batched_grad_copy (miniddp.batched_copy)
-        self.consistency = None  # checks across ranks, when on: see miniddp.consistency
-        self.ledger = Ledger(process_group, params[0].device)  # the store, for those checks
+        self.comm_hook = None  # see miniddp.options.comm_hooks
+        self.static_graph = None  # see miniddp.options.static_graph
+        self.batched_copy = None  # batched_grad_copy (miniddp.options.batched_copy)
+        self.watch = None  # attached by miniddp.checks: late gradients, failed waits
+        self.consistency = None  # checks across ranks, when on (miniddp.checks)
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.timeline: list[tuple] | None = None
         # Where this step stands.
@@ -140,12 +136,12 @@ class Reducer:
     def begin_forward(self) -> None:
         """At a forward with grad enabled: fail on an unfinished reduction, rebuild once."""
         self.ensure_prior_reduction_finished()
-        self.forwards += 1  # miniddp.consistency
+        self.forwards += 1  # miniddp.checks.consistency
         self.reduced = self.second_backward = False
         self.allreduce_calls = 0
         if self.should_rebuild and self.ready_order:
             limits = self.bucket_caps or [self.first_bucket_bytes, self.bucket_bytes]
-            if self.consistency is not None:  # miniddp.consistency
+            if self.consistency is not None:  # miniddp.checks
                 self.consistency.before_collective("the broadcast of the bucket order", None, [])
             self._init_buckets(rebuilt_assignment(self.params, self.ready_order, limits,
                                                   self.group))
@@ -154,7 +150,7 @@ class Reducer:
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
         self.expect_hooks = True
-        self.synced_forwards += 1  # miniddp.consistency
+        self.synced_forwards += 1  # miniddp.checks.consistency
         self.ready.clear()
         self.next_bucket = 0
         for bucket in self.buckets:
@@ -163,7 +159,8 @@ class Reducer:
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # firings to expect; the first backward waits
             outputs = self.static_graph.prepare(outputs)
-        watch_for_a_second_backward(self, outputs)  # miniddp.consistency
+        if self.watch is not None:  # miniddp.checks: mark them, to notice a second backward
+            self.watch.outputs_of_synced_forward(outputs)
         return outputs
 
     def _hook(self, index: int) -> None:
@@ -174,7 +171,7 @@ class Reducer:
             if self.expect_hooks:
                 self._gradient_ready(index)
             elif self.second_backward:  # through a reduced forward: warn, or raise
-                late_gradient(self, index)  # (miniddp.consistency)
+                self.watch.late_gradient(index)  # (miniddp.checks)
             elif self.unused is not None:  # no_sync, or a forward through ddp.module:
                 self.unused.note_use(index)  # gradients just accumulate
 
@@ -193,11 +190,11 @@ class Reducer:
 
     def _mark_ready(self, index: int) -> None:
         if index in self.ready:
-            raise reducer_errors.marked_ready_twice(self.names[index])
+            raise errors.marked_ready_twice(self.names[index])
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
-        if self.batched_copy is not None:  # copies now or later (miniddp.batched_copy)
+        if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
         else:
             self._copy_into_bucket(self.params[index], bucket.views[slot])
@@ -209,7 +206,7 @@ class Reducer:
                 self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:
-                if self.consistency is not None:  # miniddp.consistency
+                if self.consistency is not None:  # miniddp.checks
                     self.consistency.before_collective("the all_reduce of used-parameter flags",
                                                        None, [self.unused.locally_used])
                 self.unused.share()
@@ -230,7 +227,7 @@ class Reducer:
         except RuntimeError:
             if param.grad is not None and param.grad.requires_grad:
                 name = next(n for p, n in zip(self.params, self.names) if p is param)
-                raise reducer_errors.higher_order_gradient(name) from None
+                raise errors.higher_order_gradient(name) from None
             raise
 
     def _reciprocal(self, dtype: torch.dtype):
@@ -251,10 +248,10 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.unused is not None and self.unused.skips(bucket):  # miniddp.unused
+        if self.unused is not None and self.unused.skips(bucket):  # miniddp.options.unused
             return
         self._record("launch", bucket.index)
-        if self.consistency is not None:  # miniddp.consistency
+        if self.consistency is not None:  # miniddp.checks
             self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
         if self.comm_hook is None:
             bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
@@ -278,12 +275,13 @@ class Reducer:
             used = self.static_graph.end_backward()
         copies = ([], [])  # (.grad, average) pairs, copied in one call rather than one each
         for bucket in self.buckets:
-            if bucket.work is None:  # skipped: skip_all_reduce_unused_params (miniddp.unused)
+            if bucket.work is None:  # skip_all_reduce_unused_params (miniddp.options.unused)
                 continue
             try:
                 bucket.work.wait()
-            except RuntimeError as error:  # say where every rank was (miniddp.consistency)
-                explain_failed_wait(self, bucket, error)
+            except RuntimeError as error:  # say where every rank was (miniddp.checks)
+                if self.watch is not None:
+                    self.watch.failed_wait(bucket, error)
                 raise
             if self.comm_hook is not None:  # its result goes into the bucket
                 self.comm_hook.take_result(bucket)
@@ -295,7 +293,7 @@ class Reducer:
                     self._write_back(i, bucket.views[slot], copies)
         _copy_all(*copies)
         self._record("finalized", -1)
-        if self.consistency is not None:  # compare this step across ranks
+        if self.consistency is not None:  # compare this step across ranks (miniddp.checks)
             self.consistency.after_backward()
 
     def _write_back(self, index: int, view: torch.Tensor, copies) -> None:
@@ -315,7 +313,7 @@ class Reducer:
         as torch does: waiting for the launched buckets could hang, since a rank missing a
         different parameter never launched some of them."""
         if self.require_finalize:
-            raise reducer_errors.unfinished_reduction(self)
+            raise errors.unfinished_reduction(self)
 
     def _record(self, event: str, ident: int) -> None:
         if self.timeline is not None:

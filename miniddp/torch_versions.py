@@ -45,7 +45,8 @@ TORCHRUN_CAN_RESTART_WORKERS = TORCH_RELEASE != (2, 3)
 DESTROY_HOLDS_THE_GIL = TORCH_RELEASE < (2, 8)
 
 #: A missing API: torch 2.1's key-value stores have no ``check`` (is a key there, without
-#: waiting); 2.11 and 2.13 have it. ``miniddp.ledger`` polls with ``check`` where it exists, and
-#: elsewhere counts a marker per key with ``add(name, 0)``, which every release has. Detected
-#: rather than read from the release number, since the release that added it was not checked.
+#: waiting); 2.11 and 2.13 have it. ``miniddp.checks.ledger`` polls with ``check`` where it
+#: exists, and elsewhere counts a marker per key with ``add(name, 0)``, which every release has.
+#: Detected rather than read from the release number, since the release that added it was not
+#: checked.
 STORE_HAS_CHECK = hasattr(torch.distributed.Store, "check")

@@ -1,4 +1,4 @@
-"""miniddp.checkpoint: a snapshot restores it all, loads anywhere (at another world size too),
+"""miniddp.train.checkpoint: a snapshot restores it all, loads anywhere (at another world size too),
 survives a crash mid-write, and a damaged one is named with what is left to resume from."""
 
 import os
@@ -11,9 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp import DistributedDataParallel, DistributedSampler, checkpoint
-from miniddp.checkpoint import CheckpointMismatchError
-from miniddp.data import make_dataset, make_model
+from miniddp import DistributedDataParallel, DistributedSampler
+from miniddp.train import checkpoint
+from miniddp.train.checkpoint import CheckpointMismatchError
+from miniddp.train.data import make_dataset, make_model
 
 
 def trained_model_and_optimizer(seed=0):

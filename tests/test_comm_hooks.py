@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
 import miniddp
-from miniddp import comm_hooks
+from miniddp.options import comm_hooks
 from miniddp.torch_versions import TORCH_RELEASE
 
 

@@ -21,9 +21,9 @@ from ddp_cases import MLP, compare_with_torch
 from torch import nn
 
 import miniddp
-from miniddp import consistency
-from miniddp import out_of_step as out_of_step_messages
-from miniddp.consistency import check_replicas
+from miniddp.checks import consistency
+from miniddp.checks import out_of_step as out_of_step_messages
+from miniddp.checks.consistency import check_replicas
 from miniddp.launch import RankGroup
 
 SHORT_TIMEOUT = 3.0
@@ -374,7 +374,7 @@ def calls_per_step(every, depth, detail=False):
 
     def profile(frame, event, _arg):
         path = frame.f_code.co_filename
-        if event == "call" and os.path.basename(os.path.dirname(path)) == "miniddp" \
+        if event == "call" and os.path.basename(os.path.dirname(path)) == "checks" \
                 and path.endswith(CHECK_MODULES):
             counted.append(frame.f_code.co_name)
 
@@ -384,7 +384,7 @@ def calls_per_step(every, depth, detail=False):
             train_step(ddp, opt, step)
     finally:
         sys.setprofile(None)
-    watch = {"watch_for_a_second_backward", "reached"}
+    watch = {"outputs_of_synced_forward", "reached"}
     return {"calls": len([c for c in counted if c not in watch]),
             "watch_calls": len([c for c in counted if c in watch]),
             "buckets": len(ddp.buckets), "allreduce_calls": ddp.allreduce_calls}

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miniddp.data import IN_FEATURES, OUT_FEATURES, _teacher, make_dataset, make_model, shard
+from miniddp.train.data import IN_FEATURES, OUT_FEATURES, _teacher, make_dataset, make_model, shard
 
 
 def test_same_seed_same_data_other_seed_other_inputs():

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from miniddp.data_parallel import DataParallel
+from miniddp.baselines.data_parallel import DataParallel
 
 TIGHT = dict(rtol=1e-10, atol=1e-12)  # float64: only summation order may differ
 

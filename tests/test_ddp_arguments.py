@@ -17,8 +17,8 @@ from ddp_cases import compare_with_torch
 from torch import nn
 
 import miniddp
-from miniddp import arguments
-from miniddp.batched_copy import BatchedGradCopy
+from miniddp.options import arguments
+from miniddp.options.batched_copy import BatchedGradCopy
 
 HAS = arguments.TORCH_DDP_SIGNATURE.parameters  # the installed torch's arguments
 

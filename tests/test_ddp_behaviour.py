@@ -11,9 +11,9 @@ from ddp_cases import MLP, Branchy, TiedFrozen, first_bucket_as_small_as
 from torch import nn
 
 import miniddp
-from miniddp.arguments import TORCH_DDP_SIGNATURE
+from miniddp.baselines.naive import AllReduceBucketsAfterBackward
 from miniddp.launch import spawn
-from miniddp.naive import AllReduceBucketsAfterBackward
+from miniddp.options.arguments import TORCH_DDP_SIGNATURE
 
 
 def data(step=0, rank=None):
@@ -431,7 +431,8 @@ def positional_like_torch():
 
 
 def test_arguments_are_torchs_in_torchs_order(ranks):
-    """The installed torch's signature, names and order (miniddp.arguments), on every release."""
+    """The installed torch's signature, names and order (miniddp.options.arguments), on every
+    release."""
     ours, theirs = ranks(2).run(positional_like_torch)[0]
     assert ours == theirs
 

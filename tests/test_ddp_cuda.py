@@ -39,7 +39,7 @@ def test_two_ranks_share_one_gpu_over_gloo():
     assert all(r["problems"] == [] for r in results)
 
 
-# ----- communication hooks on CUDA (miniddp.comm_hooks), under torch's own hook names -----
+# ----- communication hooks on CUDA (miniddp.options.comm_hooks), under torch's own hook names -----
 
 def compare_hook_on_gpu(hook, kwargs):
     from test_comm_hooks import compare_hook  # the CPU suite's side-by-side loop

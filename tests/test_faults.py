@@ -31,9 +31,9 @@ from jobs import (
 )
 
 from miniddp import train
-from miniddp.data import make_model
 from miniddp.launch import RankError
 from miniddp.torch_versions import TORCHRUN_CAN_RESTART_WORKERS
+from miniddp.train.data import make_model
 
 # 16 steps an epoch on 2 ranks, 64 in all.
 JOB = ["--epochs", "4", "--dataset-size", "512", "--batch-size", "16", "--save-every-steps", "5"]
@@ -160,7 +160,7 @@ def test_torchrun_workers_resume_a_two_rank_snapshot_at_three_ranks(tmp_path, ca
     with pytest.raises(RankError):
         run_job([*argv, "--fault", "exit:1:22"])
     capfd.readouterr()
-    run_like_torchrun(REPO / "miniddp" / "train.py", argv, tmp_path, world_size=3)
+    run_like_torchrun(REPO / "miniddp" / "train" / "job.py", argv, tmp_path, world_size=3)
     out = capfd.readouterr().out
     assert re.search(r"resuming from \S+snap.pt: epoch 1, step 20, saved by 2 ranks, resumed by "
                      r"3: the 384 samples of epoch 1 that no rank had reached are dealt over the "

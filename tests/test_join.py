@@ -1,5 +1,6 @@
-"""Uneven inputs (``miniddp.join``): ranks with fewer batches shadow the others, nobody hangs,
-and every parameter is bit-identical to torch's DDP under the same join, after every step.
+"""Uneven inputs (``miniddp.options.join``): ranks with fewer batches shadow the others, nobody
+hangs, and every parameter is bit-identical to torch's DDP under the same join, after every
+step.
 
 Each rank trains miniddp's DDP inside ``join``, then torch's, on the same rank-dependent
 batches, taking ``steps[rank]`` optimizer steps; the states after each of its steps and after
@@ -32,7 +33,7 @@ from torch.distributed.algorithms.join import Join
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import miniddp
-import miniddp.join
+import miniddp.options.join
 
 SMALL_CAP = 0.002  # MiB: several buckets even for the small models (3 ranks show the layout)
 
@@ -121,8 +122,9 @@ def same_on_every_rank(state: dict) -> bool:
 
 
 def sabotaged(name: str | None):
-    """A subtly wrong ``miniddp.join``, for the negative controls (``None``: the real one)."""
-    hook = miniddp.join.DDPJoinHook
+    """A subtly wrong ``miniddp.options.join``, for the negative controls (``None``: the real
+    one)."""
+    hook = miniddp.options.join.DDPJoinHook
     if name == "divisor":  # the initial world size, whatever divide_by_initial_world_size says
         init = hook.__init__
         return mock.patch.object(hook, "__init__",
@@ -132,7 +134,7 @@ def sabotaged(name: str | None):
         return mock.patch.object(hook, "post_hook", lambda self, last: post(self, not last))
     if name == "used_flags":  # a joined rank sums in zeros, where torch's sums its last flags
         return mock.patch.object(
-            miniddp.join, "_shadow_used_flags",
+            miniddp.options.join, "_shadow_used_flags",
             lambda reducer: dist.all_reduce(torch.zeros_like(reducer.unused.locally_used),
                                             group=reducer.group))
     return nullcontext()

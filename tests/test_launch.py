@@ -137,7 +137,7 @@ def test_a_task_the_ranks_cannot_unpickle_is_reported():
 
 
 def test_the_blamed_rank_is_the_cause_not_a_bystander():
-    from miniddp.rank_group import _root_cause
+    from miniddp.launch.rank_group import _root_cause
     peer = "RuntimeError: [gloo] Connection closed by peer [127.0.0.1]:1234"
     own = "ValueError: bad shapes"
     assert _root_cause({0: ("raised", peer), 1: ("raised", own)}, 2).rank == 1

@@ -19,8 +19,8 @@ from lesson_modules import LESSONS_DIR, load_lesson
 
 import miniddp
 from miniddp.buckets import assign_buckets
-from miniddp.data import make_dataset
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
+from miniddp.train.data import make_dataset
 
 ring = load_lesson("01")
 buckets = load_lesson("05")

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from ddp_cases import MLP, TiedFrozen, batch, first_bucket_as_small_as, loss_of
 
-from miniddp.naive import STRATEGIES
+from miniddp.baselines.naive import STRATEGIES
 
 
 def train_all_strategies(model_name, bucket_cap_mb, steps=3):

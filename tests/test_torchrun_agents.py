@@ -1,4 +1,5 @@
-"""miniddp.torchrun_agents: agents relayed line by line, stopped on time, failures named by rank.
+"""miniddp.launch.torchrun_agents: agents relayed line by line, stopped on time, failures named
+by rank.
 
 The agents here are tiny Python commands standing in for torchrun, so each test takes well under
 a second; lessons 09 and 12 run the real thing (tests/test_lessons.py).
@@ -12,7 +13,7 @@ import time
 
 import pytest
 
-from miniddp.torchrun_agents import AgentsDone, agent_environment, run_agents, verdict
+from miniddp.launch.torchrun_agents import AgentsDone, agent_environment, run_agents, verdict
 
 
 def python(code: str) -> list[str]:
@@ -54,7 +55,7 @@ def test_agents_get_no_launcher_variables_and_one_thread(monkeypatch):
 
 
 def test_a_failing_worker_names_its_rank_before_its_traceback():
-    code = "from miniddp.torchrun_agents import as_worker; as_worker(lambda: 1 / 0)"
+    code = "from miniddp.launch.torchrun_agents import as_worker; as_worker(lambda: 1 / 0)"
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
     done = subprocess.run(python(code), env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1

@@ -1,4 +1,4 @@
-"""miniddp.trace: one backward, event by event, readable and in the order things happened."""
+"""miniddp.checks.trace: one backward, event by event, readable and in the order things happened."""
 
 import os
 import re
@@ -13,7 +13,7 @@ from lesson_modules import LESSONS_DIR
 from torch import nn
 
 import miniddp
-from miniddp.trace import trace_backward
+from miniddp.checks.trace import trace_backward
 
 
 class TwoLayers(nn.Module):
@@ -110,7 +110,7 @@ def every_rank(side_by_side):
 
 def test_all_ranks_one_after_another(ranks):
     lines = ranks(3).run(every_rank, False)[0].splitlines()
-    legend = miniddp.trace.BackwardTrace.LEGEND.splitlines()
+    legend = miniddp.checks.trace.BackwardTrace.LEGEND.splitlines()
     assert lines[:len(legend)] == legend
     starts = [lines.index(f"rank {r}:") for r in range(3)]
     assert starts == sorted(starts)

@@ -14,9 +14,10 @@ import torch
 from jobs import RecordingDataset, run_job, same_weights, weights
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
-from miniddp import checkpoint, train
-from miniddp.data import make_dataset, make_model
 from miniddp.launch import RankError
+from miniddp.train import checkpoint
+from miniddp.train import job as train
+from miniddp.train.data import make_dataset, make_model
 
 # 2 ranks x 256 samples per epoch / 16 per batch: 16 steps an epoch, 64 in all.
 JOB = ["--epochs", "4", "--dataset-size", "512", "--batch-size", "16", "--save-every-steps", "5"]
@@ -162,7 +163,7 @@ def test_a_missing_output_directory_is_created(tmp_path):
 
 def test_when_the_final_write_fails_the_model_is_written_beside_the_snapshot(
         tmp_path, monkeypatch, capfd):
-    from miniddp import job_files
+    from miniddp.train import job_files
     out, snap = tmp_path / "out" / "final.pt", tmp_path / "snaps" / "snap.pt"
     real_write = job_files.write_atomic
 

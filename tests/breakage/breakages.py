@@ -122,17 +122,17 @@ def join_ignores_the_divisor(module):
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
-    "reversed_gather": ("miniddp.data_parallel", reversed_gather),
+    "reversed_gather": ("miniddp.baselines.data_parallel", reversed_gather),
     "all_reduce_does_nothing": ("torch.distributed", all_reduce_does_nothing),
     "set_epoch_ignored": ("miniddp.sampler", set_epoch_ignored),
     "no_sync_ignored": ("miniddp.ddp", no_sync_ignored),
     "divide_instead_of_multiply": ("miniddp.reducer", divide_instead_of_multiply),
-    "write_not_atomic": ("miniddp.checkpoint", write_not_atomic),
+    "write_not_atomic": ("miniddp.train.checkpoint", write_not_atomic),
     "no_grad_scaler": ("torch.amp", no_grad_scaler),
     "bucket_cap_ignored": ("miniddp.reducer", bucket_cap_ignored),
     "averages_not_written_back": ("miniddp.reducer", averages_not_written_back),
-    "comm_hook_ignored": ("miniddp.comm_hooks", comm_hook_ignored),
-    "join_ignores_the_divisor": ("miniddp.join", join_ignores_the_divisor),
+    "comm_hook_ignored": ("miniddp.options.comm_hooks", comm_hook_ignored),
+    "join_ignores_the_divisor": ("miniddp.options.join", join_ignores_the_divisor),
 }
 
 

@@ -139,7 +139,7 @@ def _common_rank(ddp, candidate: bool) -> int:
     chosen = int(offer.item())
     if chosen < 0:
         raise RuntimeError("join: no rank offered itself as the source of the model; this is "
-                           "a bug in miniddp.join, please report it")
+                           "a bug in miniddp.options.join, please report it")
     if group is None or group is dist.group.WORLD:
         return chosen
     return dist.get_global_rank(group, chosen)

@@ -54,7 +54,7 @@ class SnapshotError(ValueError):
 
 
 def _wrappers() -> tuple[type, ...]:
-    from miniddp.data_parallel import DataParallel
+    from miniddp.baselines.data_parallel import DataParallel
     from miniddp.ddp import DistributedDataParallel
 
     return (DistributedDataParallel, DataParallel, nn.parallel.DistributedDataParallel,
@@ -285,7 +285,8 @@ def load(path: str | os.PathLike, model: nn.Module | None = None, optimizer=None
     location = _device_of(model) if map_location is None else map_location
     snapshot = _read(path, location)
     if not isinstance(snapshot, dict) or snapshot.get("format") != FORMAT:
-        raise ValueError(f"{path} is not a snapshot written by miniddp.checkpoint.save (it has "
+        raise ValueError(f"{path} is not a snapshot written by miniddp.train.checkpoint.save "
+                         "(it has "
                          f"no format={FORMAT!r}); a bare state dict loads with "
                          "load_model_state(model, torch.load(path, weights_only=True)).")
     saved_by = len(snapshot["rng"])

@@ -2,7 +2,7 @@
 
 When ranks disagree, the useful report names the odd rank, not the one that happened to time
 out first. Every rank builds its message from the same records (read from the ledger, see
-``miniddp.ledger``), so every rank raises the same words. A record describes what one rank is
+``miniddp.checks.ledger``), so every rank raises the same words. A record describes what one rank is
 doing: ``forward`` (how many forwards with gradients enabled it has run), ``unsynced`` (the
 forwards it ran inside ``no_sync`` since its previous synchronized forward), ``no_backward``
 (synchronized forwards that no backward followed) and, for a collective, ``what``, ``bucket``,

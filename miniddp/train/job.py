@@ -1,12 +1,12 @@
 """The reference training job: DDP, a sharded sampler, snapshots, and a resume that changes nothing.
 
-A student network learns the synthetic teacher task of ``miniddp.data`` with miniddp's
+A student network learns the synthetic teacher task of ``miniddp.train.data`` with miniddp's
 ``DistributedDataParallel`` and ``DistributedSampler``. Kill it at any moment and start it
 again: it goes on from its last snapshot, and the final weights are the same, bit for bit, as
 those of a run that was never interrupted. What that takes:
 
 * the snapshot holds the model, Adam's state, the epoch, the step, the sampler's position inside
-  the epoch and every rank's random generators (``miniddp.checkpoint``);
+  the epoch and every rank's random generators (``miniddp.train.checkpoint``);
 * the data order is a pure function of (seed, epoch): the sampler shuffles with ``seed + epoch``;
 * the global random generator is used by the training step alone (each rank adds its own input
   noise). ``iter(DataLoader)`` draws a seed from the global generator unless it has a generator of
@@ -44,14 +44,14 @@ was one, and a new rank starts from its seed. The job says so in one line, and t
 the run is no longer bit-identical to an uninterrupted one: the per-rank batches, the order in
 which gradients are summed and the random streams all differ.
 
-Before the first step every output path is tried (``miniddp.job_files``): a ``--out`` or
+Before the first step every output path is tried (``miniddp.train.job_files``): a ``--out`` or
 ``--snapshot`` that cannot be written stops the job at once, named. Should the final write fail
 anyway, the model is written beside the snapshot or in the temporary directory, and the job
 says where. While it runs, the job holds ``<snapshot>.lock``: a second job given the same
 ``--snapshot`` is refused, naming the holder. The snapshot it replaces stays as ``NAME.prev``.
 Ctrl-C, SIGTERM and SIGHUP stop it with one line saying where the last snapshot is.
 
-For the fault tests: ``--fault`` and ``--pid-dir`` (``miniddp.faults``).
+For the fault tests: ``--fault`` and ``--pid-dir`` (``miniddp.train.faults``).
 """
 
 from __future__ import annotations
@@ -69,11 +69,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from miniddp import checkpoint
-from miniddp.data import make_dataset, make_model
 from miniddp.ddp import DistributedDataParallel
-from miniddp.faults import inject_fault, parse_fault, write_pid_file
-from miniddp.job_files import JobFileError, last_snapshot, prepare, write_final_model
 from miniddp.launch import (
     CollectiveFailed,
     RankError,
@@ -86,8 +82,12 @@ from miniddp.launch import (
     rank_device,
     stop_on_signals,
 )
-from miniddp.report import mean_over_ranks, print0
 from miniddp.sampler import DistributedSampler, EqualBatchCount
+from miniddp.train import checkpoint
+from miniddp.train.data import make_dataset, make_model
+from miniddp.train.faults import inject_fault, parse_fault, write_pid_file
+from miniddp.train.job_files import JobFileError, last_snapshot, prepare, write_final_model
+from miniddp.train.report import mean_over_ranks, print0
 
 LR = 3e-3
 NOISE = 0.05  # std of the noise each rank adds to its inputs: the job's use of the global RNG
@@ -113,7 +113,8 @@ uninterrupted one would.
 consistency: --check-every N compares every rank's step each synchronized step and a checksum
 of every parameter every N steps, and stops every rank, naming the ranks and parameters, if the
 replicas drift apart or fall out of step (TORCH_DISTRIBUTED_DEBUG=INFO does the same with
-N=100, =DETAIL also compares each collective before it is launched; miniddp/consistency.py)."""
+N=100, =DETAIL also compares each collective before it is launched;
+miniddp/checks/consistency.py)."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,14 +1,13 @@
 """Start ranks on this machine, or join the ranks torchrun started.
 
 ``launch(fn, world_size)`` is how every lesson, the reference job and the benchmarks run code
-on N ranks: started plainly, it forks the ranks itself (see ``miniddp.rank_group``: timeouts,
+on N ranks: started plainly, it forks the ranks itself (see ``miniddp.launch.rank_group``: timeouts,
 rank-named errors, no orphans); started by torchrun, this process *is* one rank, and it joins
 the group torchrun describes in its environment. The same script works both ways.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import threading
@@ -19,8 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from miniddp.rank_group import RankError, RankGroup
-from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL
+from miniddp.launch.rank_group import RankError, RankGroup, leave_group
 
 __all__ = ["CollectiveFailed", "RankError", "RankGroup", "Stopped", "collective",
            "default_backend", "join_torchrun_group", "launch", "launched_by_torchrun",
@@ -73,21 +71,6 @@ def join_torchrun_group(backend: str | None = None, pg_timeout: float = 30.0) ->
     store, rank, world_size = next(dist.rendezvous("env://", timeout=limit))
     dist.init_process_group(backend, store=_store_for_this_attempt(store), rank=rank,
                             world_size=world_size, timeout=limit)
-
-
-def leave_group() -> None:
-    """Destroy the process group, after collecting garbage that may still hold it.
-
-    Wrappers such as torch's DDP can keep a process group alive in a reference cycle; freed at
-    interpreter exit instead, its threads are torn down too late ("terminate called without an
-    active exception", SIGABRT), or its destructor deadlocks on the GIL (pytorch issue 56297).
-    Where torch's destructor holds the GIL (:data:`miniddp.torch_versions.DESTROY_HOLDS_THE_GIL`)
-    a short sleep first lets gloo's threads finish with the GIL free.
-    """
-    gc.collect()
-    if DESTROY_HOLDS_THE_GIL:
-        time.sleep(0.2)
-    dist.destroy_process_group()
 
 
 class CollectiveFailed(RuntimeError):
@@ -153,7 +136,7 @@ def stop_on_signals():
     an exception, every ``with`` and ``finally`` on the way out runs: the ranks are killed and
     the directory removed. Only default handlers are replaced, and only in the main thread
     (Python runs signal handlers there alone). SIGKILL cannot be caught: see
-    ``miniddp.rank_group.remove_stale_group_dirs`` for what it leaves.
+    ``miniddp.launch.rank_group.remove_stale_group_dirs`` for what it leaves.
     """
     if threading.current_thread() is not threading.main_thread():
         yield

@@ -4,7 +4,7 @@ DDP's work happens inside ``loss.backward()``, where a learner cannot see it. Th
 record what it does (``ddp.reducer.timeline``: ``(event, index, time.perf_counter())``); this
 module turns that record into lines a person can read::
 
-    with miniddp.trace.trace_backward(ddp) as trace:   # or: with ddp.trace() as trace:
+    with miniddp.checks.trace.trace_backward(ddp) as trace:   # or: with ddp.trace() as trace:
         loss.backward()
     print(trace.format())
 

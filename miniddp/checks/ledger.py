@@ -1,11 +1,12 @@
 """A ledger in the process group's store: what each rank says it is doing, readable by all.
 
-The consistency checks (``miniddp.consistency``, ``miniddp.fingerprints``) compare what ranks
-are doing. They cannot do it with collectives: a collective pairs with whatever collective the
-other ranks happen to issue next, so if the ranks are out of step - the very thing to detect - a
-check by all_gather would meet another rank's gradient all_reduce, and gloo may abort the process
-("Received data size doesn't match") instead of reporting anything. A key-value store pairs
-nothing with anything: each rank writes its record under its own key, reads the others' by
+The consistency checks (``miniddp.checks.consistency``, ``miniddp.checks.fingerprints``) compare
+what ranks are doing. They cannot do it with collectives: a collective pairs with whatever
+collective the other ranks happen to issue next, so if the ranks are out of step - the very
+thing to detect - a check by all_gather would meet another rank's gradient all_reduce, and gloo
+may abort the process ("Received data size doesn't match") instead of reporting anything. A
+key-value store pairs nothing with anything: each rank writes its record under its own key,
+reads the others' by
 name, and if a record never comes it still knows exactly which ranks wrote theirs and what
 each rank wrote last.
 

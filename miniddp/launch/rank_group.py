@@ -12,13 +12,14 @@ The rules that keep a failing run from hanging or leaving orphans:
 * the first rank that raises sends its traceback to the parent, which kills every rank and
   raises :class:`RankError` naming that rank (the likeliest cause, not a bystander);
 * a rank that dies without a word (segfault, SIGKILL, an abort inside gloo) is reported with
-  its exit code and the last lines it wrote to stderr (``miniddp.rank_files``);
+  its exit code and the last lines it wrote to stderr (``miniddp.launch.rank_files``);
 * past the parent's deadline the ranks still running dump their Python stacks (faulthandler)
   into the error, then are killed.
 
 :class:`RankGroup` keeps its ranks (and their process group) alive across many calls, which
 is what makes hundreds of distributed test cases affordable. Its files live in
-``$TMPDIR/miniddp-<parent pid>-*`` (``miniddp.rank_files``: what SIGKILL leaves is removed later).
+``$TMPDIR/miniddp-<parent pid>-*`` (``miniddp.launch.rank_files``: what SIGKILL leaves is
+removed later).
 Functions and arguments travel by pickle, so functions must be importable at module level.
 """
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import math
 import multiprocessing as mp
 import os
@@ -42,7 +44,8 @@ from multiprocessing.connection import wait
 import torch
 import torch.distributed as dist
 
-from miniddp.rank_files import StderrTail, remove_stale_group_dirs
+from miniddp.launch.rank_files import StderrTail, remove_stale_group_dirs
+from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL
 
 
 class RankError(RuntimeError):
@@ -99,10 +102,24 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
                 _send(conn, ("ok", fn(*args, **kwargs)))
             except BaseException:
                 _send(conn, ("error", traceback.format_exc()))
-        from miniddp.launch import leave_group  # launch imports this module: import late
         leave_group()  # not a bare destroy: older torch can deadlock there (see leave_group)
     conn.close()
     os._exit(0)
+
+
+def leave_group() -> None:
+    """Destroy the process group, after collecting garbage that may still hold it.
+
+    Wrappers such as torch's DDP can keep a process group alive in a reference cycle; freed at
+    interpreter exit instead, its threads are torn down too late ("terminate called without an
+    active exception", SIGABRT), or its destructor deadlocks on the GIL (pytorch issue 56297).
+    Where torch's destructor holds the GIL (:data:`miniddp.torch_versions.DESTROY_HOLDS_THE_GIL`)
+    a short sleep first lets gloo's threads finish with the GIL free.
+    """
+    gc.collect()
+    if DESTROY_HOLDS_THE_GIL:
+        time.sleep(0.2)
+    dist.destroy_process_group()
 
 
 class RankGroup:

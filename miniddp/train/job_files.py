@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from miniddp.checkpoint import leftovers, load, write_atomic
+from miniddp.train.checkpoint import leftovers, load, write_atomic
 
 try:
     import fcntl

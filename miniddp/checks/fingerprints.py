@@ -10,7 +10,7 @@ belongs to. Each rank writes its fingerprint to the ledger and reads everyone's 
 launching:
 
 * fingerprints that differ raise at once, on every rank, naming the rank that differs, what it
-  was doing and what the others expected (``miniddp.out_of_step``);
+  was doing and what the others expected (``miniddp.checks.out_of_step``);
 * a rank that never writes one (it finished early, or is stuck elsewhere) makes the others raise
   after the process group's timeout, naming it and the last thing it did.
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from miniddp import out_of_step
-from miniddp.ledger import RecordsMissing
+from miniddp.checks import out_of_step
+from miniddp.checks.ledger import RecordsMissing
 
 
 def _signature(record: dict) -> tuple:

@@ -14,19 +14,20 @@ What miniddp does about it, by mode:
 
 * **off** (the default): nothing on the hot path. Two things cost nothing until they happen: a
   gradient that arrives after this forward's gradients were averaged warns once, naming the
-  parameter (:func:`late_gradient`); a bucket's all_reduce that fails says where every rank was
-  waiting, and which ranks never arrived (:func:`explain_failed_wait`).
+  parameter (:meth:`Watch.late_gradient`); a bucket's all_reduce that fails says where every
+  rank was waiting, and which ranks never arrived (:meth:`Watch.failed_wait`).
 * **checks on** (``TORCH_DISTRIBUTED_DEBUG=INFO``, or ``ddp.check_every(n)``): at each
-  synchronized forward every rank writes a small record to the store (see ``miniddp.ledger``):
-  its forward count, the forwards it ran inside ``no_sync`` and the synchronized forwards no
-  backward followed since the last one, and every ``n`` steps a checksum of every parameter.
+  synchronized forward every rank writes a small record to the store
+  (``miniddp.checks.ledger``): its forward count, the forwards it ran inside ``no_sync`` and the
+  synchronized forwards no backward followed since the last one, and every ``n`` steps a
+  checksum of every parameter.
   At the end of that step's backward each rank reads the others' records (by then every rank
   has written its own: it did so before launching the all_reduces just waited for) and raises
   on every rank if they differ, naming the ranks, the step and what to change. A late gradient
   raises. Cost: a few store operations per step, and the checksums every ``n`` steps.
 * **debug** (``TORCH_DISTRIBUTED_DEBUG=DETAIL``, or ``check_every(n, detail=True)``): the
   checks, and every collective compared across ranks before it is launched
-  (``miniddp.fingerprints``).
+  (``miniddp.checks.fingerprints``).
 
 :func:`check_replicas` compares the parameters once, on demand (one small all_gather), e.g.
 at the end of every epoch. ``MINIDDP_CHECK_EVERY`` sets ``n`` for the environment switch
@@ -42,10 +43,10 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from miniddp import out_of_step
-from miniddp.fingerprints import CollectiveFingerprints
-from miniddp.ledger import RecordsMissing
-from miniddp.unused import output_grad_fns
+from miniddp.checks import out_of_step
+from miniddp.checks.fingerprints import CollectiveFingerprints
+from miniddp.checks.ledger import Ledger, RecordsMissing
+from miniddp.options.unused import output_grad_fns
 
 DEBUG_VARIABLE = "TORCH_DISTRIBUTED_DEBUG"
 EVERY_VARIABLE = "MINIDDP_CHECK_EVERY"
@@ -97,7 +98,7 @@ class ConsistencyChecks:
         if not isinstance(every, int) or every < 1:
             raise ValueError(f"check every how many steps? Got {every!r}; give 1 or more")
         self.reducer = reducer or ddp.reducer
-        self.ledger, self.every = self.reducer.ledger, every
+        self.ledger, self.every = self.reducer.watch.ledger, every
         self.ddp = weakref.ref(ddp)
         self.scope = self.ledger.new_scope()
         self.names, self.params = zip(*ddp.module.named_parameters())
@@ -239,73 +240,101 @@ def check_replicas(ddp, step: int | None = None) -> None:
         raise ReplicasDiverged(f"rank {dist.get_rank()}: {problem}")
 
 
-# ----- the two things that cost nothing until they happen -----
+# ----- attached to every reducer: the two things that cost nothing until they happen -----
 
-_warned: weakref.WeakSet = weakref.WeakSet()
-
-
-def watch_for_a_second_backward(reducer, outputs) -> None:
-    """Mark the outputs of a synchronized forward, so that a backward reaching them after the
-    reduction is known to be a second backward through that forward (:func:`late_gradient`).
-
-    A forward through ``ddp.module`` leaves no mark: gradients it accumulates before the next
-    synchronized step are averaged by that step, as with ``no_sync``, and are not reported."""
-    me = weakref.ref(reducer)
-
-    def reached(_grad_outputs):
-        watched = me()
-        if watched is not None and watched.reduced:
-            watched.second_backward = True
-
-    for node in output_grad_fns(outputs):
-        node.register_prehook(reached)
+def attach(ddp, reducer) -> None:
+    """Give a new reducer its :class:`Watch`, and the checks ``TORCH_DISTRIBUTED_DEBUG`` asks
+    for (called by the engine when it builds a reducer: ``DistributedDataParallel.checks``)."""
+    reducer.watch = Watch(reducer)
+    reducer.consistency = checks_from_environment(ddp, reducer)
 
 
-def late_gradient(reducer, index: int) -> None:
-    """A hook fired after this forward's gradients were averaged: warn once, or raise."""
-    name = reducer.names[index]
-    message = (
-        f"parameter {name!r} got a gradient after this forward's gradients were already "
-        "averaged across ranks, so that gradient stays local and the replicas drift apart: "
-        "a second backward through one forward of the DDP model (loss.backward("
-        "retain_graph=True) twice, or two losses from one forward). Add the losses and call "
-        "backward once, or run one forward of the DDP model per backward.")
-    if reducer.consistency is not None:
-        raise LateGradient(message)
-    if reducer not in _warned:
-        _warned.add(reducer)
-        warnings.warn(message + f" (warned once; {DEBUG_VARIABLE}=INFO makes it an error)",
-                      stacklevel=2)
+def check_every(ddp, steps: int | None, detail: bool = False) -> None:
+    """``ddp.check_every(steps, detail)``: switch the checks on (every ``steps`` steps), or off."""
+    ddp.reducer.consistency = ConsistencyChecks(ddp, steps, detail) if steps else None
 
 
-def explain_failed_wait(reducer, bucket, error: RuntimeError) -> None:
-    """A bucket's all_reduce failed: raise an error saying where every rank was waiting.
+class Watch:
+    """A reducer's ``watch``: notices a second backward through one forward, and explains a
+    bucket's all_reduce that failed. Nothing runs on the hot path until one of them happens.
 
-    Each rank whose wait fails writes where it was to the ledger, then reads what the others
-    write in the next few seconds: ranks stuck at the same all_reduce fail together, a rank
-    stuck elsewhere shows where it is, and a rank that never reports is the likeliest culprit.
-    A rank whose consistency check found the cause wrote its message: that is the answer.
-    Any other error (a comm hook's own, say) is left to propagate as it is.
-    """
-    if not _communication_failed(error):
-        return
-    ledger, rank = reducer.ledger, dist.get_rank(reducer.group)
-    first = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    text = (f"rank {rank}: the all_reduce of bucket {bucket.index} in the backward of forward "
-            f"{reducer.forwards} did not complete ({first}). A rank may have skipped a step.")
-    try:
-        ledger.write("stalled", {"forward": reducer.forwards, "synced": reducer.synced_forwards,
-                                 "bucket": bucket.index})
-        waiting = ledger.collect("stalled", STALL_REPORT_S)
-        errors = [ledger.read("error", r) for r in range(ledger.world_size)]
-    except RuntimeError:  # the store is gone too: say what this rank knows
-        raise CollectiveStalled(text) from error
-    found = [e["message"] for e in errors if e]
-    if found:
-        raise OutOfStep(f"{text} The cause, found by the consistency check: {found[0]}") \
+    It owns the reducer's :class:`~miniddp.checks.ledger.Ledger`, made here at construction
+    (so ledgers are numbered in the same order on every rank) and opened at first use."""
+
+    _warned: weakref.WeakSet = weakref.WeakSet()
+
+    def __init__(self, reducer):
+        self._reducer = weakref.ref(reducer)  # the reducer holds its watch
+        self.ledger = Ledger(reducer.group, reducer.params[0].device)
+
+    def outputs_of_synced_forward(self, outputs) -> None:
+        """Mark the outputs of a synchronized forward, so that a backward reaching them after
+        the reduction is known to be a second backward through that forward
+        (:meth:`late_gradient`).
+
+        A forward through ``ddp.module`` leaves no mark: gradients it accumulates before the
+        next synchronized step are averaged by that step, as with ``no_sync``, and are not
+        reported."""
+        me = self._reducer
+
+        def reached(_grad_outputs):
+            watched = me()
+            if watched is not None and watched.reduced:
+                watched.second_backward = True
+
+        for node in output_grad_fns(outputs):
+            node.register_prehook(reached)
+
+    def late_gradient(self, index: int) -> None:
+        """A hook fired after this forward's gradients were averaged: warn once, or raise."""
+        reducer = self._reducer()
+        name = reducer.names[index]
+        message = (
+            f"parameter {name!r} got a gradient after this forward's gradients were already "
+            "averaged across ranks, so that gradient stays local and the replicas drift apart: "
+            "a second backward through one forward of the DDP model (loss.backward("
+            "retain_graph=True) twice, or two losses from one forward). Add the losses and "
+            "call backward once, or run one forward of the DDP model per backward.")
+        if reducer.consistency is not None:
+            raise LateGradient(message)
+        if self not in self._warned:
+            self._warned.add(self)
+            warnings.warn(message + f" (warned once; {DEBUG_VARIABLE}=INFO makes it an error)",
+                          stacklevel=3)
+
+    def failed_wait(self, bucket, error: RuntimeError) -> None:
+        """A bucket's all_reduce failed: raise an error saying where every rank was waiting.
+
+        Each rank whose wait fails writes where it was to the ledger, then reads what the
+        others write in the next few seconds: ranks stuck at the same all_reduce fail
+        together, a rank stuck elsewhere shows where it is, and a rank that never reports is
+        the likeliest culprit. A rank whose consistency check found the cause wrote its
+        message: that is the answer. Any other error (a comm hook's own, say) is left to
+        propagate as it is.
+        """
+        if not _communication_failed(error):
+            return
+        reducer, ledger = self._reducer(), self.ledger
+        rank = dist.get_rank(reducer.group)
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        text = (f"rank {rank}: the all_reduce of bucket {bucket.index} in the backward of "
+                f"forward {reducer.forwards} did not complete ({first}). A rank may have "
+                "skipped a step.")
+        try:
+            ledger.write("stalled", {"forward": reducer.forwards,
+                                     "synced": reducer.synced_forwards,
+                                     "bucket": bucket.index})
+            waiting = ledger.collect("stalled", STALL_REPORT_S)
+            errors = [ledger.read("error", r) for r in range(ledger.world_size)]
+        except RuntimeError:  # the store is gone too: say what this rank knows
+            raise CollectiveStalled(text) from error
+        found = [e["message"] for e in errors if e]
+        if found:
+            raise OutOfStep(f"{text} The cause, found by the consistency check: {found[0]}") \
+                from error
+        raise CollectiveStalled(f"{text} {out_of_step.stalled(waiting, ledger.world_size)}") \
             from error
-    raise CollectiveStalled(f"{text} {out_of_step.stalled(waiting, ledger.world_size)}") \
-        from error
+
 
 def _communication_failed(error: RuntimeError) -> bool:
     text = str(error).lower()

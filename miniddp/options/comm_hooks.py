@@ -152,7 +152,7 @@ def check_hook(hook) -> None:
         raise TypeError(
             "BF16 all reduce communication hook required CUDA 11+ and NCCL 2.10+ or XPU and "
             "XCCL (torch's DDP refuses this hook on this torch build too). "
-            "miniddp.comm_hooks.bf16_compress does the same without this check.")
+            "miniddp.options.comm_hooks.bf16_compress does the same without this check.")
 
 
 def torch_allows_bf16_hooks() -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from miniddp.arguments import is_default_group
+from miniddp.options.arguments import is_default_group
 
 
 def state_to_copy(ddp) -> dict:

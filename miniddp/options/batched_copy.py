@@ -20,7 +20,7 @@ torch here too. What it does, as torch's reducer does:
 
 from __future__ import annotations
 
-from miniddp.gradient_views import same_storage
+from miniddp.options.gradient_views import same_storage
 
 
 class BatchedGradCopy:

@@ -1,0 +1,13 @@
+"""DDP's options: each in the module named for it, attached to the engine where it says so.
+
+* ``arguments``: torch's constructor signature, and the arguments miniddp refuses by name;
+* ``unused``: ``find_unused_parameters`` (and ``skip_all_reduce_unused_params``);
+* ``gradient_views``: ``gradient_as_bucket_view``;
+* ``batched_copy``: ``batched_grad_copy``;
+* ``static_graph``: ``static_graph=True`` / ``_set_static_graph()``;
+* ``comm_hooks``: ``register_comm_hook``, and miniddp's own hooks written out;
+* ``join``: uneven inputs, ``ddp.join()`` and torch's ``Join``;
+* ``pickling``: ``copy.deepcopy`` and pickling, as torch's.
+
+They import the engine's bucket rules at most; the engine imports them where it attaches them.
+"""

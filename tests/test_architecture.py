@@ -1,0 +1,213 @@
+"""The package's layout as a map: the engine at the top, every other room named for what it is,
+and dependencies that run one way (read from the source with ``ast``; nothing is imported).
+
+    train (the reference job) -> launch (starting ranks) -> engine <- options, checks, baselines
+
+The engine (the modules at the top of ``miniddp/``) imports no check, nothing that starts
+processes and nothing of the job; the checks attach to it at named points
+(``DistributedDataParallel.checks``). No module imports another that imports it back, however
+long the way round.
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "miniddp"
+
+ROOMS = {"options", "checks", "baselines", "launch", "train", "optim", "run"}
+#: What the engine must never import: the rooms that build on it or watch it.
+ENGINE_MUST_NOT_IMPORT = {"checks", "launch", "train", "baselines", "optim", "run"}
+#: Who may import whom, room by room ("engine" is the top of the package; the façade
+#: ``miniddp/__init__.py`` exports from every room and is left out).
+MAY_IMPORT = {
+    "engine": {"engine", "options"},
+    "options": {"engine", "options"},
+    "checks": {"engine", "options", "checks"},
+    "baselines": {"engine", "baselines"},
+    "optim": {"engine", "options", "optim"},
+    "launch": {"engine", "launch"},
+    "run": {"engine", "options", "checks", "launch", "run"},
+    "train": {"engine", "options", "checks", "baselines", "launch", "train", "optim", "run"},
+}
+
+
+def module_name(path: pathlib.Path, package: pathlib.Path = PACKAGE) -> str:
+    parts = ["miniddp", *path.relative_to(package).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def modules(package: pathlib.Path = PACKAGE) -> dict[str, pathlib.Path]:
+    return {module_name(p, package): p for p in sorted(package.rglob("*.py"))}
+
+
+def imported(path: pathlib.Path, known: set[str], name: str) -> set[str]:
+    """The miniddp modules ``path`` imports anywhere in it (in functions too). ``from miniddp
+    import x`` counts as importing ``miniddp.x`` when that is a module; a package imported by
+    being the parent of a module is not counted (Python runs it first, but that is not a
+    dependency the code chose)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.add(full if full in known else base)
+    return {m for m in found if m in known and m != name}
+
+
+def import_graph(package: pathlib.Path = PACKAGE) -> dict[str, set[str]]:
+    found = modules(package)
+    return {name: imported(path, set(found), name) for name, path in found.items()}
+
+
+def room(name: str) -> str:
+    parts = name.split(".")
+    if len(parts) > 1 and parts[1] in ROOMS:
+        return parts[1]
+    return "engine" if name != "miniddp" else "facade"
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, groups = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1 or v in graph[v]:
+                groups.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return groups
+
+
+def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
+    wrong = []
+    for name, targets in sorted(graph.items()):
+        source = room(name)
+        if source == "facade":
+            continue
+        for target in sorted(targets):
+            if room(target) == "facade":
+                wrong.append(f"{name} imports the package façade (import the module itself)")
+            elif room(target) not in MAY_IMPORT[source]:
+                wrong.append(f"{name} ({source}) imports {target} ({room(target)})")
+    return wrong
+
+
+def test_the_engine_sits_at_the_top_and_is_small():
+    engine = sorted(n for n in modules() if room(n) == "engine")
+    assert engine == ["miniddp.buckets", "miniddp.ddp", "miniddp.errors", "miniddp.reducer",
+                      "miniddp.sampler", "miniddp.sync", "miniddp.torch_versions"]
+    lines = sum(len(modules()[n].read_text().splitlines()) for n in engine)
+    assert lines < 1400, f"the engine has grown to {lines} lines: does something belong in a room?"
+
+
+def test_every_module_lives_in_a_room_named_for_what_it_is():
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms <= ROOMS, f"a subpackage the map does not know: {rooms - ROOMS}"
+
+
+def test_dependencies_run_one_way():
+    assert forbidden_imports(import_graph()) == []
+
+
+def test_the_engine_imports_no_check_no_launcher_and_nothing_of_the_job():
+    graph = import_graph()
+    for name, targets in graph.items():
+        if room(name) == "engine":
+            assert not {room(t) for t in targets} & ENGINE_MUST_NOT_IMPORT, (name, targets)
+
+
+def test_no_two_modules_import_each_other():
+    assert cycles(import_graph()) == []
+
+
+# ----- the checks above can fail: a small package with each mistake in it -----
+
+def write_package(tmp_path, files: dict[str, str]) -> pathlib.Path:
+    root = tmp_path / "miniddp"
+    for name, text in {"__init__.py": "", **files}.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        for parent in path.relative_to(root).parents:
+            (root / parent / "__init__.py").touch()
+        path.write_text(text)
+    return root
+
+
+def test_an_engine_importing_a_check_is_caught(tmp_path):
+    root = write_package(tmp_path, {
+        "reducer.py": "from miniddp.checks.consistency import late_gradient\n",
+        "checks/consistency.py": "import torch\n",
+    })
+    graph = import_graph(root)
+    assert forbidden_imports(graph) == [
+        "miniddp.reducer (engine) imports miniddp.checks.consistency (checks)"]
+
+
+def test_a_late_import_in_a_function_is_caught(tmp_path):
+    root = write_package(tmp_path, {
+        "ddp.py": "def trace(self):\n    from miniddp.checks import trace\n",
+        "checks/trace.py": "",
+    })
+    assert forbidden_imports(import_graph(root)) == [
+        "miniddp.ddp (engine) imports miniddp.checks.trace (checks)"]
+
+
+def test_two_modules_importing_each_other_are_caught(tmp_path):
+    root = write_package(tmp_path, {
+        "launch/launcher.py": "from miniddp.launch.rank_group import RankGroup\n",
+        "launch/rank_group.py": "def f():\n    from miniddp.launch import launcher\n",
+    })
+    assert cycles(import_graph(root)) == [["miniddp.launch.launcher",
+                                           "miniddp.launch.rank_group"]]
+
+
+def test_a_relative_import_is_read_like_an_absolute_one(tmp_path):
+    root = write_package(tmp_path, {
+        "options/join.py": "from ..launch import launcher\n",
+        "launch/launcher.py": "",
+    })
+    assert forbidden_imports(import_graph(root)) == [
+        "miniddp.options.join (options) imports miniddp.launch.launcher (launch)"]
+
+
+@pytest.mark.parametrize("text", ["from miniddp import checks\n", "import miniddp.checks\n"])
+def test_the_real_engine_with_a_check_import_added_fails(text):
+    """Shown failing on the package itself: the real reducer with one line added."""
+    graph = import_graph()
+    reducer = PACKAGE / "reducer.py"
+    added = ast.parse(text).body[0]
+    names = [a.name for a in added.names]
+    target = "miniddp.checks" if isinstance(added, ast.Import) else f"miniddp.{names[0]}"
+    graph["miniddp.reducer"] = graph["miniddp.reducer"] | {target}
+    assert reducer.exists()
+    assert any("miniddp.reducer (engine)" in w for w in forbidden_imports(graph))
