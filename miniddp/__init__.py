@@ -13,6 +13,7 @@ from miniddp.baselines.data_parallel import DataParallel
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.ddp import DistributedDataParallel
 from miniddp.launch import RankError, RankGroup, launch, spawn
+from miniddp.optim import ZeroRedundancyOptimizer
 from miniddp.sampler import DistributedSampler
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "DistributedSampler",
     "RankError",
     "RankGroup",
+    "ZeroRedundancyOptimizer",
     "launch",
     "spawn",
 ]
