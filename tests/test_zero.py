@@ -189,3 +189,222 @@ def test_comparison_fails_when_a_share_is_skipped(ranks, sabotage):
     """Negative controls: the comparison above can fail."""
     results = ranks(3).run(beside_torch, "sgd", sabotage=sabotage)
     assert any(r["problems"] for r in results), f"{sabotage.__name__} went unnoticed"
+
+
+def load_and_go_on(optimizer="adam", steps=3) -> dict:
+    """Train torch's ZeRO, consolidate on rank 0, send the state to every rank, load it into a
+    fresh torch ZeRO and a fresh miniddp ZeRO, and train both on."""
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)
+    cls, kwargs = OPTIMIZERS[optimizer]
+    first = nn.parallel.DistributedDataParallel(cases.TiedFrozen())
+    first_zero = TorchZero(first.parameters(), cls, **kwargs)
+    for step in range(steps):
+        args, _, y = cases.batch("tied_frozen", step, 0, rank)
+        first_zero.zero_grad()
+        cases.loss_of("tied_frozen", first(*args), y).backward()
+        first_zero.step()
+    first_zero.consolidate_state_dict(to=0)
+    saved = [first_zero.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(saved, src=0)
+    given = copy.deepcopy(saved[0])
+    reference = nn.parallel.DistributedDataParallel(copy.deepcopy(first.module))
+    ours = miniddp.DistributedDataParallel(copy.deepcopy(first.module))
+    ref_zero = TorchZero(reference.parameters(), cls, **kwargs)
+    zero = miniddp.ZeroRedundancyOptimizer(ours.parameters(), cls, **kwargs)
+    ref_zero.load_state_dict(copy.deepcopy(saved[0]))
+    zero.load_state_dict(saved[0])
+    problems = state_differences(saved[0], given, "the loaded dict afterwards")
+    for step in range(steps, steps + 3):
+        args, _, y = cases.batch("tied_frozen", step, 0, rank)
+        for ddp, opt in ((reference, ref_zero), (ours, zero)):
+            opt.zero_grad()
+            cases.loss_of("tied_frozen", ddp(*args), y).backward()
+            opt.step()
+        differences(step, ours, reference, problems)
+    ref_zero.consolidate_state_dict(to=0)
+    zero.consolidate_state_dict(to=0)
+    if rank == 0:
+        problems += state_differences(zero.state_dict(), ref_zero.state_dict())
+    return {"problems": problems[:10]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_load_state_dict_resumes_bit_for_bit(ranks, world_size):
+    check(ranks(world_size).run(load_and_go_on), "load_state_dict")
+
+
+# ----- overlap_with_ddp: the step inside DDP's backward -----
+
+@contextlib.contextmanager
+def gloo_allowed():
+    """torch's hook_with_zero_step refuses gloo by name; answer its one question "nccl"."""
+    real = dist.get_backend
+    dist.get_backend = lambda group=None: "nccl"
+    try:
+        yield
+    finally:
+        dist.get_backend = real
+
+
+def overlapped(kind: str, module, cls, kwargs, shard_buckets: bool):
+    """A DDP whose backward steps a ZeRO: torch's everything, torch's hook and optimizer on
+    miniddp's DDP, or miniddp's everything."""
+    if kind == "miniddp":
+        ddp = miniddp.DistributedDataParallel(module, **MANY_BUCKETS)
+        zero = miniddp.ZeroRedundancyOptimizer(ddp.parameters(), cls, overlap_with_ddp=True,
+                                               **kwargs)
+        ddp.register_comm_hook(None, hook_with_zero_step(comm_hooks.allreduce, ddp, zero,
+                                                         shard_buckets=shard_buckets))
+        return ddp, zero
+    wrapper = nn.parallel.DistributedDataParallel if kind == "torch" else \
+        miniddp.DistributedDataParallel
+    ddp = wrapper(module, **MANY_BUCKETS)
+    zero = TorchZero(ddp.parameters(), cls, overlap_with_ddp=True, **kwargs)
+    with gloo_allowed():
+        hook = ddp_zero_hook.hook_with_zero_step(torch_hooks.allreduce_hook, ddp, zero,
+                                                 shard_buckets=shard_buckets)
+    ddp.register_comm_hook(None, hook)
+    return ddp, zero
+
+
+MANY_BUCKETS = {"bucket_cap_mb": 0.0001}  # the MLP in 5 buckets after the rebuild
+
+
+def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_buckets=False,
+                         sabotage=False) -> dict:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(1234 + rank)
+    module = cases.MLP()
+    cls, kwargs = OPTIMIZERS[optimizer]
+    with cases.first_bucket_as_small_as(MANY_BUCKETS["bucket_cap_mb"]):
+        reference, ref_zero = overlapped("torch", copy.deepcopy(module), cls, kwargs,
+                                         shard_buckets)
+        ours, zero = overlapped(kind, copy.deepcopy(module), cls, kwargs, shard_buckets)
+    start = [p.detach().clone() for p in reference.parameters()]
+    problems = []
+    for step in range(steps):
+        if sabotage and step == 2 and rank == world_size - 1:
+            zero._local_step = lambda *args, **kwargs: None
+        args, _, y = cases.batch("mlp", step, 0, rank)
+        for ddp, opt in ((reference, ref_zero), (ours, zero)):
+            opt.zero_grad()
+            cases.loss_of("mlp", ddp(*args), y).backward()
+            opt.step()  # does nothing (with torch's warning): the hook stepped
+        differences(step, ours, reference, problems)
+    moved = not all(torch.equal(a, b) for a, b in zip(start, reference.parameters()))
+    # torch's functional optimizers have no state_dict(), so torch's ZeRO cannot consolidate
+    # with overlap_with_ddp: compare each rank's local state, parameter by parameter
+    local = [[zero.optim.state.get(p) for p in zero.optim.param_groups[0]["params"]],
+             [ref_zero.optim.state.get(p) for p in ref_zero.optim.param_groups[0]["params"]]]
+    problems += state_differences(*local, "local state")
+    if not isinstance(zero, TorchZero):
+        zero.consolidate_state_dict(to=0)
+        if rank == 0 and len(zero.state_dict()["state"]) != len(list(ours.parameters())):
+            problems.append("the consolidated state lacks parameters")
+    return {"problems": problems[:10], "moved": moved, "buckets": len(ours.reducer.buckets)
+            if kind != "torch" else None}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("kind", ["miniddp", "torch_hook_on_miniddp"])
+def test_overlap_with_ddp_bit_identical(ranks, world_size, optimizer, kind):
+    results = ranks(world_size).run(overlap_beside_torch, kind, optimizer)
+    check(results, (kind, optimizer))
+    assert results[0]["moved"], "the reference never stepped: the case tests nothing"
+    assert results[0]["buckets"] == 5
+
+
+def test_overlap_with_sharded_buckets(ranks):
+    check(ranks(3).run(overlap_beside_torch, "miniddp", "adamw", shard_buckets=True),
+          "shard_buckets")
+
+
+def test_overlap_comparison_fails_when_a_share_is_skipped(ranks):
+    results = ranks(3).run(overlap_beside_torch, "miniddp", "sgd", sabotage=True)
+    assert any(r["problems"] for r in results), "a skipped share went unnoticed"
+
+
+# ----- clear errors, with torch's words where torch has them -----
+
+def message_of(build) -> str:
+    try:
+        build()
+    except (TypeError, ValueError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def errors(which: str) -> dict:
+    """(miniddp's message, torch's message) for each wrong use in ``which``'s family."""
+    rank = dist.get_rank()
+    params = list(cases.MLP().parameters())
+    functional = torch.distributed.optim.utils.functional_optim_map[torch.optim.SGD]
+    uses = {
+        "optimizer_instance": lambda z: z(params, torch.optim.SGD(params, lr=0.1)),
+        "not_an_optimizer_class": lambda z: z(params, nn.Linear, lr=0.1),
+        "functional_without_overlap": lambda z: z(params, functional, lr=0.1),
+        "no_functional_version": lambda z: z(params, torch.optim.LBFGS, overlap_with_ddp=True),
+        "several_devices": lambda z: z([params[0], torch.empty(3, device="meta")],
+                                       torch.optim.SGD, lr=0.1),
+        "several_dtypes": lambda z: z([params[0], params[1].double()], torch.optim.SGD, lr=0.1),
+        "empty": lambda z: z([], torch.optim.SGD, lr=0.1),
+        "state_dict_before_consolidating": lambda z: z(params, torch.optim.SGD,
+                                                       lr=0.1).state_dict(),
+        "add_group_with_overlap": lambda z: z(params[:2], torch.optim.SGD, lr=0.1,
+                                              overlap_with_ddp=True).add_param_group(
+                                                  {"params": params[2:]}),
+        "state_before_overlap_is_ready": lambda z: z(params, torch.optim.SGD, lr=0.1,
+                                                     overlap_with_ddp=True).state_dict(),
+    }
+    if which == "disagreeing_ranks":  # collectives: miniddp's only (torch does not check)
+        return {
+            "lr": (message_of(lambda: miniddp.ZeroRedundancyOptimizer(
+                params, torch.optim.SGD, lr=0.1 * (rank + 1))), None),
+            "shapes": (message_of(lambda: miniddp.ZeroRedundancyOptimizer(
+                params[:3 + rank], torch.optim.SGD, lr=0.1)), None),
+            "add_param_group": (message_of(lambda: miniddp.ZeroRedundancyOptimizer(
+                params[:2], torch.optim.SGD, lr=0.1).add_param_group(
+                    {"params": params[2:3 + rank]})), None),
+        }
+    found = {name: (message_of(lambda: use(miniddp.ZeroRedundancyOptimizer)),
+                    message_of(lambda: use(TorchZero))) for name, use in uses.items()}
+    zero = miniddp.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
+    found["hook_without_overlap"] = (
+        message_of(lambda: hook_with_zero_step(comm_hooks.allreduce, None, zero)), None)
+    return found
+
+
+# what miniddp must say (its own words, or torch's where torch says something)
+EXPECTED = {
+    "optimizer_instance": "optimizer_class must be an optimizer class",
+    "not_an_optimizer_class": "must be a subclass of torch.optim.Optimizer",
+    "functional_without_overlap": "Passing in a functional optimizer",
+    "no_functional_version": "there is no supported functional optimizer equivalent",
+    "several_devices": "only supports using the same dense type for all parameters",
+    "several_dtypes": "only supports using the same dense type for all parameters",
+    "empty": "got an empty parameter list",
+    "state_dict_before_consolidating": "Optimizer state has not been consolidated on this rank",
+    "add_group_with_overlap": "only supports a single parameter group",
+    "state_before_overlap_is_ready": "should not be called until",
+    "hook_without_overlap": "must be constructed with `overlap_with_ddp=True`",
+}
+
+
+def test_errors_say_what_went_wrong_in_torchs_words(ranks):
+    found = ranks(2).run(errors, "single")[0]
+    assert set(found) == set(EXPECTED)
+    for name, (ours, theirs) in found.items():
+        assert EXPECTED[name] in ours, f"{name}: {ours}"
+        if EXPECTED[name] in (theirs or ""):  # torch's phrase, and the same kind of error
+            assert ours.split(":")[0] == theirs.split(":")[0], f"{name}: {ours} / {theirs}"
+    assert "torch.meta.FloatTensor" in found["several_devices"][0]
+
+
+def test_ranks_that_disagree_on_a_group_all_raise(ranks):
+    for rank, found in enumerate(ranks(2).run(errors, "disagreeing_ranks")):
+        for name, (ours, _) in found.items():
+            assert "different parameter groups on different ranks" in ours, (rank, name, ours)
+        assert "differs in lr" in found["lr"][0]
+        assert "differs in params" in found["add_param_group"][0]

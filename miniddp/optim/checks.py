@@ -75,7 +75,8 @@ def optimizer_class(cls: Any, overlap_with_ddp: bool):
     if isinstance(cls, Optimizer) or not callable(cls):
         raise TypeError(
             f"optimizer_class must be an optimizer class such as torch.optim.Adam, got "
-            f"{type(cls).__qualname__} {cls!r}: pass the class and its arguments, e.g. "
+            f"{'an optimizer already built' if isinstance(cls, Optimizer) else 'a'} "
+            f"{type(cls).__module__}.{type(cls).__qualname__}: pass the class and its arguments, e.g. "
             "ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3); each rank builds its "
             "own local optimizer from them.")
     if inspect.isclass(cls) and not issubclass(cls, Optimizer) and cls not in functional:
@@ -131,14 +132,24 @@ def ranks_agree(param_groups: list[dict], group, when: str) -> None:
             keys = sorted(k for k in set(theirs[index]) | set(everyone[0][index])
                           if theirs[index].get(k) != everyone[0][index].get(k))
             detail = (f"parameter group {index} differs in {', '.join(keys)}: rank 0 has "
-                      f"{_show(everyone[0][index], keys)}, rank {rank} has "
-                      f"{_show(theirs[index], keys)}")
+                      f"{_show(everyone[0][index], keys, theirs[index])}, rank {rank} has "
+                      f"{_show(theirs[index], keys, everyone[0][index])}")
         raise ValueError(
-            f"ZeroRedundancyOptimizer was {when} with different parameter groups on different "
-            f"ranks ({detail}). Each rank owns a share of the parameters and sends it to the "
+            f"ZeroRedundancyOptimizer has different parameter groups on different ranks {when} "
+            f"({detail}). Each rank owns a share of the parameters and sends it to the "
             "others, so every rank must pass the same parameters, in the same order, with the "
             "same options; add_param_group needs to be called on all ranks alike.")
 
 
-def _show(group: dict, keys: list[str]) -> str:
-    return ", ".join(f"{k}={group.get(k, '(none)')}" for k in keys)
+def _show(group: dict, keys: list[str], other: dict) -> str:
+    return ", ".join(_param_summary(group["params"], other["params"]) if k == "params"
+                     else f"{k}={group.get(k, '(none)')}" for k in keys)
+
+
+def _param_summary(params: list, other: list) -> str:
+    """How many parameters, and the first that differs from ``other`` (shape, dtype)."""
+    first = next((i for i, (a, b) in enumerate(zip(params, other)) if a != b),
+                 min(len(params), len(other)))
+    at = (f"parameter {first} is {params[first][0]} {params[first][1]}" if first < len(params)
+          else f"no parameter {first}")
+    return f"{len(params)} parameters ({at})"

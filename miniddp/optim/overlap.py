@@ -24,7 +24,6 @@ seen with the interleaved variant, whose waits run on a gloo thread). Here every
 the autograd thread that called the hook, so gloo is allowed.
 """
 
-from __future__ import annotations
 
 import enum
 import weakref

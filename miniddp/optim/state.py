@@ -35,6 +35,18 @@ def to_device(value: Any, device: torch.device) -> Any:
     return value
 
 
+def local_state_dict(optimizer) -> dict:
+    """``optimizer.state_dict()``; for torch's functional optimizers (``overlap_with_ddp``),
+    which have none, the same layout built from their ``state`` and ``param_group``."""
+    if hasattr(optimizer, "state_dict"):
+        return optimizer.state_dict()
+    params = optimizer.param_groups[0]["params"]
+    group = {k: v for k, v in optimizer.param_groups[0].items() if k != "params"}
+    return {"state": {i: dict(optimizer.state[p]) for i, p in enumerate(params)
+                      if p in optimizer.state},
+            "param_groups": [{**group, "params": list(range(len(params)))}]}
+
+
 def gather_local_states(local_state: dict, to: int, rank: int, world_size: int,
                         group) -> list[dict]:
     """Every rank's local state dict, in rank order, on rank ``to`` (``to`` is a rank of

@@ -64,7 +64,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self.initialized = False  # Optimizer.__init__ calls add_param_group: not ours yet
         Optimizer.__init__(self, params, defaults)
         Joinable.__init__(self)
-        checks.ranks_agree(self.param_groups, self.process_group, "built")
+        checks.ranks_agree(self.param_groups, self.process_group, "at construction")
         self._partition: list[list[dict]] | None = None
         self._is_trainable_mask = self._trainable_mask()
         self._default_device = self._all_params[0].device
@@ -200,7 +200,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not self.initialized:
             return
         self._all_params += [p for p in self.param_groups[-1]["params"]]
-        checks.ranks_agree(self.param_groups, self.process_group, "given add_param_group")
+        checks.ranks_agree(self.param_groups, self.process_group, "after add_param_group")
         self._partition = None
         mine = self._partition_parameters()[self.rank]
         if len(mine) == len(self.optim.param_groups) + 1:
@@ -217,7 +217,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         self._check_initialized()
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
         self._all_state_dicts = state.gather_local_states(
-            self.optim.state_dict(), to, self.rank, self.world_size, self.process_group)
+            state.local_state_dict(self.optim), to, self.rank, self.world_size, self.process_group)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state as of the last :meth:`consolidate_state_dict` to this
