@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 
 import ddp_cases as cases
 import pytest
@@ -125,7 +126,7 @@ def beside_torch(optimizer="adam", wrapper="miniddp", steps=4, bucket_view=False
                 problems.append(f"step {step}: the partition after add_param_group differs")
         args, _, y = cases.batch("tied_frozen", step, 0, rank)
         for ddp, opt in ((reference, ref_zero), (ours, zero)):
-            def loss_fn(ddp=ddp, opt=opt):
+            def loss_fn(ddp=ddp, opt=opt, args=args, y=y):
                 opt.zero_grad()
                 loss = cases.loss_of("tied_frozen", ddp(*args), y)
                 loss.backward()
@@ -368,8 +369,8 @@ def errors(which: str) -> dict:
                 params[:2], torch.optim.SGD, lr=0.1).add_param_group(
                     {"params": params[2:3 + rank]})), None),
         }
-    found = {name: (message_of(lambda: use(miniddp.ZeroRedundancyOptimizer)),
-                    message_of(lambda: use(TorchZero))) for name, use in uses.items()}
+    found = {name: (message_of(lambda use=use: use(miniddp.ZeroRedundancyOptimizer)),
+                    message_of(lambda use=use: use(TorchZero))) for name, use in uses.items()}
     zero = miniddp.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
     found["hook_without_overlap"] = (
         message_of(lambda: hook_with_zero_step(comm_hooks.allreduce, None, zero)), None)
@@ -390,6 +391,10 @@ EXPECTED = {
     "state_before_overlap_is_ready": "should not be called until",
     "hook_without_overlap": "must be constructed with `overlap_with_ddp=True`",
 }
+
+
+def test_constructor_signature_is_torchs():
+    assert inspect.signature(miniddp.ZeroRedundancyOptimizer) == inspect.signature(TorchZero)
 
 
 def test_errors_say_what_went_wrong_in_torchs_words(ranks):

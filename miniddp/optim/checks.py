@@ -76,9 +76,9 @@ def optimizer_class(cls: Any, overlap_with_ddp: bool):
         raise TypeError(
             f"optimizer_class must be an optimizer class such as torch.optim.Adam, got "
             f"{'an optimizer already built' if isinstance(cls, Optimizer) else 'a'} "
-            f"{type(cls).__module__}.{type(cls).__qualname__}: pass the class and its arguments, e.g. "
-            "ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3); each rank builds its "
-            "own local optimizer from them.")
+            f"{type(cls).__module__}.{type(cls).__qualname__}: pass the class and its "
+            "arguments, e.g. ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3); each "
+            "rank builds its own local optimizer from them.")
     if inspect.isclass(cls) and not issubclass(cls, Optimizer) and cls not in functional:
         raise TypeError(
             f"optimizer_class must be a subclass of torch.optim.Optimizer, got the class "

@@ -264,6 +264,21 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self.process_group
 
 
+def _torchs_signature(init):
+    """torch's own signature for ``init`` (the same names, order, kinds and defaults, and
+    torch's annotations), so that code inspecting the constructor sees torch's; ``init``'s own
+    if the installed torch's differs."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    ours, torchs = inspect.signature(init), inspect.signature(TorchZero.__init__)
+    same = [(p.name, p.kind, p.default) for p in ours.parameters.values()] == \
+        [(p.name, p.kind, p.default) for p in torchs.parameters.values()]
+    init.__signature__ = torchs if same else ours
+
+
+_torchs_signature(ZeroRedundancyOptimizer.__init__)
+
+
 class _StepWhenJoined(JoinHook):
     def __init__(self, zero: ZeroRedundancyOptimizer):
         self.zero = zero

@@ -75,7 +75,6 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 from miniddp.ddp import DistributedDataParallel
-from miniddp.optim import ZeroRedundancyOptimizer
 from miniddp.launch import (
     CollectiveFailed,
     RankError,
@@ -88,6 +87,7 @@ from miniddp.launch import (
     rank_device,
     stop_on_signals,
 )
+from miniddp.optim import ZeroRedundancyOptimizer
 from miniddp.sampler import DistributedSampler, EqualBatchCount
 from miniddp.train import checkpoint
 from miniddp.train.data import make_dataset, make_model
