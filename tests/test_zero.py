@@ -251,11 +251,13 @@ def gloo_allowed():
 def overlapped(kind: str, module, cls, kwargs, shard_buckets: bool):
     """A DDP whose backward steps a ZeRO: torch's everything, torch's hook and optimizer on
     miniddp's DDP, or miniddp's everything."""
-    if kind == "miniddp":
-        ddp = miniddp.DistributedDataParallel(module, **MANY_BUCKETS)
+    if kind in ("miniddp", "miniddp_hook_on_torch_ddp"):
+        wrapper = DDPS["miniddp" if kind == "miniddp" else "torch"]
+        ddp = wrapper(module, **MANY_BUCKETS)
         zero = miniddp.ZeroRedundancyOptimizer(ddp.parameters(), cls, overlap_with_ddp=True,
                                                **kwargs)
-        ddp.register_comm_hook(None, hook_with_zero_step(comm_hooks.allreduce, ddp, zero,
+        hook = comm_hooks.allreduce if kind == "miniddp" else torch_hooks.allreduce_hook
+        ddp.register_comm_hook(None, hook_with_zero_step(hook, ddp, zero,
                                                          shard_buckets=shard_buckets))
         return ddp, zero
     wrapper = nn.parallel.DistributedDataParallel if kind == "torch" else \
@@ -303,13 +305,15 @@ def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_bucket
         zero.consolidate_state_dict(to=0)
         if rank == 0 and len(zero.state_dict()["state"]) != len(list(ours.parameters())):
             problems.append("the consolidated state lacks parameters")
-    return {"problems": problems[:10], "moved": moved, "buckets": len(ours.reducer.buckets)
-            if kind != "torch" else None}
+    buckets = len(ours.reducer._get_zeros_like_grad_buckets()) if isinstance(
+        ours, nn.parallel.DistributedDataParallel) else len(ours.reducer.buckets)
+    return {"problems": problems[:10], "moved": moved, "buckets": buckets}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-@pytest.mark.parametrize("kind", ["miniddp", "torch_hook_on_miniddp"])
+@pytest.mark.parametrize("kind", ["miniddp", "torch_hook_on_miniddp",
+                                  "miniddp_hook_on_torch_ddp"])
 def test_overlap_with_ddp_bit_identical(ranks, world_size, optimizer, kind):
     results = ranks(world_size).run(overlap_beside_torch, kind, optimizer)
     check(results, (kind, optimizer))
