@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms import Join
 from torch.distributed.algorithms.ddp_comm_hooks import ddp_zero_hook
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
@@ -190,6 +191,60 @@ def test_comparison_fails_when_a_share_is_skipped(ranks, sabotage):
     """Negative controls: the comparison above can fail."""
     results = ranks(3).run(beside_torch, "sgd", sabotage=sabotage)
     assert any(r["problems"] for r in results), f"{sabotage.__name__} went unnoticed"
+
+
+def uneven_inputs_under_join(optimizer="sgd") -> dict:
+    """torch's ``Join([ddp, zero])``: rank r has 2 + r batches; a rank out of data shadows the
+    others' all_reduces (DDP) and still steps and sends its share (ZeRO)."""
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)
+    module = cases.TiedFrozen()
+    cls, kwargs = OPTIMIZERS[optimizer]
+    pairs = []
+    for wrapper, zero_class in (("torch", TorchZero), ("miniddp", miniddp.ZeroRedundancyOptimizer)):
+        ddp = DDPS[wrapper](copy.deepcopy(module))
+        pairs.append((ddp, zero_class(ddp.parameters(), cls, **kwargs)))
+    for ddp, zero in pairs:
+        with Join([ddp, zero]):
+            for step in range(2 + rank):
+                args, _, y = cases.batch("tied_frozen", step, 0, rank)
+                zero.zero_grad()
+                cases.loss_of("tied_frozen", ddp(*args), y).backward()
+                zero.step()
+    problems = []
+    differences("end", pairs[1][0], pairs[0][0], problems)
+    return {"problems": problems[:10]}
+
+
+def test_uneven_inputs_under_torchs_join(ranks):
+    check(ranks(3).run(uneven_inputs_under_join), "Join")
+
+
+def scheduled(optimizer="sgd", steps=4) -> dict:
+    """An LR scheduler changes the wrapper's groups; the local optimizer must follow."""
+    rank = dist.get_rank()
+    torch.manual_seed(1234 + rank)
+    module = cases.TiedFrozen()
+    cls, kwargs = OPTIMIZERS[optimizer]
+    runs = []
+    for zero_class in (TorchZero, miniddp.ZeroRedundancyOptimizer):
+        ddp = miniddp.DistributedDataParallel(copy.deepcopy(module))
+        zero = zero_class(ddp.parameters(), cls, **kwargs)
+        runs.append((ddp, zero, torch.optim.lr_scheduler.StepLR(zero, step_size=1, gamma=0.3)))
+    problems = []
+    for step in range(steps):
+        args, _, y = cases.batch("tied_frozen", step, 0, rank)
+        for ddp, zero, scheduler in runs:
+            zero.zero_grad()
+            cases.loss_of("tied_frozen", ddp(*args), y).backward()
+            zero.step()
+            scheduler.step()
+        differences(step, runs[1][0], runs[0][0], problems)
+    return {"problems": problems[:10]}
+
+
+def test_an_lr_scheduler_reaches_the_local_optimizer(ranks):
+    check(ranks(2).run(scheduled), "StepLR")
 
 
 def load_and_go_on(optimizer="adam", steps=3) -> dict:
