@@ -15,7 +15,8 @@ A rank owns whole DDP buckets (bucket ``i``: rank ``i % world_size``; or slices 
   one flat tensor per bucket (one broadcast each), the local (functional) optimizer is built,
   and the step runs from then on.
 
-So the first two iterations do not update the parameters, as with torch. The local optimizer is
+So the first two iterations do not update the parameters, as with torch (three with
+``static_graph=True``, where DDP rebuilds its buckets one iteration later). The local optimizer is
 torch's functional version of ``optimizer_class`` (``torch.distributed.optim``): its step takes
 the gradients as an argument, ``None`` for parameters it must leave alone.
 
