@@ -100,7 +100,8 @@ def keep_my_share(zero) -> None:
 
 
 def beside_torch(optimizer="adam", wrapper="miniddp", steps=4, bucket_view=False,
-                 sabotage=None, consolidate_to=None, closure=False, add_group_at=None) -> dict:
+                 sabotage=None, consolidate_to=None, closure=False, add_group_at=None,
+                 unfreeze_at=None) -> dict:
     """Train torch's DDP + torch's ZeRO and ``wrapper``'s DDP + miniddp's ZeRO side by side."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)
@@ -120,6 +121,9 @@ def beside_torch(optimizer="adam", wrapper="miniddp", steps=4, bucket_view=False
     if owners(zero, our_params) != owners(ref_zero, ref_params):
         problems.append("the partition differs from torch's")
     for step in range(steps):
+        if step == unfreeze_at:  # ZeRO notices at its next step (and rebuilds its buckets)
+            reference.module.frozen.weight.requires_grad_(True)
+            ours.module.frozen.weight.requires_grad_(True)
         if step == add_group_at:
             ref_zero.add_param_group({"params": ref_params[-late:], "lr": 0.03})
             zero.add_param_group({"params": our_params[-late:], "lr": 0.03})
@@ -168,6 +172,12 @@ def test_parameters_as_bucket_view(ranks, world_size):
     results = ranks(world_size).run(beside_torch, "adam", bucket_view=True)
     check(results, "parameters_as_bucket_view")
     assert results[0]["buckets"] == world_size, "one flat bucket per rank (one device)"
+
+
+def test_a_parameter_unfrozen_during_training(ranks):
+    """Trainability changed: the flat buckets are rebuilt (with torch's warning), as torch's."""
+    check(ranks(3).run(beside_torch, "adam", bucket_view=True, unfreeze_at=2, steps=4),
+          "unfrozen")
 
 
 def test_step_with_a_closure(ranks):

@@ -151,7 +151,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return loss
 
     def _sync_params(self) -> None:
-        """Every rank broadcasts its share (rank 0's first), all at once, then waits."""
+        """Every rank broadcasts its share (rank 0's first), all at once, then waits. The
+        broadcasts only copy, so neither their order nor their grouping changes a bit; torch's
+        are kept all the same: rank by rank, parameter by parameter (or one flat bucket per
+        device with ``parameters_as_bucket_view``)."""
         handles = []
         for rank in range(self.world_size):
             src = dist.get_global_rank(self.process_group, rank)
