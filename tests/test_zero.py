@@ -3,12 +3,16 @@
 Every case trains a reference (torch's DDP with torch's ZeroRedundancyOptimizer) beside miniddp's
 optimizer (under torch's DDP or miniddp's), on the same data, and compares every parameter with
 ``torch.equal`` after every step, at 2 and 3 ranks. The model has an embedding tied to its
-output layer and a frozen weight. The negative controls break the sharded step on purpose
-(one rank skips its share's step; one rank's share is not sent) and show the comparison fails.
+output layer and a frozen weight. Who owns which parameter is compared with torch's partition
+directly too (the bits alone would not show it: any owner computes the same step). The negative
+controls break the sharded step on purpose (one rank skips its share's step; one rank's share is
+not sent) and show the comparison fails.
 
-torch's ``hook_with_zero_step`` refuses gloo by name (pytorch issue 62300, a hang seen with its
-interleaved variant); the overlap cases build it with that one check answered "nccl"
-(:func:`gloo_allowed`), and it runs unchanged on both DDPs here.
+``overlap_with_ddp``: torch's DDP with torch's ``hook_with_zero_step`` and optimizer is the
+reference for miniddp's DDP with miniddp's hook and optimizer, torch's hook and optimizer on
+miniddp's DDP, and miniddp's hook and optimizer on torch's DDP. torch's hook refuses gloo by
+name (pytorch issue 62300, a hang seen with its interleaved variant); the tests build it with
+that one check answered "nccl" (:func:`gloo_allowed`), and it runs unchanged on both DDPs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import random
 
 import ddp_cases as cases
 import pytest
@@ -196,6 +201,30 @@ def test_consolidated_state_equal_key_for_key(ranks, world_size):
           "consolidate_state_dict")
 
 
+def partitions_of(cases_of_sizes: list[list[list[int]]]) -> list[str]:
+    """For each case (groups of parameter sizes), whether the owners differ from torch's."""
+    problems = []
+    for case, groups in enumerate(cases_of_sizes):
+        params = [[nn.Parameter(torch.zeros(n)) for n in sizes] for sizes in groups]
+        given = [{"params": ps, "lr": 0.1 * (g + 1)} for g, ps in enumerate(params)]
+        flat = [p for ps in params for p in ps]
+        ours = miniddp.ZeroRedundancyOptimizer(given, torch.optim.SGD, lr=0.1)
+        theirs = TorchZero(copy.copy(given), torch.optim.SGD, lr=0.1)
+        if owners(ours, flat) != owners(theirs, flat):
+            problems.append(f"case {case} {groups}: {owners(ours, flat)} != "
+                            f"{owners(theirs, flat)}")
+    return problems
+
+
+def test_partition_is_torchs_for_many_shapes(ranks):
+    """Sizes drawn with many ties (the order among equals is part of torch's rule)."""
+    draw = random.Random(19)
+    cases_of_sizes = [[[draw.choice([1, 2, 3, 5, 8, 8, 13, 64]) for _ in range(draw.randint(1, 9))]
+                       for _ in range(draw.randint(1, 3))] for _ in range(40)]
+    for world_size in (2, 3):
+        assert ranks(world_size).run(partitions_of, cases_of_sizes)[0] == []
+
+
 @pytest.mark.parametrize("sabotage", [skip_my_share, keep_my_share])
 def test_comparison_fails_when_a_share_is_skipped(ranks, sabotage):
     """Negative controls: the comparison above can fail."""
@@ -339,6 +368,14 @@ def overlapped(kind: str, module, cls, kwargs, shard_buckets: bool, **ddp_kwargs
 MANY_BUCKETS = {"bucket_cap_mb": 0.0001}  # the MLP in 5 buckets after the rebuild
 
 
+def assignments(zero) -> list[dict]:
+    """Which slices of which DDP buckets each rank steps: {bucket: (offset, parameters)}."""
+    per_rank = zero._overlap.shares if isinstance(zero, miniddp.ZeroRedundancyOptimizer) \
+        else zero._bucket_assignments_per_rank
+    return [{index: (share.offset, len(share.parameters)) for index, share in mine.items()}
+            for mine in per_rank]
+
+
 def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_buckets=False,
                          sabotage=False, **ddp_kwargs) -> dict:
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -362,6 +399,8 @@ def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_bucket
             opt.step()  # does nothing (with torch's warning): the hook stepped
         differences(step, ours, reference, problems)
     moved = not all(torch.equal(a, b) for a, b in zip(start, reference.parameters()))
+    if not isinstance(zero, TorchZero) and assignments(zero) != assignments(ref_zero):
+        problems.append("the buckets are shared out otherwise than torch's")
     # torch's functional optimizers have no state_dict(), so torch's ZeRO cannot consolidate
     # with overlap_with_ddp: compare each rank's local state, parameter by parameter
     local = [[zero.optim.state.get(p) for p in zero.optim.param_groups[0]["params"]],
