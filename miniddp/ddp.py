@@ -229,6 +229,12 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         return self.reducer.bucket_info()
 
     @property
+    def _has_rebuilt_buckets(self) -> bool:
+        """torch's flag: the buckets have been rebuilt (read by torch's ``hook_with_zero_step``
+        and ``miniddp.optim``'s, which wait for the final buckets)."""
+        return self.reducer.has_rebuilt
+
+    @property
     def allreduce_calls(self) -> int:
         """All_reduce calls made by the backward of the last forward with grad enabled: one
         per bucket after a synced forward, 0 after a forward inside ``no_sync``."""

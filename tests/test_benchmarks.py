@@ -24,6 +24,7 @@ import memory  # noqa: E402
 import no_sync  # noqa: E402
 import overhead  # noqa: E402
 import overlap  # noqa: E402
+import zero_memory  # noqa: E402
 
 from miniddp.launch import RankError  # noqa: E402
 
@@ -127,6 +128,22 @@ def test_memory_measures_both_ddps_with_and_without_bucket_views(tmp_path):
     assert configs == set(memory.CONFIGS) and len(configs) == 8
     assert all({"first_steps_peak_mb", "steady_peak_mb", "end_mb"} <= set(r)
                for r in result["memory"])
+
+
+def test_zero_memory_counts_each_ranks_optimizer_state_at_1_2_3_ranks(tmp_path):
+    result = zero_memory.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "zero_memory-cpu-ws1-2-3.json").read_text())
+    assert saved == json.loads(json.dumps(result)), "the JSON file differs from the result"
+    assert MACHINE_FIELDS - {"seconds"} <= set(saved["machine"])
+    rows = saved["per_world_size"]
+    assert [r["world_size"] for r in rows] == [1, 2, 3]
+    assert [len(r["state_mib_per_rank"]) for r in rows] == [1, 2, 3]
+    for run, row in zip(saved["runs"], rows):
+        assert run["bit_identical"] and row["same_as_torch"]
+        assert row["total_over_whole"] == 1.0, "the shares add up to the whole state"
+        if row["world_size"] > 1:  # sharded: every rank holds less than the whole
+            assert max(run["state_bytes"]) < saved["runs"][0]["state_bytes"][0]
+    assert sum(saved["runs"][2]["parameters_owned"]) == saved["model"]["parameters"]
 
 
 def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):

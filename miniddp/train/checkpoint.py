@@ -6,7 +6,9 @@ made by :func:`save` holds all of it:
 
 * the model's weights, keyed as in the plain module (no ``module.`` prefix), so the same file
   loads into the bare model, miniddp's DDP and torch's DDP;
-* the optimizer's state, the epoch and the step count;
+* the optimizer's state, the epoch and the step count. A sharded optimizer
+  (``miniddp.ZeroRedundancyOptimizer``, or torch's) is gathered on rank 0 first
+  (``consolidate_state_dict``), so the snapshot holds the whole state in plain Adam's layout;
 * the sampler's position inside the epoch (``miniddp.DistributedSampler.state_dict``), so a job
   snapshotted mid-epoch does not train twice on the first half of that epoch;
 * **every** rank's random number generators: torch's CPU generator, the CUDA generator of the
@@ -223,6 +225,8 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer=None, sampler=None
             f"{type(sampler).__name__} has no state_dict(): it cannot say where it is inside "
             "an epoch. Use miniddp.DistributedSampler, or pass sampler=None and resume at "
             "an epoch boundary with sampler.set_epoch(snapshot['epoch']).")
+    if optimizer is not None and hasattr(optimizer, "consolidate_state_dict"):
+        optimizer.consolidate_state_dict(to=0)  # a sharded optimizer: every rank sends its share
     rngs = [rng_state()]
     if _in_group():
         everyone = [None] * dist.get_world_size() if _rank() == 0 else None

@@ -7,6 +7,10 @@ those of a run that was never interrupted. What that takes:
 
 * the snapshot holds the model, Adam's state, the epoch, the step, the sampler's position inside
   the epoch and every rank's random generators (``miniddp.train.checkpoint``);
+* with ``--zero``, Adam's state is sharded over the ranks (``miniddp.ZeroRedundancyOptimizer``,
+  ZeRO stage 1): each rank keeps the moments of its share of the parameters. The snapshot still
+  holds the whole state (gathered on rank 0), in the layout plain Adam uses, so a run resumes
+  with or without ``--zero`` and at another number of ranks;
 * the data order is a pure function of (seed, epoch): the sampler shuffles with ``seed + epoch``;
 * the global random generator is used by the training step alone (each rank adds its own input
   noise). ``iter(DataLoader)`` draws a seed from the global generator unless it has a generator of
@@ -17,6 +21,7 @@ those of a run that was never interrupted. What that takes:
 Run it:
 
     python -m miniddp.train --nproc 2 --snapshot /tmp/snap.pt --out /tmp/model.pt
+    python -m miniddp.train --nproc 2 --zero --snapshot /tmp/snap.pt   # Adam's state sharded
     torchrun --standalone --nproc_per_node=2 -m miniddp.train --snapshot /tmp/snap.pt
     torchrun --standalone --nproc_per_node=2 --max-restarts=3 -m miniddp.train \\
         --snapshot /tmp/snap.pt --save-every-steps 20
@@ -82,6 +87,7 @@ from miniddp.launch import (
     rank_device,
     stop_on_signals,
 )
+from miniddp.optim import ZeroRedundancyOptimizer
 from miniddp.sampler import DistributedSampler, EqualBatchCount
 from miniddp.train import checkpoint
 from miniddp.train.data import make_dataset, make_model
@@ -142,6 +148,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "rank that does not join it")
     p.add_argument("--check-every", type=_number(int, 0, "a number of steps, 1 or more"),
                    metavar="N", help="check that the replicas agree every N steps (see below)")
+    p.add_argument("--zero", action="store_true",
+                   help="shard Adam's state over the ranks (ZeRO stage 1)")
     p.add_argument("--pid-dir", help="write each rank's pid to DIR/rank<R>.pid")
     p.add_argument("--fault", type=parse_fault, metavar="KIND:RANK:STEP",
                    help="inject a fault: raise, hang, exit or drift on rank RANK at step STEP")
@@ -192,7 +200,11 @@ def _train(args) -> dict:
     loader = DataLoader(dataset, batch_sampler=EqualBatchCount(sampler, args.batch_size),
                         generator=torch.Generator())  # keeps iter(loader) off the global RNG
     model = make_model(seed=args.seed).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    if args.zero:  # every rank checks that the others hold the same parameters
+        with collective("the sharded optimizer's construction", args.timeout):
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=LR)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     torch.manual_seed(args.seed * 100_003 + rank)  # each rank its own noise
 
     epoch = step = 0
@@ -211,6 +223,7 @@ def _train(args) -> dict:
     else:
         print0(f"starting from scratch: {world_size} ranks, backend {dist.get_backend()}, "
                f"{args.epochs} epochs of {len(dataset)} samples, batch {args.batch_size} per rank"
+               + (", Adam's state sharded (ZeRO-1)" if args.zero else "")
                + ("" if args.snapshot else "; no --snapshot, so nothing to resume from"))
     with collective("DDP's construction (shape check and broadcast from rank 0)", args.timeout):
         ddp = DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
@@ -232,7 +245,8 @@ def _train(args) -> dict:
                 loss = F.mse_loss(ddp(x), y)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-            optimizer.step()
+            with collective(f"step {step}: the optimizer step", args.timeout):
+                optimizer.step()  # with --zero: each rank's share, then broadcasts
             step, seen = step + 1, seen + len(x)
             losses.append(loss.detach())
             if args.snapshot and every and step % every == 0 and i + 1 < batches:

@@ -1,0 +1,14 @@
+"""The sharded optimizer (ZeRO stage 1): each rank keeps the optimizer state of its own share
+of the parameters, steps that share, and sends it to the others.
+
+``ZeroRedundancyOptimizer`` (``miniddp.optim.zero``) is torch's
+``torch.distributed.optim.ZeroRedundancyOptimizer`` bit for bit; ``hook_with_zero_step``
+(``miniddp.optim.overlap``) runs its step inside DDP's backward (``overlap_with_ddp=True``).
+Who owns what: ``miniddp.optim.partition``; checkpoints: ``miniddp.optim.state``; the errors:
+``miniddp.optim.checks``.
+"""
+
+from miniddp.optim.overlap import hook_with_zero_step
+from miniddp.optim.zero import ZeroRedundancyOptimizer
+
+__all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step"]

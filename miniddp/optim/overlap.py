@@ -1,0 +1,163 @@
+"""``overlap_with_ddp=True``: the sharded step runs inside DDP's backward, bucket by bucket.
+
+Without it, a step waits for the whole backward, then steps, then broadcasts. With it, DDP's
+communication hook (:func:`hook_with_zero_step`) does the step as soon as the last bucket has
+been launched: each rank waits only for the all_reduces of the buckets it owns, steps the
+parameters in them with the averaged gradients straight from the bucket, and broadcasts them,
+while the other buckets may still be in flight. ``zero.step()`` then does nothing.
+
+A rank owns whole DDP buckets (bucket ``i``: rank ``i % world_size``; or slices of buckets with
+``shard_buckets=True``), so it must know DDP's final buckets first, as torch's version does:
+
+* first backward: DDP has not rebuilt its buckets yet; the hook only reduces;
+* second: DDP has rebuilt them; the hook records each bucket's parameters;
+* third, at bucket 0: the partition is made from them, each owner's parameters become views of
+  one flat tensor per bucket (one broadcast each), the local (functional) optimizer is built,
+  and the step runs from then on.
+
+So the first two iterations do not update the parameters, as with torch (three with
+``static_graph=True``, where DDP rebuilds its buckets one iteration later). The local optimizer is
+torch's functional version of ``optimizer_class`` (``torch.distributed.optim``): its step takes
+the gradients as an argument, ``None`` for parameters it must leave alone.
+
+torch's ``hook_with_zero_step`` refuses the gloo backend by name (pytorch issue 62300, a hang
+seen with the interleaved variant, whose waits run on a gloo thread). Here every wait runs on
+the autograd thread that called the hook, so gloo is allowed.
+"""
+
+
+import enum
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from miniddp.optim.partition import (
+    BucketShare,
+    assign_ddp_buckets,
+    flatten_into_views,
+    owners_per_bucket,
+    with_params,
+)
+
+
+class Status(enum.IntEnum):
+    WAITING_FOR_REBUILD = 0  # DDP's buckets are not final yet
+    RECORDING_BUCKETS = 1  # they are: note each bucket's parameters
+    READY = 2  # the partition is made and the local optimizer built
+
+
+class Overlap:
+    """One ``ZeroRedundancyOptimizer``'s side of the overlap: the buckets, who owns them, and
+    what one backward has seen so far."""
+
+    def __init__(self, zero):
+        self.zero = zero
+        self.status = Status.WAITING_FOR_REBUILD
+        self.shard_buckets = False
+        self.params_per_bucket: list[list[torch.Tensor]] = []
+        self.shares: list[dict[int, BucketShare]] = []  # [rank][bucket index]
+        self.owners: list[set[int]] = []  # [bucket index]: the ranks that step a share of it
+        self.offsets: dict[int, int] = {}  # bucket index -> first of its params in my share
+        self.waiting: dict[int, tuple] = {}  # this backward: bucket index -> (bucket, future)
+        self.seen: list[int] = []
+
+    @property
+    def ready(self) -> bool:
+        return self.status == Status.READY
+
+    def note_bucket(self, ddp, bucket) -> None:
+        """The set-up, bucket by bucket, until the partition can be made (see the module)."""
+        if not ddp._has_rebuilt_buckets:
+            return
+        if self.status == Status.WAITING_FOR_REBUILD:
+            self.status = Status.RECORDING_BUCKETS
+        if self.status == Status.RECORDING_BUCKETS:
+            if bucket.index() == 0 and self.params_per_bucket:
+                self.make_partition()
+            else:
+                self.params_per_bucket.append(bucket.parameters())
+
+    def make_partition(self) -> None:
+        zero = self.zero
+        self.status = Status.READY
+        self.shares = assign_ddp_buckets(self.params_per_bucket, zero.world_size,
+                                         self.shard_buckets)
+        self.owners = owners_per_bucket(self.shares, len(self.params_per_bucket))
+        params_per_rank = []
+        for rank, mine in enumerate(self.shares):
+            params = []
+            for index, share in mine.items():
+                if rank == zero.rank:
+                    self.offsets[index] = len(params)
+                params += share.parameters
+                share.tensor = flatten_into_views(share.parameters)
+            params_per_rank.append(params)
+        zero._partition = [[with_params(zero.param_groups[0], params)]
+                           for params in params_per_rank]
+        zero._init_local_optimizer()
+
+    def at_bucket(self, bucket, future) -> None:
+        """After set-up: keep my buckets; at the last one, step and broadcast them all."""
+        index, rank = bucket.index(), self.zero.rank
+        if rank in self.owners[index]:
+            self.waiting[index] = (bucket, future)
+        expected = self.seen[-1] + 1 if self.seen else 0
+        if index != expected:
+            raise AssertionError(f"DDP launched bucket {index} where bucket {expected} was "
+                                 "expected: buckets must come in order, starting at 0")
+        self.seen.append(index)
+        if index != len(self.params_per_bucket) - 1:
+            return
+        handles = []
+        for index in range(len(self.params_per_bucket)):
+            if rank in self.owners[index]:
+                bucket, future = self.waiting[index]
+                future.wait()  # this bucket's gradients are averaged
+                self.step_share(bucket)
+            handles += self.broadcast(index)
+        for handle in handles:
+            handle.wait()
+        self.seen.clear()
+        self.waiting.clear()
+
+    def step_share(self, bucket) -> None:
+        """Step the parameters of my share of ``bucket`` with its averaged gradients."""
+        index = bucket.index()
+        share = self.shares[self.zero.rank][index]
+        gradients = [None] * len(self.zero.optim.param_groups[0]["params"])
+        mine = bucket.gradients()[share.offset:share.offset + len(share.parameters)]
+        for i, gradient in enumerate(mine):
+            gradients[self.offsets[index] + i] = gradient
+        self.zero._local_step(gradients)
+
+    def broadcast(self, index: int) -> list:
+        """Each owner of bucket ``index`` (in rank order) sends its share's flat tensor."""
+        zero = self.zero
+        return [dist.broadcast(self.shares[rank][index].tensor,
+                               src=dist.get_global_rank(zero.process_group, rank),
+                               group=zero.process_group, async_op=True)
+                for rank in sorted(self.owners[index])]
+
+
+def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
+    """Wrap the communication hook ``hook`` (e.g. ``miniddp.options.comm_hooks.allreduce``, or
+    torch's ``allreduce_hook``) so that ``zero`` (built with ``overlap_with_ddp=True``) steps
+    during the backward of ``ddp`` (miniddp's DDP or torch's). Register the result with
+    ``ddp.register_comm_hook(state, ...)``. torch's signature and behaviour."""
+    if not zero._overlap_with_ddp:
+        raise ValueError("ZeroRedundancyOptimizer must be constructed with "
+                         "`overlap_with_ddp=True` to use this hook properly")
+    overlap: Overlap = zero._overlap
+    if shard_buckets:
+        overlap.shard_buckets = True
+    ddp_ref = weakref.ref(ddp)
+
+    def hook_with_zero_fn(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        future = hook(state, bucket)
+        overlap.note_bucket(ddp_ref(), bucket)
+        if overlap.ready:
+            overlap.at_bucket(bucket, future)
+        return future
+
+    return hook_with_zero_fn
