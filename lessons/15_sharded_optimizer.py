@@ -21,11 +21,12 @@ and then send its updated parameters to every other rank. Written out, about 40 
    share flattened and exchanged in one ``all_gather``.
 
 Each element's update reads only that element's gradient and state, so the sharded step gives
-the unsharded optimizer's bits exactly. Proven here: the hand-written version, with both ways of
-sending back, against ``miniddp.optim.ZeroRedundancyOptimizer`` and torch's
-``torch.distributed.optim.ZeroRedundancyOptimizer`` (each beside its DDP) and an unsharded
-optimizer, after every step, with SGD with momentum and with Adam; each rank's state covers the
-very parameters torch's gives it; a control that forgets to send back leaves the ranks apart.
+the unsharded optimizer's bits exactly. Proven here, after every step, with SGD with momentum
+and with Adam: the hand-written version (both ways of sending back),
+``miniddp.optim.ZeroRedundancyOptimizer`` and torch's
+``torch.distributed.optim.ZeroRedundancyOptimizer`` (each beside its DDP) all equal to the
+unsharded optimizer, bit for bit; each rank's state covers the very parameters torch's gives
+it, byte for byte; a control that forgets to send back leaves the ranks apart.
 
 Then the memory, counted exactly (no timing) at 1, 2 and 3 ranks: the optimizer state each rank
 holds, next to the prediction total / W, for a model of equal layers and for lesson 00's student,
@@ -35,12 +36,13 @@ Then ZeRO stage 2: the gradients need not be averaged everywhere either. A rank 
 share, so it needs only its share's averaged gradients, and the first half of lesson 01's ring
 (the reduce-scatter) delivers exactly that: lay the gradients out rank by rank, cut the ring's
 chunks at the shares, and after W - 1 exchanges rank r holds the sum of chunk r. Written out
-here, equal to all_reduce followed by slicing, then trained with stage 1's all_gather in place
-of DDP. Communication does not grow: a ring all_reduce *is* a reduce-scatter and an all-gather;
-stage 2 reduce-scatters gradients and all-gathers parameters, the same bytes. Where this leads:
-stage 3 shards the parameters too (torch's FSDP, ``torch.distributed.fsdp.fully_shard``), each
-layer all-gathered just before its forward and its backward and freed after; the table at the
-end shows the bytes per parameter of each stage.
+here and equal to all_reduce followed by slicing (bit for bit at 2 ranks; at 3, to lesson 01's
+whole ring, and to rounding of gloo's all_reduce, which adds in another order), then trained
+with stage 1's all_gather in place of DDP. Communication does not grow: a ring all_reduce *is*
+a reduce-scatter and an all-gather; stage 2 reduce-scatters gradients and all-gathers
+parameters, the same bytes. Where this leads: stage 3 shards the parameters too (torch's FSDP,
+``torch.distributed.fsdp.fully_shard``), each layer all-gathered just before its forward and
+its backward and freed after; the table at the end shows the bytes per parameter of each stage.
 
 Run it:
 
@@ -52,7 +54,8 @@ What you will see: bytes per parameter for SGD, momentum and Adam, counted; each
 of the parameters, next to torch's; the loss falling under the sharded Adam; "equal bit for bit"
 for each optimizer after every step; the control's ranks apart; optimizer state per rank at 1, 2
 and 3 ranks next to total / W; the reduce-scatter by hand next to all_reduce and slicing; ZeRO-2
-training; the table of the stages; and ``OK: ...``. A few seconds.
+training; the table of the stages; and ``OK: ...``. 10-20 seconds on two CPU cores, most of
+them small collectives and processes starting.
 """
 
 import argparse
