@@ -119,6 +119,18 @@ def join_ignores_the_divisor(module):
     _patch(module, "notify_still_training", lambda original: notify_still_training)
 
 
+def broadcast_does_nothing(module):
+    """Lesson 15: ``dist.broadcast`` leaves every rank's tensor as it was: the owners' updated
+    parameters never reach the other ranks."""
+    class Done:
+        def wait(self, *args, **kwargs):
+            return True
+
+    def broadcast(tensor, src=None, group=None, async_op=False, **kwargs):
+        return Done() if async_op else None
+    _patch(module, "broadcast", lambda original: broadcast)
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -133,6 +145,7 @@ BREAKAGES = {
     "averages_not_written_back": ("miniddp.reducer", averages_not_written_back),
     "comm_hook_ignored": ("miniddp.options.comm_hooks", comm_hook_ignored),
     "join_ignores_the_divisor": ("miniddp.options.join", join_ignores_the_divisor),
+    "broadcast_does_nothing": ("torch.distributed", broadcast_does_nothing),
 }
 
 

@@ -1,0 +1,307 @@
+"""The checks behind lessons/grade.py for exercise 15, the sharded optimizer step (ZeRO stage 1).
+
+Root causes first: the partition (torch's rule, on 40 parameter lists), then what each rank's
+optimizer holds, then where every parameter is sent from (a spy standing in for
+``dist.broadcast`` has the ranks compare each call before it is made, so a wrong source fails
+with a message instead of a hang), and last the parameters after every step, bit for bit,
+against torch's ``ZeroRedundancyOptimizer`` beside torch's DDP.
+"""
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from grading_checks import many_layers, on_ranks
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from miniddp.train.data import make_dataset
+
+OPTIMIZERS = {"SGD with momentum": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9}),
+              "Adam": (torch.optim.Adam, {"lr": 0.01})}
+STEPS = 3
+WORLDS = (2, 3)
+
+HINT_15 = """owners:
+    result, load = [0] * len(params), [0] * world_size
+    for i in sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True):
+        result[i] = load.index(min(load))
+        load[result[i]] += params[i].numel()
+    return result
+__init__:
+    mine = [p for p, owner in zip(self.params, self.owners) if owner == self.rank]
+    self.local = optimizer_class(mine, **defaults)
+step:
+    self.local.step()
+    for p, owner in zip(self.params, self.owners):
+        dist.broadcast(p, src=owner)"""
+
+
+def exercise():
+    return sys.modules["exercise_15"]
+
+
+def positions(params, chosen) -> list[int]:
+    ids = {id(p) for p in chosen}
+    return [i for i, p in enumerate(params) if id(p) in ids]
+
+
+def torch_owners(params) -> list[int]:
+    """The owner torch's ZeroRedundancyOptimizer gives each parameter (a collective)."""
+    share = positions(params, TorchZeRO(params, torch.optim.SGD, lr=0.1).optim.param_groups[0][
+        "params"])
+    found = torch.tensor([dist.get_rank() if i in share else -1 for i in range(len(params))])
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    return found.tolist()
+
+
+# ----- the partition -----
+
+def parameter_sizes(cases: int = 40) -> list[list[int]]:
+    """Parameter lists with many equal sizes: ties are where rules differ."""
+    g = torch.Generator().manual_seed(0)
+    choices = torch.tensor([1, 3, 8, 64, 100, 500])
+    return [choices[torch.randint(0, len(choices), (int(torch.randint(1, 12, (), generator=g)),),
+                                  generator=g)].tolist() for _ in range(cases)]
+
+
+def partition_task():
+    cases = []
+    for sizes in parameter_sizes():
+        params = [nn.Parameter(torch.zeros(n)) for n in sizes]
+        cases.append((sizes, torch_owners(params),
+                      list(exercise().owners(params, dist.get_world_size()))))
+    return cases
+
+
+def greedy(sizes, world, order, lowest=True) -> list[int]:
+    owners, load = [0] * len(sizes), [0] * world
+    for i in order:
+        least = min(load)
+        owners[i] = load.index(least) if lowest else world - 1 - load[::-1].index(least)
+        load[owners[i]] += sizes[i]
+    return owners
+
+
+def what_went_wrong(sizes, world, got) -> str:
+    """Name the rule the learner's owners follow, when it is a plausible wrong one."""
+    n = len(sizes)
+    largest_first = sorted(range(n), key=lambda i: sizes[i], reverse=True)
+    rules = {
+        "you dealt the parameters out in turn; torch balances elements: each parameter goes to "
+        "the rank that owns the fewest elements so far": [i % world for i in range(n)],
+        "you took the parameters in model order; torch takes the largest first":
+            greedy(sizes, world, range(n)),
+        "you took the smallest first; torch takes the largest first":
+            greedy(sizes, world, sorted(range(n), key=lambda i: sizes[i])),
+        "equal sizes came out in reverse order: torch's sort (sorted with reverse=True) is "
+        "stable and keeps them in model order":
+            greedy(sizes, world, sorted(range(n), key=lambda i: sizes[i])[::-1]),
+        "on a tie you chose a higher rank; torch chooses the lowest":
+            greedy(sizes, world, largest_first, lowest=False),
+    }
+    return next((why for why, owners in rules.items() if owners == got),
+                "largest first, each to the rank owning the fewest elements so far")
+
+
+def grade_partition():
+    for world in WORLDS:
+        for sizes, expected, got in on_ranks(world, partition_task)[0]:
+            if got != expected:
+                return False, (f"for parameters of {sizes} elements at {world} ranks torch's "
+                               f"owners are {expected}, yours {got}: "
+                               f"{what_went_wrong(sizes, world, got)}")
+    return True, ""
+
+
+# ----- the step -----
+
+class Disagreement(Exception):
+    """The ranks were about to make different collective calls."""
+
+
+class BroadcastSpy:
+    """Stands in for dist.broadcast during the learner's step.
+
+    Before each call the ranks compare (one small all_gather) which parameter they send, from
+    which rank: calls that would not match fail with a message instead of a hang. A source
+    that is not the parameter's owner is recorded.
+    """
+
+    END = -2  # "my step is over", compared like a call
+
+    def __init__(self, params, owners):
+        self.original = dist.broadcast
+        self.index = {p.data_ptr(): i for i, p in enumerate(params)}
+        self.owners, self.calls, self.wrong = owners, 0, []
+
+    def _agree(self, row: list[int]) -> None:
+        rows = [torch.empty(3, dtype=torch.long) for _ in range(dist.get_world_size())]
+        dist.all_gather(rows, torch.tensor(row))
+        rows = [r.tolist() for r in rows]
+        if all(r == rows[0] for r in rows):
+            return
+        described = "; ".join(f"rank {k}: " + ("its step was over" if r[0] == self.END else
+                                               f"parameter {r[0]} from rank {r[1]}")
+                              for k, r in enumerate(rows))
+        if any(r[0] == self.END for r in rows) or len({r[0] for r in rows}) > 1:
+            why = ("every rank must take part in the broadcast of every parameter, in the same "
+                   "order: the owner sending, the others receiving into their copy")
+        else:
+            why = ("the ranks named different sources: all must name the parameter's owner "
+                   "(self.owners), not themselves")
+        raise Disagreement(f"broadcast {self.calls + 1} of the step did not match across the "
+                           f"ranks ({described}): {why}")
+
+    def __call__(self, tensor, src=None, *args, **kwargs):
+        index = self.index.get(tensor.data_ptr(), -1)
+        self._agree([index, -1 if src is None else int(src), tensor.numel()])
+        if index >= 0 and src != self.owners[index]:
+            self.wrong.append((index, src, self.owners[index]))
+        self.calls += 1
+        return self.original(tensor, src, *args, **kwargs)
+
+    def finish(self) -> None:
+        self._agree([self.END, self.END, self.END])
+
+
+def sharded_task(name: str):
+    cls, defaults = OPTIMIZERS[name]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ours, theirs = TorchDDP(many_layers()), TorchDDP(many_layers())
+    params, their_params = list(ours.parameters()), list(theirs.parameters())
+    reference = TorchZeRO(their_params, cls, **defaults)
+    owners = torch_owners(list(many_layers().parameters()))
+    mine = exercise().ShardedOptimizer(ours.parameters(), cls, **defaults)
+    local = getattr(mine, "local", None)
+    report = {"local": type(local).__name__, "count": len(params), "share": None,
+              "torch_share": [i for i, owner in enumerate(owners) if owner == rank],
+              "state": None, "torch_state": None, "disagreement": None, "wrong": [],
+              "mismatch": None}
+    if isinstance(local, torch.optim.Optimizer):
+        report["share"] = positions(params, [p for g in local.param_groups for p in g["params"]])
+    x_all, y_all = make_dataset(n=16 * STEPS, seed=rank).tensors
+    for s in range(STEPS):
+        x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
+        before = [p.detach().clone() for p in params]
+        for model, optimizer in ((ours, mine), (theirs, reference)):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+        spy = BroadcastSpy(params, owners)
+        dist.broadcast = spy
+        try:
+            mine.step()
+            spy.finish()
+        except Disagreement as error:
+            report["disagreement"] = str(error)
+            return report
+        finally:
+            dist.broadcast = spy.original
+        reference.step()
+        report["wrong"] += spy.wrong
+        if s == 0 and isinstance(local, torch.optim.Optimizer):
+            report["state"], report["torch_state"] = state_bytes(local), state_bytes(
+                reference.optim)
+        differ = [i for i, (a, b) in enumerate(zip(params, their_params)) if not torch.equal(a, b)]
+        if differ and report["mismatch"] is None:
+            report["mismatch"] = {
+                "step": s, "differ": differ,
+                "stale": [i for i in differ if torch.equal(params[i], before[i])],
+                "owned": [i for i in differ if owners[i] == rank],
+                "diff": max((params[i] - their_params[i]).abs().max().item() for i in differ)}
+    flat = torch.cat([p.detach().reshape(-1) for p in params])
+    replicas = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(replicas, flat)
+    report["ranks_agree"] = all(torch.equal(r, flat) for r in replicas)
+    return report
+
+
+def state_bytes(optimizer) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer.state.values()
+               for t in s.values() if torch.is_tensor(t))
+
+
+def share_problem(rank: int, r: dict) -> str | None:
+    if r["share"] is None:
+        return (f"self.local is a {r['local']}: it must be the optimizer_class built over this "
+                "rank's share of the parameters")
+    if r["share"] == list(range(r["count"])):
+        return (f"rank {rank}'s optimizer holds all {r['count']} parameters: each rank's must "
+                "hold only those it owns, or every rank keeps the whole state, which is what "
+                "sharding is for")
+    if r["share"] != r["torch_share"]:
+        return (f"rank {rank}'s optimizer holds the parameters {r['share']}; torch's gives it "
+                f"{r['torch_share']} (self.owners == rank)")
+    if r["state"] == 0 < r["torch_state"]:
+        return (f"after one step rank {rank}'s optimizer holds no state, torch's "
+                f"{r['torch_state']} bytes: self.local never stepped")
+    if r["state"] != r["torch_state"]:
+        return (f"after one step rank {rank} keeps {r['state']} bytes of optimizer state, "
+                f"torch's {r['torch_state']}")
+    return None
+
+
+def send_problem(rank: int, r: dict) -> str | None:
+    if r["disagreement"]:
+        return r["disagreement"]
+    if r["wrong"]:
+        index, src, owner = r["wrong"][0]
+        return (f"parameter {index} was broadcast from rank {src}, but rank {owner} owns it: "
+                "only the owner stepped it, so only the owner holds its new value")
+    return None
+
+
+def bits_problem(rank: int, r: dict) -> str | None:
+    m = r["mismatch"]
+    if r["disagreement"]:
+        return "not checked: the step stopped at a broadcast the ranks disagreed on (above)"
+    if m is None:
+        return None
+    where = f"after step {m['step']} on rank {rank}"
+    own_stale = [i for i in m["stale"] if i in m["owned"]]
+    if own_stale:
+        return (f"{where} this rank's own parameters {own_stale} did not move: step the local "
+                "optimizer before sending")
+    if m["stale"] == m["differ"] and not m["owned"] and not r["ranks_agree"]:
+        return (f"{where} the parameters {m['stale']} kept their old values: other ranks own "
+                "and stepped them, and nothing brought their new values here. After the local "
+                "step, every parameter must be sent from its owner to every rank")
+    if m["stale"] == m["differ"] and r["ranks_agree"]:
+        return (f"{where} the parameters {m['stale']} kept their old values on every rank: "
+                "they were sent from a rank that had not stepped them, not from their owner")
+    return (f"{where} the parameters {m['differ']} differ from torch's by up to "
+            f"{m['diff']:.3g}: each must be stepped once, by its owner's optimizer, then sent "
+            "to every rank")
+
+
+def first_problem(results: dict, find) -> str | None:
+    for (world, name), reports in results.items():
+        for rank, r in enumerate(reports):
+            problem = find(rank, r)
+            if problem:
+                return f"{world} ranks, {name}: {problem}"
+    return None
+
+
+def grade_15():
+    ok, why = grade_partition()
+    yield (ok, "owners: torch's ZeroRedundancyOptimizer's partition of 40 parameter lists at 2 "
+           "and 3 ranks", why)
+    if not ok:
+        return
+    results = {(world, name): on_ranks(world, sharded_task, name)
+               for world in WORLDS for name in OPTIMIZERS}
+    problem = first_problem(results, share_problem)
+    yield (problem is None, "each rank's optimizer holds its share only, and the state torch's "
+           "keeps on that rank", problem)
+    problem = first_problem(results, send_problem)
+    yield (problem is None, "every broadcast sends a parameter from its owner, every rank "
+           "taking part", problem)
+    for world in WORLDS:
+        problem = first_problem({key: value for key, value in results.items()
+                                 if key[0] == world}, bits_problem)
+        yield (problem is None, f"{world} ranks: parameters equal torch's DDP + "
+               "ZeroRedundancyOptimizer bit for bit after every step (SGD with momentum, Adam)",
+               problem)

@@ -1,0 +1,236 @@
+"""Lesson 15 (ZeRO stage 1 by hand) and exercise 15 (the sharded step): what they prove holds,
+and fails when it should not.
+
+The lesson's pieces against torch: its partition against torch's ``ZeroRedundancyOptimizer``,
+its ``ShardedOptimizer`` bit for bit against torch's (each with a control that must differ), its
+reduce-scatter against all_reduce then slicing. Then the lesson broken from outside
+(``tests/breakage``), at 3 ranks, and the exercise graded both ways: as shipped it fails saying
+what to write, the solution passes, and each plausible wrong solution fails the check that
+names its mistake. (The lesson's plain run is ``tests/test_lessons.py``'s, found by its name.)
+"""
+
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from lesson_modules import load_lesson
+from test_grade import SOLUTIONS, grade, sections, solution_lines
+from test_lesson_breakage import run_broken
+from test_lessons import last_line, run
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from miniddp.train.data import make_dataset
+
+zero = load_lesson("15")
+
+
+def layers() -> nn.Module:
+    """Equal and unequal parameters: ties in the partition, and a rank with several."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                             nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+# ----- the partition -----
+
+def random_sizes(seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    choices = torch.tensor([1, 2, 7, 64, 65, 300])
+    count = int(torch.randint(1, 14, (), generator=g))
+    return choices[torch.randint(0, len(choices), (count,), generator=g)].tolist()
+
+
+def partitions_against_torch(rule: str = "lesson"):
+    """For 30 parameter lists: (the lesson's owners or a control's, torch's owners)."""
+    world = dist.get_world_size()
+    pairs = []
+    for seed in range(30):
+        params = [nn.Parameter(torch.zeros(n)) for n in random_sizes(seed)]
+        share = {id(p) for p in TorchZeRO(params, torch.optim.SGD, lr=0.1).optim.param_groups[0][
+            "params"]}
+        theirs = torch.tensor([dist.get_rank() if id(p) in share else -1 for p in params])
+        dist.all_reduce(theirs, op=dist.ReduceOp.MAX)
+        ours = (zero.partition(params, world) if rule == "lesson"
+                else [i % world for i in range(len(params))])
+        pairs.append((ours, theirs.tolist()))
+    return pairs
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lesson_partition_is_torchs(ranks, world):
+    pairs = ranks(world).run(partitions_against_torch)[0]
+    assert all(ours == theirs for ours, theirs in pairs), pairs
+
+
+def test_control_round_robin_is_not_torchs_partition(ranks):
+    pairs = ranks(3).run(partitions_against_torch, "round robin")[0]
+    assert any(ours != theirs for ours, theirs in pairs)
+
+
+# ----- the sharded step -----
+
+def sharded_against_torch(send_back, optimizer_name: str, steps: int = 4) -> bool:
+    """The lesson's ShardedOptimizer beside torch's DDP and ZeroRedundancyOptimizer: equal
+    after every step, and holding the same state on this rank."""
+    cls, defaults = zero.OPTIMIZERS[optimizer_name]
+    ours, theirs = TorchDDP(layers()), TorchDDP(layers())
+    mine = zero.ShardedOptimizer(ours.parameters(), cls, send_back, **defaults)
+    reference = TorchZeRO(theirs.parameters(), cls, **defaults)
+    x_all, y_all = make_dataset(n=16 * steps, seed=dist.get_rank()).tensors
+    equal = True
+    for s in range(steps):
+        for model, optimizer in ((ours, mine), (theirs, reference)):
+            optimizer.zero_grad()
+            F.mse_loss(model(x_all[16 * s:16 * (s + 1)]), y_all[16 * s:16 * (s + 1)]).backward()
+            optimizer.step()
+        equal &= all(torch.equal(a, b) for a, b in zip(ours.parameters(), theirs.parameters()))
+    same_state = zero.state_bytes(mine.local) == zero.state_bytes(reference.optim)
+    return equal and same_state
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("send_back", ["broadcast", "all_gather"])
+@pytest.mark.parametrize("optimizer_name", ["SGD with momentum", "Adam"])
+def test_sharded_step_by_hand_equals_torchs_zero_bit_for_bit(ranks, world, send_back,
+                                                             optimizer_name):
+    assert all(ranks(world).run(sharded_against_torch, send_back, optimizer_name))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_control_a_step_that_sends_nothing_back_differs(ranks, world):
+    assert not any(ranks(world).run(sharded_against_torch, None, "Adam"))
+
+
+# ----- ZeRO-2: the reduce-scatter -----
+
+def reduce_scatter_against_all_reduce(dtype: str, wrong_sizes: bool = False) -> bool:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    g = torch.Generator().manual_seed(rank)
+    sizes = [1000, 7, 300, 1][:world] + [5] * max(0, world - 4)
+    t = (torch.randint(-10**6, 10**6, (sum(sizes),), generator=g) if dtype == "int"
+         else torch.randn(sum(sizes), generator=g))
+    summed = t.clone()
+    dist.all_reduce(summed)
+    cut = sizes[::-1] if wrong_sizes else sizes  # the control cuts the chunks elsewhere
+    mine, sent = zero.ring_reduce_scatter(t.clone(), cut)
+    start = sum(sizes[:rank])
+    return torch.equal(mine, summed[start:start + sizes[rank]]) and sent == sum(cut) - cut[rank]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_reduce_scatter_by_hand_is_all_reduce_then_slicing_on_integers(ranks, world):
+    assert all(ranks(world).run(reduce_scatter_against_all_reduce, "int"))
+
+
+def test_reduce_scatter_by_hand_is_all_reduce_then_slicing_bit_for_bit_at_2_ranks(ranks):
+    assert all(ranks(2).run(reduce_scatter_against_all_reduce, "float"))
+
+
+def test_control_reduce_scatter_with_other_chunks_is_not_this_ranks_slice(ranks):
+    assert not all(ranks(3).run(reduce_scatter_against_all_reduce, "int", True))
+
+
+# ----- the lesson, whole -----
+
+@pytest.mark.lesson
+def test_lesson_runs_at_3_ranks(tmp_path):
+    done = run([sys.executable, zero.__file__, "--nproc", "3"], tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert last_line(done).startswith("OK: on 3 ranks"), done.stdout[-3000:]
+
+
+@pytest.mark.lesson
+def test_lesson_fails_when_broadcast_sends_nothing(tmp_path):
+    done = run_broken("15_sharded_optimizer", "broadcast_does_nothing", tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "by hand, broadcast differs from the unsharded optimizer" in output, output[-3000:]
+    assert "OK:" not in done.stdout
+
+
+# ----- exercise 15, graded -----
+
+@pytest.mark.slow
+def test_exercise_as_shipped_fails_saying_what_to_write():
+    done = grade("15")
+    assert done.returncode == 1, done.stdout + done.stderr
+    text = sections(done.stdout)["15"]
+    assert "TODO  not written yet: exercise 15" in text and "--hint 15" in text, text
+    assert "PASS" not in text
+    for line in solution_lines("15"):
+        assert line not in text, f"the instruction dictates {line!r}"
+
+
+@pytest.mark.slow
+def test_exercise_solution_passes_every_check():
+    done = grade("15", "--solutions")
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = sections(done.stdout)["15"]
+    assert text.count("PASS") == 5 and "FAIL" not in text, text
+
+
+def test_exercise_hint_prints_the_code_the_instruction_leaves_out():
+    done = grade("--hint", "15")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert all(line in done.stdout for line in solution_lines("15")), done.stdout
+
+
+# Each: (text in the solution, the mistake put in its place, the first check that must fail,
+# words its message must hold)
+MISTAKES = {
+    "every rank steps every parameter": (
+        "self.local = optimizer_class(mine, **defaults)",
+        "self.local = optimizer_class(self.params, **defaults)",
+        "each rank's optimizer holds its share only", "holds all 14 parameters"),
+    "the local step is never taken": (
+        "        self.local.step()\n", "", "each rank's optimizer holds its share only",
+        "self.local never stepped"),
+    "nothing is sent back": (
+        "        for p, owner in zip(self.params, self.owners):\n"
+        "            dist.broadcast(p, src=owner)\n", "",
+        "2 ranks: parameters equal torch's", "nothing brought their new values here"),
+    "sent from rank 0": (
+        "dist.broadcast(p, src=owner)", "dist.broadcast(p, src=0)",
+        "every broadcast sends a parameter from its owner", "but rank 1 owns it"),
+    "sent from this rank": (
+        "dist.broadcast(p, src=owner)", "dist.broadcast(p, src=self.rank)",
+        "every broadcast sends a parameter from its owner", "named different sources"),
+    "only the owner takes part": (
+        "            dist.broadcast(p, src=owner)",
+        "            if owner == self.rank:\n                dist.broadcast(p, src=owner)",
+        "every broadcast sends a parameter from its owner",
+        "every rank must take part in the broadcast of every parameter"),
+    "dealt round robin": (
+        "    result, load = [0] * len(params), [0] * world_size\n",
+        "    return [i % world_size for i in range(len(params))]\n",
+        "owners: torch's ZeroRedundancyOptimizer's partition", "you dealt the parameters out"),
+    "model order": (
+        "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)",
+        "range(len(params))", "owners: torch's ZeroRedundancyOptimizer's partition",
+        "in model order"),
+    "equal sizes reversed": (
+        "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)",
+        "sorted(range(len(params)), key=lambda i: params[i].numel())[::-1]",
+        "owners: torch's ZeroRedundancyOptimizer's partition", "equal sizes came out in reverse"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_exercise_wrong_solution_fails_naming_its_mistake(tmp_path, case):
+    right, wrong, check, words = MISTAKES[case]
+    solution = next(SOLUTIONS.glob("15_*.py"))
+    text = solution.read_text()
+    assert right in text, f"{solution.name} no longer contains {right!r}"
+    (tmp_path / solution.name).write_text(text.replace(right, wrong))
+    done = grade("15", "--dir", tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    lines = sections(done.stdout)["15"].splitlines()
+    failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
+    assert failed and check in lines[failed[0]], done.stdout
+    assert words in lines[failed[0] + 1], done.stdout
