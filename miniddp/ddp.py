@@ -330,4 +330,6 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         self.require_forward_param_sync = sync
         if sync:
             output = self.reducer.prepare_for_backward(output)
+        elif grad_enabled:  # inside no_sync: watched all the same (see the reducer)
+            output = self.reducer.outputs_of_unsynced_forward(output)
         return output
