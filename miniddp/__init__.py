@@ -5,7 +5,9 @@ hooks, buckets, all_reduce, write-back), ``buckets`` (torch's bucket rules), ``s
 ``sync`` (broadcasts at wrap time) and ``errors`` (the reducer's messages). Around it, each
 in a subpackage named for what it is: ``options`` (DDP's optional features), ``checks``
 (consistency checks and traces, attached to the engine at named points), ``baselines``
-(the naive versions), ``launch`` (starting ranks) and ``train`` (the reference job).
+(the naive versions), ``launch`` (starting ranks), ``run`` (miniddp in torch's place in other
+people's code: ``install()``, ``python -m miniddp.run script.py``) and ``train`` (the reference
+job).
 """
 
 from miniddp import checks as _checks  # noqa: F401  (attaches the checks to the engine)
@@ -13,6 +15,7 @@ from miniddp.baselines.data_parallel import DataParallel
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.ddp import DistributedDataParallel
 from miniddp.launch import RankError, RankGroup, launch, spawn
+from miniddp.run import install, installed, uninstall
 from miniddp.sampler import DistributedSampler
 
 __all__ = [
@@ -23,6 +26,9 @@ __all__ = [
     "DistributedSampler",
     "RankError",
     "RankGroup",
+    "install",
+    "installed",
     "launch",
     "spawn",
+    "uninstall",
 ]
