@@ -312,6 +312,9 @@ def test_run_installs_before_the_script_which_runs_as_main_with_its_arguments(tm
     assert "name __main__ argv ['--lr', '3'] miniddp True" in done.stdout
     plain = run_python(["SCRIPT"], tmp_path)  # without it: torch's class
     assert "miniddp False" in plain.stdout, plain.stderr[-2000:]
+    as_module = run_python(["-m", "miniddp.run", "-m", "train", "--lr", "3"], tmp_path)
+    assert "name __main__ argv ['--lr', '3'] miniddp True" in as_module.stdout, (
+        as_module.stderr[-2000:])
 
 
 def test_run_without_a_script_says_how_to_use_it(tmp_path):
