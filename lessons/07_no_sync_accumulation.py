@@ -26,9 +26,10 @@ That forward prepared a reduction, and ``no_sync`` only stops a forward from pre
 cancels nothing. So the next backward, even inside ``no_sync``, is the one that reduction
 waits for, and it all_reduces. torch's DDP does exactly this, and so does miniddp, down to a
 model with ``find_unused_parameters=True`` and an output the loss ignores: DDP passes every
-forward's outputs through its watch (lesson 08's "sink"), inside ``no_sync`` too, so the
-parameters behind the ignored output still report in and the reduction completes. The cure
-is the usual one: validate under ``torch.no_grad()``.
+forward's outputs through one identity autograd function (torch's ``_DDPSink``,
+``miniddp.options.unused``), inside ``no_sync`` too, so the parameters behind the ignored
+output still report in and the reduction completes. The cure is the usual one: validate under
+``torch.no_grad()``.
 
 Run it:
 
