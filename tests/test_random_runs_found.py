@@ -25,6 +25,7 @@ from ddp_cases import TwoHeads, compare_with_torch
 from torch import nn
 
 import miniddp
+from miniddp.torch_versions import TORCH_AVERAGES_PARAMETERS_USED_ONLY_IN_NO_SYNC
 
 # ----- bucket_cap_mb=0 -----
 
@@ -122,6 +123,9 @@ def side_by_side(pattern, validate_at=(0, 2), steps=4, sabotage=None, **ddp_kwar
 @pytest.mark.parametrize("pattern", ["never", "rank_dependent"])
 def test_validation_forward_then_no_sync_with_an_ignored_output_matches_torch(
         ranks, world_size, pattern):
+    if pattern == "rank_dependent" and not TORCH_AVERAGES_PARAMETERS_USED_ONLY_IN_NO_SYNC:
+        pytest.skip("torch < 2.4 does not average a parameter used only inside no_sync (a bug "
+                    "miniddp does not copy), and this schedule has such steps")
     results = ranks(world_size).run(side_by_side, pattern, find_unused_parameters=True,
                                     timeout=90)
     for rank, result in enumerate(results):
