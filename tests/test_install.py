@@ -107,6 +107,50 @@ def test_torchs_compiler_keeps_torchs_class():
     assert held == []
 
 
+FIRST_IMPORTED_WHILE_INSTALLED = """
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import miniddp
+from miniddp.run import torch_names
+
+assert "torch._dynamo" not in sys.modules, "this check needs a process without dynamo yet"
+miniddp.install()
+if sys.argv[1] == "without_the_hook":  # the negative control
+    sys.meta_path.remove(torch_names._KEEPER)
+import torch._dynamo.convert_frame as convert_frame
+
+print("torch's class kept:", convert_frame.DistributedDataParallel is torch_names.TORCH_DDP)
+if sys.argv[1] == "compile":
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0,
+                            world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    torch.compile(model, backend="eager")(torch.randn(3, 4)).sum().backward()
+    print("compiled and trained:", type(model).__module__)
+"""
+
+
+def test_torchs_compiler_first_imported_while_installed_still_gets_torchs_class(tmp_path):
+    """torch._dynamo is imported on the first torch.compile, often after the install: an
+    import hook gives it torch's class back, or compiling any DDP fails (it asks the class for
+    ``_get_active_ddp_module``)."""
+    script = tmp_path / "first_import.py"
+    script.write_text(FIRST_IMPORTED_WHILE_INSTALLED)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    runs = {how: subprocess.run([sys.executable, str(script), how], env=env, timeout=240,
+                                capture_output=True, text=True)
+            for how in ("compile", "without_the_hook")}
+    done = runs["compile"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch's class kept: True" in done.stdout
+    assert "compiled and trained: miniddp.ddp" in done.stdout
+    assert "torch's class kept: False" in runs["without_the_hook"].stdout, (
+        runs["without_the_hook"].stderr[-3000:])
+
+
 # ----- torch's own consumers -----
 
 

@@ -23,11 +23,12 @@ against such a copy. Call it first, or run the script with ``python -m miniddp.r
 installs before the script's first line, and there is nothing before it to miss.
 
 Left alone on purpose: miniddp's own modules (they keep torch's class to compare with it and to
-talk to torch's compiler), ``torch._dynamo`` (which finds the DDP module being compiled through
-torch's class, and miniddp's forward tells it there: ``miniddp.options``), and
+talk to torch's compiler), ``torch._dynamo`` (which asks torch's class which DDP module's
+forward is running, through its class attribute ``_active_ddp_module``) and
 ``torch.distributed._composable`` (``replicate()`` builds torch's DDP around its own machinery).
-A torch DDP built before the install, or from a reference kept, still works in eager mode; do
-not mix the two in one model.
+Those two keep torch's class even when first imported while installed (an import hook gives it
+back to them). A torch DDP built before the install, or from a reference kept, still works in
+eager mode; do not mix the two in one model.
 
 :func:`uninstall` puts back every name :func:`install` changed; :func:`installed` is the
 context manager for both. Modules imported while installed keep the class they imported.
@@ -35,6 +36,7 @@ context manager for both. Modules imported while installed keep the class they i
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
 import threading
 from contextlib import contextmanager
@@ -50,8 +52,13 @@ TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
 #: Where torch defines and exports the class: always replaced.
 TORCH_NAMES = (torch.nn.parallel, torch.nn.parallel.distributed)
 
-#: Modules (and their submodules) whose reference to torch's class is theirs to keep.
-KEPT = ("miniddp", "torch._dynamo", "torch.distributed._composable")
+#: torch's modules (and their submodules) that use torch's class for torch's own machinery:
+#: they keep it, and get it back if first imported while installed.
+TORCHS_OWN = ("torch._dynamo", "torch.distributed._composable")
+
+#: Modules whose reference to torch's class is theirs to keep: those, and miniddp's own (which
+#: are all imported with miniddp, before any install).
+KEPT = ("miniddp", *TORCHS_OWN)
 
 _lock = threading.Lock()
 _changes: list[tuple[dict, str, object]] | None = None  # (namespace, name, old value)
@@ -78,6 +85,7 @@ def install() -> None:
                 changes.append((namespace, name, old))
         for namespace, name, old in changes:
             namespace[name] = _replaced(old)
+        sys.meta_path.insert(0, _KEEPER)
         _changes = changes
 
 
@@ -87,6 +95,8 @@ def uninstall() -> None:
     with _lock:
         for namespace, name, old in reversed(_changes or []):
             namespace[name] = old
+        if _KEEPER in sys.meta_path:
+            sys.meta_path.remove(_KEEPER)
         _changes = None
 
 
@@ -103,18 +113,21 @@ def installed():
             uninstall()
 
 
-def _replaced(old):
-    if old is TORCH_DDP:
-        return DistributedDataParallel
-    return tuple(DistributedDataParallel if c is TORCH_DDP else c for c in old)
+def _replaced(old, new=DistributedDataParallel, was=TORCH_DDP):
+    if old is was:
+        return new
+    return tuple(new if c is was else c for c in old)
 
 
-def _holders(cls):
+def _kept(module_name: str, kept=KEPT) -> bool:
+    return any(module_name == k or module_name.startswith(k + ".") for k in kept)
+
+
+def _holders(cls, modules=None):
     """``(namespace, name, value)`` for each global of an imported module that is ``cls`` or a
-    tuple holding it, outside the modules in :data:`KEPT`."""
-    for module_name, module in list(sys.modules.items()):
-        if module is None or any(module_name == k or module_name.startswith(k + ".")
-                                 for k in KEPT):
+    tuple holding it, outside the modules in :data:`KEPT` (or in ``modules`` only)."""
+    for module_name, module in list(modules or sys.modules.items()):
+        if module is None or (modules is None and _kept(module_name)):
             continue
         try:  # sys.modules may hold objects that are not modules
             namespace = vars(module)
@@ -125,3 +138,46 @@ def _holders(cls):
         for name, value in list(namespace.items()):
             if value is cls or (type(value) is tuple and any(v is cls for v in value)):
                 yield namespace, name, value
+
+
+class _KeepTorchsClass(importlib.abc.MetaPathFinder):
+    """While installed, a module of :data:`TORCHS_OWN` imported for the first time
+    (``torch._dynamo`` on the first ``torch.compile``) imports miniddp's class through torch's
+    name: once it has run, its globals get torch's class back. It finds nothing itself: it wraps
+    the loader that the other finders return."""
+
+    def find_spec(self, name, path, target=None):
+        if not _kept(name, TORCHS_OWN):
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+            spec.loader = _GiveTorchsClassBack(spec.loader)
+        return spec
+
+
+class _GiveTorchsClassBack(importlib.abc.Loader):
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        for namespace, name, old in list(_holders(DistributedDataParallel,
+                                                  [(module.__name__, module)])):
+            namespace[name] = _replaced(old, TORCH_DDP, DistributedDataParallel)
+
+    def __getattr__(self, name):  # get_source, is_package, ...: the real loader's
+        return getattr(self.loader, name)
+
+
+_KEEPER = _KeepTorchsClass()
