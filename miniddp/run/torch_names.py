@@ -76,15 +76,13 @@ def install() -> None:
     with _lock:
         if _changes is not None:
             return
-        changes = []
-        for module in TORCH_NAMES:
-            changes.append((module.__dict__, "DistributedDataParallel",
-                            module.__dict__["DistributedDataParallel"]))
-        for namespace, name, old in _holders(TORCH_DDP):
-            if not any(n is namespace and k == name for n, k, _ in changes):
-                changes.append((namespace, name, old))
+        changes = [(vars(module), "DistributedDataParallel") for module in TORCH_NAMES]
+        changes += [(namespace, name) for namespace, name, _ in _holders(TORCH_DDP)
+                    if not any(n is namespace and k == name for n, k in changes)]
+        changes = [(namespace, name, namespace.get(name)) for namespace, name in changes]
         for namespace, name, old in changes:
-            namespace[name] = _replaced(old)
+            namespace[name] = (_replaced(old) if isinstance(old, tuple)
+                               else DistributedDataParallel)
         sys.meta_path.insert(0, _KEEPER)
         _changes = changes
 
@@ -114,6 +112,7 @@ def installed():
 
 
 def _replaced(old, new=DistributedDataParallel, was=TORCH_DDP):
+    """``old`` (``was``, or a tuple holding it) with ``new`` in place of ``was``."""
     if old is was:
         return new
     return tuple(new if c is was else c for c in old)
