@@ -20,6 +20,17 @@ The trap, checked at the end: ``no_sync`` sets a flag that DDP reads **when forw
 forward inside ``no_sync`` followed by ``backward()`` outside it does *not* synchronize, and a
 forward outside followed by a backward inside *does*. Put both inside the ``with`` block.
 
+A second trap, in its own section at the end (``the_forward_without_backward``): a forward with
+grad enabled that no backward follows, such as a validation pass without ``torch.no_grad()``.
+That forward prepared a reduction, and ``no_sync`` only stops a forward from preparing one: it
+cancels nothing. So the next backward, even inside ``no_sync``, is the one that reduction
+waits for, and it all_reduces. torch's DDP does exactly this, and so does miniddp, down to a
+model with ``find_unused_parameters=True`` and an output the loss ignores: DDP passes every
+forward's outputs through one identity autograd function (torch's ``_DDPSink``,
+``miniddp.options.unused``), inside ``no_sync`` too, so the parameters behind the ignored
+output still report in and the reduction completes. The cure is the usual one: validate under
+``torch.no_grad()``.
+
 Run it:
 
     python lessons/07_no_sync_accumulation.py                      # 2 ranks, gloo on CPU
@@ -34,7 +45,7 @@ not, all_reduce calls, whether the gradients agree across ranks: only after the 
 loss falling; the total count of all_reduce calls (one per bucket per step, a k-th of a plain
 loop's); the largest difference from the one-process oracle (about 1e-7, not 0: see
 ``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs;
-and ``OK: ...``. A few seconds.
+the second trap, the same on both DDPs; and ``OK: ...``. A few seconds.
 """
 
 import argparse
@@ -43,12 +54,13 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, Subset
 
 import miniddp
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import make_dataset, make_model, shard
+from miniddp.train.data import IN_FEATURES, make_dataset, make_model, shard
 from miniddp.train.report import Progress, check, ok, print0
 
 MICRO_BATCH = 16  # samples per micro-batch on each rank
@@ -209,6 +221,62 @@ def the_trap(rank, device):
                                "its backward ran inside; the flag must be read at forward time")
 
 
+# ----- a second trap: a forward that no backward follows -----
+
+
+class WithIgnoredHead(nn.Module):
+    """The lesson's model, plus a second output that the training loss never uses."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = make_model(seed=0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(1)
+            self.ignored = nn.Linear(IN_FEATURES, 1)
+
+    def forward(self, x):
+        return self.body(x), self.ignored(x)
+
+
+def the_forward_without_backward(rank, device):
+    """Validation without ``torch.no_grad()``, then a step whose first micro-batch runs in
+    ``no_sync``: that micro-batch is synchronized after all, in both DDPs, bit for bit."""
+    print0("\nthe second trap: a forward without backward (validation without no_grad), then "
+           "a micro-batch inside no_sync (torch may warn that it found no unused parameter: "
+           "the ignored head is reached by an output, only the loss ignores it)")
+    x, y = (t.to(device) for t in make_dataset(n=48, seed=20 + rank).tensors)
+    results = {}
+    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
+        ddp = ddp_class(WithIgnoredHead().to(device), find_unused_parameters=True,
+                        device_ids=[device.index] if device.type == "cuda" else None)
+        ddp(x[32:])  # "validation", grad enabled: it prepares a reduction no backward runs
+        with ddp.no_sync():  # ... so no_sync cancels nothing: this backward is reduced
+            prediction, _ignored = ddp(x[:16])
+            F.mse_loss(prediction, y[:16]).backward()
+        reduced_in_no_sync = grads_agree_across_ranks(ddp.module.body)
+        try:  # had the ignored head not reported in, this forward would raise
+            prediction, _ignored = ddp(x[16:32])
+        except RuntimeError as error:
+            check(False, f"{name}: the reduction that the validation forward prepared never "
+                         f"completed: {str(error).splitlines()[0]}")
+        F.mse_loss(prediction, y[16:32]).backward()
+        results[name] = (reduced_in_no_sync, [p.grad for p in ddp.module.body.parameters()],
+                         ddp.module.ignored.weight.grad)
+
+    for name, (reduced, _, _) in results.items():
+        print0(f"  {name}: the no_sync micro-batch was "
+               f"{'synchronized' if reduced else 'NOT synchronized'}")
+    for name, (reduced, _, ignored_grad) in results.items():
+        check(reduced, f"{name}: the backward after a forward that no backward followed was not "
+                       "synchronized; that forward's reduction must still be waiting for it")
+        check(ignored_grad is None, f"{name}: the ignored head got a gradient")
+    same = all(torch.equal(a, b) for a, b in zip(results["miniddp"][1], results["torch"][1]))
+    check(same, f"rank {rank}: after a forward without backward, miniddp's gradients differ "
+                "from torch's DDP")
+    print0("  miniddp's gradients equal torch's DDP's bit for bit; validate under "
+           "torch.no_grad() to avoid all of it")
+
+
 def on_every_rank(k):
     rank, world = dist.get_rank(), dist.get_world_size()
     check(world >= 2, "no_sync only matters with someone to synchronize with: run 2+ ranks")
@@ -240,6 +308,7 @@ def on_every_rank(k):
            "steps")
 
     the_trap(rank, device)
+    the_forward_without_backward(rank, device)
     return world, steps, losses[0], losses[-1]
 
 
@@ -253,7 +322,8 @@ def main():
     world, steps, first, last = launch(on_every_rank, args.nproc, (args.micro_batches,))[0]
     ok(f"{args.micro_batches} micro-batches per step on {world} ranks: one all_reduce round per "
        f"step, loss {first:.3f} -> {last:.4f}, equal to torch's DDP bit for bit and to the "
-       "one-process oracle within float rounding; no_sync is read at forward time")
+       "one-process oracle within float rounding; no_sync is read at forward time, and cancels "
+       "no reduction a forward without backward prepared")
 
 
 if __name__ == "__main__":

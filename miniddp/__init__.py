@@ -5,8 +5,9 @@ hooks, buckets, all_reduce, write-back), ``buckets`` (torch's bucket rules), ``s
 ``sync`` (broadcasts at wrap time) and ``errors`` (the reducer's messages). Around it, each
 in a subpackage named for what it is: ``options`` (DDP's optional features), ``checks``
 (consistency checks and traces, attached to the engine at named points), ``baselines``
-(the naive versions), ``optim`` (the sharded optimizer, ZeRO-1), ``launch`` (starting ranks)
-and ``train`` (the reference job).
+(the naive versions), ``optim`` (the sharded optimizer, ZeRO-1), ``launch`` (starting ranks),
+``run`` (miniddp in torch's place in other people's code: ``install()``, ``python -m
+miniddp.run script.py``) and ``train`` (the reference job).
 """
 
 from miniddp import checks as _checks  # noqa: F401  (attaches the checks to the engine)
@@ -15,6 +16,7 @@ from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEach
 from miniddp.ddp import DistributedDataParallel
 from miniddp.launch import RankError, RankGroup, launch, spawn
 from miniddp.optim import ZeroRedundancyOptimizer
+from miniddp.run import install, installed, uninstall
 from miniddp.sampler import DistributedSampler
 
 __all__ = [
@@ -26,6 +28,9 @@ __all__ = [
     "RankError",
     "RankGroup",
     "ZeroRedundancyOptimizer",
+    "install",
+    "installed",
     "launch",
     "spawn",
+    "uninstall",
 ]

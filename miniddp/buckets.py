@@ -51,14 +51,17 @@ def bucket_limits(bucket_cap_mb: float | None,
 
     ``None`` means torch's defaults, 1 MiB then 25 MiB. An explicit cap applies to every bucket
     from torch 2.4 on; before, to every bucket but the first (see
-    :data:`miniddp.torch_versions.EXPLICIT_CAP_COVERS_FIRST_BUCKET`).
+    :data:`miniddp.torch_versions.EXPLICIT_CAP_COVERS_FIRST_BUCKET`). A cap of 0 is torch's too:
+    every bucket is full as soon as it holds one parameter, so each parameter gets its own.
+    A negative cap is refused (torch's C++ reads it as a huge unsigned size: one bucket).
     """
     # torch's first-bucket constant may be changed by its users: read it, don't copy it.
     first = getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", DEFAULT_FIRST_BUCKET_BYTES)
     if bucket_cap_mb is None:
         return first, DEFAULT_BUCKET_CAP_MB * MIB
-    if not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be a positive number of MiB, got {bucket_cap_mb!r}")
+    if not bucket_cap_mb >= 0:
+        raise ValueError(f"bucket_cap_mb must be a number of MiB >= 0 (0: one bucket per "
+                         f"parameter), got {bucket_cap_mb!r}")
     cap = int(bucket_cap_mb * MIB)
     return (cap if explicit_cap_covers_first else first), cap
 
@@ -68,11 +71,12 @@ def bucket_limits_list(bucket_cap_mb_list: list[float] | None) -> list[int] | No
 
     With a list, torch uses it for the first buckets as well as for the rebuild, even when
     iteration 0 would otherwise hold every parameter in one bucket. ``None`` or empty: unused.
+    A limit of 0 closes its bucket after one parameter, as in torch.
     """
     if not bucket_cap_mb_list:
         return None
-    if not all(cap > 0 for cap in bucket_cap_mb_list):
-        raise ValueError("bucket_cap_mb_list must hold positive numbers of MiB, got "
+    if not all(cap >= 0 for cap in bucket_cap_mb_list):
+        raise ValueError("bucket_cap_mb_list must hold numbers of MiB >= 0, got "
                          f"{list(bucket_cap_mb_list)!r}")
     return [int(cap * MIB) for cap in bucket_cap_mb_list]
 

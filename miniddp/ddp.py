@@ -144,6 +144,14 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
                 f"miniddp does not reduce sparse gradients, and {', '.join(sparse)} "
                 "produce them: build those embeddings with sparse=False.")
         devices = {p.device for _, p in all_params}
+        if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()) and all(
+                d.type == "cpu" for d in devices):  # refused where torch refuses, in its words
+            raise ValueError(
+                "SyncBatchNorm layers only work with GPU modules: nn.SyncBatchNorm computes "
+                "its batch statistics across ranks only for GPU inputs, and this module is on "
+                "the CPU. Move the module to a GPU, or train on the CPU with nn.BatchNorm* "
+                "(each rank normalizes with its own batch; DDP gives every rank rank 0's "
+                "running statistics).")
         self.device = trainable[0][1].device
         self.device_ids, self.output_device = self._check_devices(device_ids, output_device,
                                                                   devices)
@@ -336,4 +344,6 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         self.require_forward_param_sync = sync
         if sync:
             output = self.reducer.prepare_for_backward(output)
+        elif grad_enabled:  # inside no_sync: watched all the same (see the reducer)
+            output = self.reducer.outputs_of_unsynced_forward(output)
         return output

@@ -163,6 +163,20 @@ class Reducer:
             self.watch.outputs_of_synced_forward(outputs)
         return outputs
 
+    def outputs_of_unsynced_forward(self, outputs):
+        """A forward with grad enabled inside ``no_sync``: with ``find_unused_parameters``,
+        its outputs are watched too, as torch routes every forward's outputs through its sink.
+
+        It matters after a synced forward that no backward followed (a validation forward
+        without ``torch.no_grad()``): the hooks that forward expects are still expected, so the
+        ``no_sync`` backward is reduced after all, and a parameter behind an output its loss
+        ignores must still fire its hook to be marked ready (``miniddp.options.unused``).
+        Otherwise the watch changes nothing: hooks that are not expected only note use.
+        """
+        if self.unused is None:
+            return outputs
+        return self.unused.watch(outputs)
+
     def _hook(self, index: int) -> None:
         with self._lock:
             if self.static_graph is not None and not self.static_graph.final_firing(

@@ -45,6 +45,15 @@ class ConvBN(nn.Module):
         return self.body(x)
 
 
+class ConvSyncBN(ConvBN):
+    """ConvBN with SyncBatchNorm: batch statistics gathered from every rank (GPU modules only;
+    on the CPU both DDPs refuse it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.SyncBatchNorm.convert_sync_batchnorm(self.body)
+
+
 class TiedFrozen(nn.Module):
     """An embedding tied to the output layer, and a frozen projection in between."""
 
@@ -115,8 +124,8 @@ class Big(nn.Sequential):
                          nn.Linear(512, 4))
 
 
-MODELS = {"mlp": MLP, "conv_bn": ConvBN, "tied_frozen": TiedFrozen, "branchy": Branchy,
-          "two_heads": TwoHeads, "dataclass_out": DataclassOut, "big": Big}
+MODELS = {"mlp": MLP, "conv_bn": ConvBN, "conv_sync_bn": ConvSyncBN, "tied_frozen": TiedFrozen,
+          "branchy": Branchy, "two_heads": TwoHeads, "dataclass_out": DataclassOut, "big": Big}
 
 
 def batch(model_name: str, step: int, micro: int, rank: int):
@@ -125,7 +134,7 @@ def batch(model_name: str, step: int, micro: int, rank: int):
     if model_name == "tied_frozen":
         x = torch.randint(0, 20, (6, 5), generator=g)
         return (x,), {}, torch.randint(0, 20, (6, 5), generator=g)
-    if model_name == "conv_bn":
+    if model_name in ("conv_bn", "conv_sync_bn"):
         return (torch.randn(6, 3, 4, 4, generator=g),), {}, torch.randn(6, 4, generator=g)
     x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
     if model_name == "branchy":

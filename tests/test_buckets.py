@@ -63,9 +63,18 @@ def test_limits_from_bucket_cap_mb():
     # torch < 2.4: the first bucket stays 1 MiB whatever the cap
     assert bucket_limits(5, explicit_cap_covers_first=False) == (MIB, 5 * MIB)
     assert bucket_limits(0.5, explicit_cap_covers_first=False) == (MIB, MIB // 2)
-    for bad in (0, -3, float("nan")):
-        with pytest.raises(ValueError, match="bucket_cap_mb must be a positive"):
+    # 0 is torch's too: every parameter closes its own bucket
+    assert bucket_limits(0, explicit_cap_covers_first=True) == (0, 0)
+    assert bucket_limits(0, explicit_cap_covers_first=False) == (MIB, 0)
+    for bad in (-3, float("nan")):
+        with pytest.raises(ValueError, match="bucket_cap_mb must be a number of MiB >= 0"):
             bucket_limits(bad)
+
+
+def test_a_zero_limit_gives_every_tensor_its_own_bucket_as_torch():
+    tensors = [torch.empty(n) for n in (3, 1, 7, 2)]
+    assert assign_buckets(tensors, [0]) == torch_assignment(tensors, [0]) == [[0], [1], [2], [3]]
+    assert assign_buckets(tensors, [0, 20]) == torch_assignment(tensors, [0, 20])
 
 
 def test_the_first_bucket_rule_follows_the_installed_torch():

@@ -61,3 +61,18 @@ def test_nccl_hooks_bit_identical_to_torch(hook, kwargs):
     PowerSGD with several buckets in flight (on gloo only one works, even in torch's DDP)."""
     results = spawn(compare_hook_on_gpu, 1, args=(hook, kwargs), backend="nccl", timeout=180)
     assert results[0]["problems"] == [] and results[0]["dtypes"] == []
+
+
+# ----- SyncBatchNorm (refused on the CPU as torch refuses it: tests/test_sync_batchnorm.py) -----
+
+@needs_gpu
+def test_sync_batchnorm_on_gpu_bit_identical_to_torch():
+    """A GPU module with SyncBatchNorm is accepted and trains as under torch's DDP: over NCCL
+    with a rank per GPU (up to 2; one rank alone normalizes with its own batch), and with two
+    ranks sharing one GPU over gloo, which gathers each rank's batch statistics."""
+    case = {"model_name": "conv_sync_bn", "micro_batches": 2, "bucket_cap_mb": 0.0001}
+    nccl_ranks = min(torch.cuda.device_count(), 2)
+    for world_size, backend in ((nccl_ranks, "nccl"), (2, "gloo")):
+        results = spawn(compare_on_gpu, world_size, args=(case,), backend=backend, timeout=180)
+        assert all(r["problems"] == [] for r in results), backend
+        assert all(r["layouts"][-1] == r["torch_layout"] for r in results), backend

@@ -31,6 +31,8 @@ CASES = [
     ("04_the_sampler", "set_epoch_ignored",
      "with set_epoch, three epochs must give three different orders"),
     ("07_no_sync_accumulation", "no_sync_ignored", "all_reduce calls"),
+    ("07_no_sync_accumulation", "no_sync_outputs_unwatched",
+     "the reduction that the validation forward prepared never completed"),
     ("08_miniddp_vs_torch_ddp", "divide_instead_of_multiply",
      "at 3 ranks miniddp differs from torch's DDP"),
     ("09_checkpoints_and_restarts", "write_not_atomic", "should still hold the previous snapshot"),

@@ -48,6 +48,11 @@ class UnusedParameters:
         self.unreached_this_step = set(self.unreached)
         return watch_outputs(outputs)
 
+    def watch(self, outputs):
+        """A ``no_sync`` forward's outputs, through the same watch (``Reducer``'s
+        ``outputs_of_unsynced_forward`` says why); nothing is searched."""
+        return watch_outputs(outputs)
+
     def note_use(self, index: int) -> None:
         if self.params[index].grad is not None:
             self.locally_used[index] = 1

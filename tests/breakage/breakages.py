@@ -53,6 +53,13 @@ def no_sync_ignored(module):
            lambda original: lambda self: contextlib.nullcontext())
 
 
+def no_sync_outputs_unwatched(module):
+    """Lesson 07's second trap: outputs of a forward inside ``no_sync`` skip DDP's watch, so
+    the parameters behind an ignored output never report in to a reduction still expected."""
+    _patch(module.Reducer, "outputs_of_unsynced_forward",
+           lambda original: lambda self, outputs: outputs)
+
+
 def divide_instead_of_multiply(module):
     """Lesson 08: the reducer divides by the world size instead of multiplying by its inverse
     (equal at 2 ranks, where halving is exact; not at 3)."""
@@ -138,6 +145,7 @@ BREAKAGES = {
     "all_reduce_does_nothing": ("torch.distributed", all_reduce_does_nothing),
     "set_epoch_ignored": ("miniddp.sampler", set_epoch_ignored),
     "no_sync_ignored": ("miniddp.ddp", no_sync_ignored),
+    "no_sync_outputs_unwatched": ("miniddp.reducer", no_sync_outputs_unwatched),
     "divide_instead_of_multiply": ("miniddp.reducer", divide_instead_of_multiply),
     "write_not_atomic": ("miniddp.train.checkpoint", write_not_atomic),
     "no_grad_scaler": ("torch.amp", no_grad_scaler),

@@ -1,0 +1,11 @@
+"""Putting miniddp in torch's place in other people's code.
+
+``miniddp.install()`` (or ``with miniddp.installed():``) makes torch's DDP names mean miniddp's
+class, where torch and frameworks look it up (``miniddp.run.torch_names``);
+``python -m miniddp.run script.py [args]`` installs, then runs the script as ``__main__``
+(``miniddp.run.__main__``; under torchrun: ``torchrun ... -m miniddp.run script.py``).
+"""
+
+from miniddp.run.torch_names import TORCH_DDP, install, installed, is_installed, uninstall
+
+__all__ = ["TORCH_DDP", "install", "installed", "is_installed", "uninstall"]

@@ -1,0 +1,377 @@
+"""miniddp in torch's place (``miniddp.run``): torch's names, torch's own consumers, frameworks.
+
+Without ``install()``, code that recognises DDP by torch's class does not see miniddp's, some of
+it silently: ``torch.distributed.checkpoint``'s state dicts keep the ``module.`` prefixes, and
+Accelerate's ``trigger_sync_in_backward`` does nothing. Each test shows the behaviour with the
+install beside the behaviour without it (the negative control) and, where it trains, beside
+torch's own DDP bit for bit. Accelerate and Lightning are optional (skipped when absent); a
+stand-in written the way Accelerate's code is written runs everywhere.
+
+The functions run in long-lived ranks that other tests share, so every install here is undone
+(``with installed()``), and torch's class is reached only through ``run.TORCH_DDP``: a global
+of this module holding it would be pointed at miniddp's class by the install itself.
+"""
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from ddp_cases import MLP
+from torch import nn
+
+import miniddp
+from miniddp import run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+FRAMEWORK = """
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+WRAPPERS = (DDP, torch.nn.DataParallel)
+
+
+def is_ddp(model):
+    return isinstance(model, DDP)
+
+
+def unwrap(model):
+    while isinstance(model, WRAPPERS):
+        model = model.module
+    return model
+"""
+
+
+def framework(name: str) -> types.ModuleType:
+    """A module written the way frameworks are: torch's class imported under its own name and
+    kept in a tuple, both at import time."""
+    module = types.ModuleType(name)
+    exec(FRAMEWORK, module.__dict__)
+    sys.modules[name] = module
+    return module
+
+
+# ----- torch's names -----
+
+
+def test_install_points_every_name_at_miniddps_class_and_uninstall_puts_them_back():
+    import torch.distributed.checkpoint.state_dict as torch_state_dict
+
+    torchs = run.TORCH_DDP
+    before = framework("framework_imported_before")
+    try:
+        with miniddp.installed() as cls:
+            assert cls is miniddp.DistributedDataParallel and run.is_installed()
+            assert torch.nn.parallel.DistributedDataParallel is cls
+            assert torch.nn.parallel.distributed.DistributedDataParallel is cls
+            assert torch_state_dict.DDP is cls  # torch's own consumer, imported before
+            assert before.DDP is cls and before.WRAPPERS == (cls, nn.DataParallel)
+            after = framework("framework_imported_during")
+            assert after.DDP is cls
+            assert run.TORCH_DDP is torchs  # miniddp's own reference is kept
+        assert not run.is_installed()
+        assert torch.nn.parallel.DistributedDataParallel is torchs
+        assert torch.nn.parallel.distributed.DistributedDataParallel is torchs
+        assert torch_state_dict.DDP is torchs
+        assert before.DDP is torchs and before.WRAPPERS == (torchs, nn.DataParallel)
+        assert after.DDP is miniddp.DistributedDataParallel  # documented: kept what it imported
+    finally:
+        miniddp.uninstall()
+        sys.modules.pop("framework_imported_before", None)
+        sys.modules.pop("framework_imported_during", None)
+
+
+def test_installed_nested_in_install_leaves_the_outer_install_in_place():
+    try:
+        miniddp.install()
+        with miniddp.installed():
+            pass
+        assert torch.nn.parallel.DistributedDataParallel is miniddp.DistributedDataParallel
+    finally:
+        miniddp.uninstall()
+    assert torch.nn.parallel.DistributedDataParallel is run.TORCH_DDP
+
+
+def test_torchs_compiler_keeps_torchs_class():
+    import torch._dynamo.convert_frame as convert_frame
+
+    with miniddp.installed():
+        held = [v for v in vars(convert_frame).values() if v is miniddp.DistributedDataParallel]
+    assert held == []
+
+
+FIRST_IMPORTED_WHILE_INSTALLED = """
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import miniddp
+from miniddp.run import torch_names
+
+assert "torch._dynamo" not in sys.modules, "this check needs a process without dynamo yet"
+miniddp.install()
+if sys.argv[1] == "without_the_hook":  # the negative control
+    sys.meta_path.remove(torch_names._KEEPER)
+import torch._dynamo.convert_frame as convert_frame
+
+print("torch's class kept:", convert_frame.DistributedDataParallel is torch_names.TORCH_DDP)
+if sys.argv[1] == "compile":
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp()}", rank=0,
+                            world_size=1)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+    torch.compile(model, backend="eager")(torch.randn(3, 4)).sum().backward()
+    print("compiled and trained:", type(model).__module__)
+"""
+
+
+def test_torchs_compiler_first_imported_while_installed_still_gets_torchs_class(tmp_path):
+    """torch._dynamo is imported on the first torch.compile, often after the install: an
+    import hook gives it torch's class back, or compiling any DDP fails (it asks the class for
+    ``_get_active_ddp_module``)."""
+    script = tmp_path / "first_import.py"
+    script.write_text(FIRST_IMPORTED_WHILE_INSTALLED)
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
+    runs = {how: subprocess.run([sys.executable, str(script), how], env=env, timeout=240,
+                                capture_output=True, text=True)
+            for how in ("compile", "without_the_hook")}
+    done = runs["compile"]
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "torch's class kept: True" in done.stdout
+    assert "compiled and trained: miniddp.ddp" in done.stdout
+    assert "torch's class kept: False" in runs["without_the_hook"].stdout, (
+        runs["without_the_hook"].stderr[-3000:])
+
+
+# ----- torch's own consumers -----
+
+
+def model_state_dict_keys(how: str) -> dict:
+    """Keys of ``get_model_state_dict`` for a DDP model: torch's DDP, miniddp's built through
+    torch's name while installed, or miniddp's without the install."""
+    state_dict = pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    torch.manual_seed(0)
+    module = MLP()
+    with miniddp.installed() if how == "installed" else contextlib.nullcontext():
+        if how == "torch":
+            ddp = run.TORCH_DDP(module)
+        elif how == "installed":
+            ddp = torch.nn.parallel.DistributedDataParallel(module)
+        else:
+            ddp = miniddp.DistributedDataParallel(module)
+        keys = list(state_dict.get_model_state_dict(ddp))
+        zeros = {k: torch.zeros_like(v) for k, v in module.state_dict().items()}
+        try:  # a state dict without the prefixes, as a checkpoint written without DDP
+            state_dict.set_model_state_dict(ddp, zeros)
+        except RuntimeError:  # without the install: "Missing key(s) ... module.0.weight"
+            pass
+        loaded = all(p.abs().sum() == 0 for p in module.parameters())
+        return {"type": type(ddp).__module__, "keys": keys, "loaded": loaded,
+                "plain": list(module.state_dict())}
+
+
+def test_distributed_checkpoint_state_dicts_drop_the_module_prefix_when_installed(ranks):
+    pytest.importorskip("torch.distributed.checkpoint.state_dict")
+    group = ranks(2)
+    torchs = group.run(model_state_dict_keys, "torch")
+    for ours, theirs in zip(group.run(model_state_dict_keys, "installed"), torchs):
+        assert ours["type"] == "miniddp.ddp" and theirs["keys"] == theirs["plain"]
+        assert ours["keys"] == theirs["keys"] and ours["loaded"] and theirs["loaded"]
+    for without in group.run(model_state_dict_keys, "without"):  # what happens without it
+        assert without["keys"] == [f"module.{k}" for k in without["plain"]]
+        assert not without["loaded"]
+
+
+def isinstance_answers() -> dict:
+    torch.manual_seed(0)
+    ddp = miniddp.DistributedDataParallel(MLP())
+    before = isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    with miniddp.installed():
+        during = isinstance(ddp, torch.nn.parallel.DistributedDataParallel)
+    return {"before": before, "during": during}
+
+
+def test_isinstance_against_torchs_name_sees_miniddp_only_when_installed(ranks):
+    for answers in ranks(2).run(isinstance_answers):
+        assert answers == {"before": False, "during": True}
+
+
+# ----- Accelerate: its gradient-sync trigger and its unwrapping -----
+
+
+@contextlib.contextmanager
+def trigger_sync_in_backward(model):
+    """A stand-in for Accelerate's ``Accelerator.trigger_sync_in_backward``, written the way
+    it is: torch's class looked up when called, the flags set, the reducer told to expect a
+    backward."""
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        yield
+        return
+    old = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([])
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = old
+
+
+def the_trigger(source: str):
+    if source == "accelerate":
+        from accelerate import Accelerator
+
+        return Accelerator.trigger_sync_in_backward
+    return trigger_sync_in_backward
+
+
+def two_forwards_then_triggered_backward(ddp_kind: str, source: str, steps: int = 2) -> dict:
+    """Accelerate's documented pattern: two forwards under ``no_sync``, the first backward local,
+    the second inside the trigger, synchronized. Returns every gradient and whether the ranks
+    agree on them."""
+    trigger = the_trigger(source)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    module = MLP()
+    with miniddp.installed() if ddp_kind == "installed" else contextlib.nullcontext():
+        cls = {"torch": run.TORCH_DDP, "without": miniddp.DistributedDataParallel,
+               "installed": torch.nn.parallel.DistributedDataParallel}[ddp_kind]
+        ddp = cls(module, bucket_cap_mb=0.001)
+        grads, agree = [], []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            a, b, y = (torch.randn(6, 16, generator=g) for _ in range(3))
+            y = y[:, :4]
+            ddp.zero_grad()
+            with ddp.no_sync():
+                loss_a = F.mse_loss(ddp(a), y)
+                loss_b = F.mse_loss(ddp(b), y)
+            loss_a.backward()
+            with trigger(ddp):
+                loss_b.backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in module.parameters()])
+            everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+            dist.all_gather(everyone, flat)
+            agree.append(all(torch.equal(everyone[0], x) for x in everyone))
+            grads.append(flat)
+    return {"grads": grads, "agree": agree}
+
+
+@pytest.mark.parametrize("source", ["stand_in", "accelerate"])
+def test_accelerates_sync_trigger_synchronizes_miniddp_as_torch_when_installed(ranks, source):
+    if source == "accelerate":
+        pytest.importorskip("accelerate")
+    group = ranks(3)
+    torchs = group.run(two_forwards_then_triggered_backward, "torch", source)
+    ours = group.run(two_forwards_then_triggered_backward, "installed", source)
+    for rank, (a, b) in enumerate(zip(ours, torchs)):
+        assert all(b["agree"]) and all(a["agree"]), f"rank {rank}: the trigger did not sync"
+        assert all(torch.equal(x, y) for x, y in zip(a["grads"], b["grads"])), f"rank {rank}"
+    without = group.run(two_forwards_then_triggered_backward, "without", source)
+    assert not any(any(r["agree"]) for r in without), (
+        "negative control: without the install the trigger does nothing and ranks differ")
+
+
+def unwrapped(source: str) -> dict:
+    if source == "accelerate":
+        from accelerate.utils import extract_model_from_parallel as unwrap
+    else:
+        unwrap = framework("framework_for_unwrap").unwrap  # imported before the install
+    torch.manual_seed(0)
+    module = MLP()
+    without = unwrap(miniddp.DistributedDataParallel(module)) is module
+    with miniddp.installed():
+        installed = unwrap(torch.nn.parallel.DistributedDataParallel(module)) is module
+    return {"without": without, "installed": installed}
+
+
+@pytest.mark.parametrize("source", ["stand_in", "accelerate"])
+def test_unwrapping_finds_the_module_inside_miniddp_when_installed(ranks, source):
+    if source == "accelerate":
+        pytest.importorskip("accelerate")
+    for answers in ranks(2).run(unwrapped, source):
+        assert answers == {"without": False, "installed": True}
+
+
+# ----- Lightning: its strategies import torch's class at import time -----
+
+
+def test_lightnings_ddp_strategies_build_miniddp_when_installed():
+    fabric_ddp = pytest.importorskip("lightning.fabric.strategies.ddp")
+    trainer_ddp = pytest.importorskip("lightning.pytorch.strategies.ddp")
+
+    with miniddp.installed() as cls:
+        assert fabric_ddp.DistributedDataParallel is cls
+        assert trainer_ddp.DistributedDataParallel is cls
+    assert trainer_ddp.DistributedDataParallel is run.TORCH_DDP
+
+
+# ----- python -m miniddp.run script.py -----
+
+SCRIPT = """
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import miniddp
+
+print("name", __name__, "argv", sys.argv[1:], "miniddp", DDP is miniddp.DistributedDataParallel)
+if "--train" in sys.argv:
+    dist.init_process_group("gloo")
+    torch.manual_seed(dist.get_rank())  # different on each rank: DDP broadcasts rank 0's
+    model = DDP(torch.nn.Linear(4, 2))
+    model(torch.randn(3, 4) + dist.get_rank()).sum().backward()
+    grad = model.module.weight.grad
+    everyone = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, grad)
+    print(f"rank {dist.get_rank()}", type(model).__module__,
+          "agree", all(torch.equal(everyone[0], g) for g in everyone))
+    dist.destroy_process_group()
+"""
+
+
+def run_python(args, tmp_path, timeout=120):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    command = [sys.executable, *[str(script) if a == "SCRIPT" else a for a in args]]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_run_installs_before_the_script_which_runs_as_main_with_its_arguments(tmp_path):
+    done = run_python(["-m", "miniddp.run", "SCRIPT", "--lr", "3"], tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "name __main__ argv ['--lr', '3'] miniddp True" in done.stdout
+    plain = run_python(["SCRIPT"], tmp_path)  # without it: torch's class
+    assert "miniddp False" in plain.stdout, plain.stderr[-2000:]
+    as_module = run_python(["-m", "miniddp.run", "-m", "train", "--lr", "3"], tmp_path)
+    assert "name __main__ argv ['--lr', '3'] miniddp True" in as_module.stdout, (
+        as_module.stderr[-2000:])
+
+
+def test_run_without_a_script_says_how_to_use_it(tmp_path):
+    done = run_python(["-m", "miniddp.run"], tmp_path)
+    assert done.returncode == 2 and "usage: python -m miniddp.run script.py" in done.stdout
+    missing = run_python(["-m", "miniddp.run", "nowhere.py"], tmp_path)
+    assert missing.returncode != 0 and "no such script: nowhere.py" in missing.stderr
+
+
+@pytest.mark.slow
+def test_torchrun_runs_each_worker_through_miniddp_run(tmp_path):
+    done = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       "-m", "miniddp.run", "SCRIPT", "--train"], tmp_path, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    for rank in range(2):
+        assert f"rank {rank} miniddp.ddp agree True" in done.stdout, done.stdout[-2000:]
