@@ -103,7 +103,7 @@ def run_part(part: str, args, gpus: int, deadline: float) -> dict:
     """Run one part under its limit (or what is left of the budget); say how it ended."""
     left = deadline - time.monotonic()
     limit = min(args.limits[part], left)
-    if limit < 5:
+    if left < 1:
         return {"part": part, "status": "not run: the budget was spent", "seconds": 0.0}
     cmd = command(part, args, gpus, limit)
     print(f"\n=== {part} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)

@@ -117,6 +117,9 @@ def parse_args(description: str, argv=None, pairs: int = 12,
         if name not in MODELS and not outside.is_outside(name):
             p.error(f"--model {name}: not one of {', '.join(MODELS)}, gpt2, resnet50, nor "
                     "package.module:factory")
+    for name in args.models:
+        if ":" in name:
+            outside.load_factory(name)  # a wrong name fails here, before any rank starts
     args.skipped = {name: outside.unavailable(name) for name in args.models
                     if outside.unavailable(name)}
     args.models = [name for name in args.models if name not in args.skipped]

@@ -36,6 +36,7 @@ import copy
 import ctypes
 import gc
 import hashlib
+import os
 
 import harness
 import torch
@@ -149,7 +150,7 @@ def measure(setup: harness.Setup, config: tuple) -> dict:
            f"{figures['first_steps_peak_mb']:.1f} MB in the first steps, "
            f"{figures['steady_peak_mb']:.1f} MB in a later one")
     return {"row": {"impl": impl, "gradient_as_bucket_view": view, "set_to_none": none,
-                    **figures}, "digest": parameter_digest(model),
+                    **figures, "pid": os.getpid()}, "digest": parameter_digest(model),
             "model": harness.model_info(base, setup),
             "batch_per_rank": harness.batch_size(batches), **harness.rank_facts(device)}
 

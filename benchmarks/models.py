@@ -117,15 +117,19 @@ def gpt2(quick: bool = False):
 
 def resnet50(quick: bool = False):
     """ResNet-50 from torchvision (random init, 161 tensors, BatchNorm buffers that DDP
-    broadcasts), cross-entropy on random 224 x 224 images (32 x 32 with ``quick``)."""
+    broadcasts), cross-entropy on random 224 x 224 images; with ``quick`` one bottleneck block
+    per stage, 8 channels per group, 32 x 32 images."""
     from torchvision.models import resnet50 as torchvision_resnet50
+    from torchvision.models.resnet import Bottleneck, ResNet
 
-    model = torchvision_resnet50(weights=None, num_classes=1000)
+    classes = 10 if quick else 1000
+    model = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=classes, width_per_group=8) if quick \
+        else torchvision_resnet50(weights=None, num_classes=classes)
     batch, side = (2, 32) if quick else (32, 224)
 
     def make_batch(generator):
         return (torch.randn(batch, 3, side, side, generator=generator),
-                torch.randint(0, 1000, (batch,), generator=generator))
+                torch.randint(0, classes, (batch,), generator=generator))
 
     return model, make_batch, F.cross_entropy
 
