@@ -107,6 +107,8 @@ def run_part(part: str, args, gpus: int, deadline: float) -> dict:
         return {"part": part, "status": "not run: the budget was spent", "seconds": 0.0}
     cmd = command(part, args, gpus, limit)
     print(f"\n=== {part} (limit {limit:.0f} s): {' '.join(cmd)}", flush=True)
+    if part == "memory" and not args.cpu:  # where each live block came from (memory.py)
+        os.environ["MINIDDP_MEMORY_SNAPSHOTS"] = str(args.out / "logs" / "memory-snapshots")
     started = time.monotonic()
     done = run_agents([cmd], [f"[{part}] "], timeout=limit, grace=0.0)
     seconds = round(time.monotonic() - started, 1)

@@ -26,6 +26,11 @@ miniddp's must be torch's, bit for bit.
 Without the option a gradient lives twice, in ``.grad`` and in its bucket; with it ``.grad`` is a
 view of the bucket.
 
+On CUDA, ``MINIDDP_MEMORY_SNAPSHOTS=DIR`` writes a snapshot of the caching allocator after each
+configuration (every live block and the stack that allocated it; open it in
+https://pytorch.org/memory_viz): where torch's DDP keeps its extra copy on NCCL (see
+benchmarks/README.md). gpu.sh sets it to ``results/logs/memory-snapshots``.
+
     python benchmarks/memory.py           # no GPU: gloo, 2 CPU ranks, under a minute
     python benchmarks/memory.py --quick   # smoke run, seconds
 """
@@ -37,6 +42,7 @@ import ctypes
 import gc
 import hashlib
 import os
+from pathlib import Path
 
 import harness
 import torch
@@ -145,7 +151,14 @@ def measure(setup: harness.Setup, config: tuple) -> dict:
     warm_up(base, batches, device)
     model = copy.deepcopy(base)
     gc.collect()  # the warm-up's buffers must not be freed inside the measurement
+    snapshots = os.environ.get("MINIDDP_MEMORY_SNAPSHOTS") if device.type == "cuda" else None
+    if snapshots:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
     figures = train(CLASSES[impl], model, batches, device, view, none)
+    if snapshots:  # every live block at the end, with the stack that allocated it
+        Path(snapshots).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(f"{snapshots}/{impl}-view{view:d}-none{none:d}-"
+                                         f"{setup.backend}-rank{dist.get_rank()}.pickle")
     print0(f"  {impl}, gradient_as_bucket_view={view}, set_to_none={none}: peak "
            f"{figures['first_steps_peak_mb']:.1f} MB in the first steps, "
            f"{figures['steady_peak_mb']:.1f} MB in a later one")
