@@ -18,7 +18,8 @@ NCCL with one rank per GPU, started by torchrun (``--standalone --nproc_per_node
 ``--ranks N`` asks for that torchrun path with N ranks anywhere: with ``--cpu`` it runs it on
 gloo, which is how the suite tests the path no machine here can run (tests/test_benchmarks.py).
 memory.py forks its own rank group per configuration (``--world-size N``) instead: under
-torchrun its configurations would share the ranks' processes, the fault it exists to avoid.
+torchrun its configurations would share the ranks' processes, the fault it exists to avoid
+(zero_memory.py, where present, forks its own groups too).
 """
 
 from __future__ import annotations
@@ -40,10 +41,16 @@ sys.path[:0] = [str(ROOT)] if str(ROOT) not in sys.path else []
 
 from miniddp.launch.torchrun_agents import run_agents, torchrun  # noqa: E402
 
-#: (part, its time limit in seconds on a GPU machine; --cpu runs are tiny and get the same)
+#: part: its time limit in seconds on a GPU machine (--cpu runs are tiny and get the same).
+#: A benchmark whose script is not in this checkout is left out.
 PARTS = {"tests": 180, "bucket_sweep": 240, "ladder": 100, "overlap": 100, "no_sync": 100,
-         "memory": 150, "overhead": 150}
-BENCHMARKS = [part for part in PARTS if part != "tests"]
+         "memory": 150, "overhead": 150, "zero_memory": 100}
+PARTS = {part: limit for part, limit in PARTS.items()
+         if part == "tests" or (HERE / f"{part}.py").exists()}
+#: benchmarks that start their own rank groups (each configuration or world size in fresh
+#: processes), never run under torchrun: the flags that give them the ranks asked for
+OWN_RANK_GROUPS = {"memory": lambda ranks: ["--world-size", str(ranks)],
+                   "zero_memory": lambda ranks: []}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -92,8 +99,8 @@ def command(part: str, args, gpus: int, limit: float) -> list[str]:
         flags += ["--model", model]
     ranks = args.ranks or (gpus if gpus > 1 and not args.cpu else None)
     script = str(HERE / f"{part}.py")
-    if ranks and part == "memory":
-        return [sys.executable, script, *flags, "--world-size", str(ranks)]
+    if ranks and part in OWN_RANK_GROUPS:
+        return [sys.executable, script, *flags, *OWN_RANK_GROUPS[part](ranks)]
     if ranks:
         return torchrun("--standalone", f"--nproc_per_node={ranks}", script, *flags)
     return [sys.executable, script, *flags]

@@ -141,6 +141,7 @@ def test_no_sync_times_every_accumulation_length(tmp_path):
                                                                                   "torch"}
 
 
+@pytest.mark.slow
 def test_memory_measures_both_ddps_with_and_without_bucket_views(tmp_path):
     result = run(memory, tmp_path)
     assert result["bit_identical"]
@@ -273,6 +274,7 @@ def gpu_sh(*flags, timeout=240):
     return done, time.monotonic() - started
 
 
+@pytest.mark.slow
 def test_gpu_sh_dry_run_takes_the_several_gpu_path_under_torchrun_and_summarizes(tmp_path):
     """The CPU dry run of gpu.sh: the CUDA tests (skipped here) and a benchmark on the path of
     a machine with several GPUs (torchrun, one rank each), on 3 CPU ranks over gloo."""
@@ -288,6 +290,7 @@ def test_gpu_sh_dry_run_takes_the_several_gpu_path_under_torchrun_and_summarizes
     assert (tmp_path / "logs" / "bucket_sweep.log").read_text().count("saved ") == 2
 
 
+@pytest.mark.slow
 def test_gpu_sh_stops_a_part_past_its_limit_names_it_and_goes_on(tmp_path):
     done, seconds = gpu_sh("--only", "overlap,ladder", "--limit", "overlap=1", "--limit",
                            "ladder=1", "--out", str(tmp_path), timeout=120)
