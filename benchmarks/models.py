@@ -100,7 +100,9 @@ def gpt2(quick: bool = False):
     size = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=128, n_positions=32) if quick \
         else dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
     batch, length = (2, 16) if quick else (8, 512)
-    config = GPT2Config(**size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    last = size["vocab_size"] - 1  # GPT-2's end-of-text token
+    config = GPT2Config(**size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                        bos_token_id=last, eos_token_id=last)
     model = GPT2LMHeadModel(config)
 
     def make_batch(generator):
