@@ -212,8 +212,10 @@ def model_info(model: nn.Module, setup: Setup | None = None) -> dict:
     numel = sum(p.numel() for p in params)
     info = {"tensors": len(params), "parameters": numel,
             "gradient_mb": round(sum(p.numel() * p.element_size() for p in params) / MIB, 2)}
-    if setup is not None and outside.is_outside(setup.model):
-        return {"name": setup.model, "class": type(model).__name__, **info}
+    if (setup is not None and outside.is_outside(setup.model)) \
+            or not isinstance(model, nn.Sequential):
+        return {"name": setup.model if setup else type(model).__name__,
+                "class": type(model).__name__, **info}
     return {"widths": [m.in_features for m in model if isinstance(m, nn.Linear)]
             + [OUT_FEATURES], **info}
 
