@@ -13,7 +13,9 @@ the model and a batch maker (see examples/my_model.py):
 The harness moves the model and the batches to each rank's device, calls ``model(*inputs)``
 and ``loss(output, target)`` (mean squared error unless the factory gives a loss), and checks,
 as for its own models, that miniddp's parameters end bit-identical to torch's DDP. So the model
-must be deterministic: no dropout (set its probability to 0), no randomness in forward.
+must be deterministic: no dropout (set its probability to 0), no randomness in forward, and on
+a GPU no kernels that sum in a varying order (``torch.backends.cudnn.deterministic = True`` for
+convolutions; ``torch.use_deterministic_algorithms(True)`` finds the others).
 
 The ready-made models are built with random weights; nothing is ever downloaded. Where their
 library is not installed they are skipped with a message saying so.
@@ -101,8 +103,9 @@ def gpt2(quick: bool = False):
         else dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)
     batch, length = (2, 16) if quick else (8, 512)
     last = size["vocab_size"] - 1  # GPT-2's end-of-text token
+    # eager attention: plain matmuls; the fused kernels' backward may sum in a varying order
     config = GPT2Config(**size, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-                        bos_token_id=last, eos_token_id=last)
+                        bos_token_id=last, eos_token_id=last, attn_implementation="eager")
     model = GPT2LMHeadModel(config)
 
     def make_batch(generator):
@@ -124,6 +127,9 @@ def resnet50(quick: bool = False):
     from torchvision.models import resnet50 as torchvision_resnet50
     from torchvision.models.resnet import Bottleneck, ResNet
 
+    # cuDNN may pick convolution kernels that sum in a varying order: then two copies trained
+    # alike differ in their last bits, and the bit check fails for no fault of either DDP
+    torch.backends.cudnn.deterministic = True
     classes = 10 if quick else 1000
     model = ResNet(Bottleneck, [1, 1, 1, 1], num_classes=classes, width_per_group=8) if quick \
         else torchvision_resnet50(weights=None, num_classes=classes)
