@@ -67,7 +67,8 @@ def measure(setup: harness.Setup) -> dict:
     pooled = {kind: harness.median_ratio(
         [x for cap in CAPS for x in times[cap, "miniddp"][kind]],
         [x for cap in CAPS for x in times[cap, "torch"][kind]]) for kind in ("wall", "cpu")}
-    return {"model": harness.model_info(base), "batch_per_rank": len(batches[0][0]),
+    return {"model": harness.model_info(base, setup),
+            "batch_per_rank": harness.batch_size(batches),
             **harness.rank_facts(device), "sweep": rows,
             "all_caps": {"ratio": pooled["wall"][0], "ratio_ci95": pooled["wall"][1],
                          "cpu_ratio": pooled["cpu"][0], "cpu_ratio_ci95": pooled["cpu"][1]}}

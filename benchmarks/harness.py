@@ -3,11 +3,19 @@
 A benchmark script defines ``measure(setup)``, which runs on every rank and returns rank 0's
 figures as a dict, and ``plot(result, ax)``; :func:`main` does the rest:
 
-* picks the setups (:func:`setups`): gloo on 2 CPU processes without a GPU; with one GPU, NCCL
+* picks the setups (:func:`plan`): gloo on 2 CPU processes without a GPU; with one GPU, NCCL
   at world size 1 (the machinery's own overhead) and then 2 ranks sharing the GPU over gloo;
-  with several GPUs, NCCL on every one (under torchrun, whatever torchrun started);
+  with several GPUs, NCCL with one rank per GPU (forked, or under torchrun whatever torchrun
+  started). Which device a rank computes on is decided in one place, :func:`rank_device`;
+  everything else is the same code on CPU and GPU, gloo and NCCL, forked or under torchrun;
 * runs ``measure`` on forked ranks with a timeout (``miniddp.launch``: a rank that raises or
   hangs is named), and writes ``results/<benchmark>-<device>-<backend>-ws<N>.json`` and a PNG.
+  A benchmark that must not see its own earlier measurements in memory (``memory.py`` on CUDA,
+  where NCCL and the caching allocator keep tensors of a finished run) gives ``parts``: each
+  part then runs in a rank group of its own, and ``combine`` joins their figures.
+
+Models (``--model``): the benchmark's own (:data:`MODELS`), or one from outside
+(``benchmarks/models.py``): ``package.module:factory``, ``gpt2``, ``resnet50``.
 
 Timing rules (the machine is shared; absolute times drift): contestants run in turn, one step
 each (A B, B A, A B, ...), after untimed warm-up steps; each step's time is the slowest rank's;
@@ -24,7 +32,9 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
+import copy  # noqa: E402
 import datetime  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
@@ -32,6 +42,7 @@ import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import models as outside  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -69,7 +80,7 @@ class Setup:
     quick: bool
     warmup: int
     pairs: int
-    model: str = "wide"  # one of MODELS
+    model: str = "wide"  # one of MODELS, or from outside (benchmarks/models.py)
 
     @property
     def size(self) -> str:
@@ -77,7 +88,8 @@ class Setup:
 
     @property
     def tag(self) -> str:
-        model = "" if self.model == "wide" else f"-{self.model}"
+        name = self.model.replace(":", "-").replace(".", "-").replace("/", "-")
+        model = "" if self.model == "wide" else f"-{name}"
         return f"{self.benchmark}{model}-{self.device}-{self.backend}-ws{self.world_size}"
 
 
@@ -85,9 +97,12 @@ def parse_args(description: str, argv=None, pairs: int = 12,
                models: tuple[str, ...] = ("wide",)) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
-    p.add_argument("--model", choices=models, action="append", dest="models",
-                   help=f"model(s) to run on, repeatable (default: all of {', '.join(models)}; "
-                        f"with --quick, {models[0]})")
+    p.add_argument("--model", action="append", dest="models", metavar="MODEL",
+                   help=f"model(s) to run on, repeatable: {', '.join(models)} (default: all; "
+                        f"with --quick, {models[0]}), the other built-in ones "
+                        f"({', '.join(MODELS)}), gpt2 or resnet50 (where transformers or "
+                        "torchvision is installed; random init), or your own as "
+                        "package.module:factory (see benchmarks/models.py)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--backend", choices=["gloo", "nccl"], help="default: chosen per setup")
     p.add_argument("--world-size", type=int, help="ranks to fork (default: see harness.py)")
@@ -98,41 +113,63 @@ def parse_args(description: str, argv=None, pairs: int = 12,
     args = p.parse_args(argv)
     args.pairs = args.pairs or (3 if args.quick else pairs)
     args.models = args.models or list(models[:1] if args.quick else models)
+    for name in args.models:
+        if name not in MODELS and not outside.is_outside(name):
+            p.error(f"--model {name}: not one of {', '.join(MODELS)}, gpt2, resnet50, nor "
+                    "package.module:factory")
+    for name in args.models:
+        if ":" in name:
+            outside.load_factory(name)  # a wrong name fails here, before any rank starts
+    args.skipped = {name: outside.unavailable(name) for name in args.models
+                    if outside.unavailable(name)}
+    args.models = [name for name in args.models if name not in args.skipped]
     args.out = args.out or (RESULTS / "quick" if args.quick else RESULTS)
     return args
 
 
 def setups(name: str, args) -> list[Setup]:
     """The runs to make, per model: chosen from the GPUs present, unless flags say otherwise."""
-    return [Setup(**{**asdict(setup), "model": model})
-            for model in args.models for setup in _placements(name, args)]
-
-
-def _placements(name: str, args) -> list[Setup]:
     gpus = 0 if args.device == "cpu" else torch.cuda.device_count()
     if args.device == "cuda" and gpus == 0:
         raise SystemExit("--device cuda: no GPU is visible to this process")
-    device = "cuda" if gpus else "cpu"
-    common = dict(benchmark=name, device=device, quick=args.quick,
-                  warmup=2 if args.quick else 3, pairs=args.pairs)
+    torchrun = None
     if launched_by_torchrun():
         ws = int(os.environ["WORLD_SIZE"])
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", ws))
-        backend = args.backend or ("nccl" if 0 < local <= gpus else "gloo")
-        return [Setup(backend=backend, world_size=ws, launcher="torchrun", **common)]
-    if args.backend or args.world_size or gpus == 0:
-        ws = args.world_size or (gpus if gpus > 1 else 2)
-        backend = args.backend or ("nccl" if 0 < ws <= gpus else "gloo")
-        return [Setup(backend=backend, world_size=ws, launcher="fork", **common)]
-    if gpus == 1:  # NCCL refuses two ranks on one GPU: its overhead at 1 rank, then gloo
-        return [Setup(backend="nccl", world_size=1, launcher="fork", **common),
-                Setup(backend="gloo", world_size=2, launcher="fork", **common)]
-    return [Setup(backend="nccl", world_size=gpus, launcher="fork", **common)]
+        torchrun = (ws, int(os.environ.get("LOCAL_WORLD_SIZE", ws)))
+    common = dict(benchmark=name, device="cuda" if gpus else "cpu", quick=args.quick,
+                  warmup=2 if args.quick else 3, pairs=args.pairs)
+    return [Setup(**common, **placement, model=model) for model in args.models
+            for placement in plan(gpus, args.backend, args.world_size, torchrun)]
+
+
+def plan(gpus: int, backend: str | None = None, world_size: int | None = None,
+         torchrun: tuple[int, int] | None = None) -> list[dict]:
+    """Backend, world size and launcher of each setup, from the GPUs this machine has (0 for
+    the CPU), the flags, and torchrun's (world size, ranks on this machine) if it started us.
+
+    One rank per GPU takes NCCL; where ranks would share a GPU (NCCL refuses that) or there is
+    none, gloo. With one GPU and no flags, two setups: NCCL at world size 1 (the machinery's own
+    overhead), then 2 ranks sharing the GPU over gloo.
+    """
+    def nccl_if_one_gpu_each(local: int) -> str:
+        return backend or ("nccl" if 0 < local <= gpus else "gloo")
+
+    if torchrun:
+        ws, local = torchrun
+        return [dict(backend=nccl_if_one_gpu_each(local), world_size=ws, launcher="torchrun")]
+    if backend or world_size or gpus != 1:
+        ws = world_size or (gpus if gpus > 1 else 2)
+        return [dict(backend=nccl_if_one_gpu_each(ws), world_size=ws, launcher="fork")]
+    return [dict(backend="nccl", world_size=1, launcher="fork"),
+            dict(backend="gloo", world_size=2, launcher="fork")]
 
 
 # ----- on every rank -----
 
 def rank_device(setup: Setup) -> torch.device:
+    """The one place that decides where a rank computes: the CPU, or on a GPU machine the GPU
+    of its local rank (torchrun's ``LOCAL_RANK``, else its rank in the forked group), shared
+    round robin when there are more ranks than GPUs (gloo only; NCCL gets one GPU each)."""
     if setup.device == "cpu":
         return torch.device("cpu")
     local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
@@ -140,11 +177,19 @@ def rank_device(setup: Setup) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def collective_device(device: torch.device) -> torch.device:
+    """Where the harness's own collectives' tensors live: NCCL reduces GPU tensors only."""
+    return device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
 def make_model(setup: Setup, device: torch.device, seed: int = 0) -> nn.Module:
     """``setup.model`` (see :data:`MODELS`). ``wide``: Linear + LayerNorm + ReLU blocks of mixed
     widths, 11 weights of 1 to 8 MiB (CPU; 4 to 32 MiB on GPU) between many small biases and
-    LayerNorm vectors, 46 tensors in all. The others: a deep, narrow MLP of equal layers."""
+    LayerNorm vectors, 46 tensors in all. The others: a deep, narrow MLP of equal layers. A
+    model from outside is built by its factory (benchmarks/models.py) from the same seed."""
     torch.manual_seed(seed)
+    if outside.is_outside(setup.model):
+        return copy.deepcopy(outside.built(setup.model, setup.quick, seed).model).to(device)
     layers = []
     if setup.model == "wide":
         widths = WIDTHS[setup.size]
@@ -162,20 +207,54 @@ def input_features(setup: Setup) -> int:
     return WIDTHS[setup.size][0] if setup.model == "wide" else DEEP[setup.model][setup.size][1]
 
 
-def model_info(model: nn.Module) -> dict:
+def model_info(model: nn.Module, setup: Setup | None = None) -> dict:
     params = list(model.parameters())
     numel = sum(p.numel() for p in params)
+    info = {"tensors": len(params), "parameters": numel,
+            "gradient_mb": round(sum(p.numel() * p.element_size() for p in params) / MIB, 2)}
+    if (setup is not None and outside.is_outside(setup.model)) \
+            or not isinstance(model, nn.Sequential):
+        return {"name": setup.model if setup else type(model).__name__,
+                "class": type(model).__name__, **info}
     return {"widths": [m.in_features for m in model if isinstance(m, nn.Linear)]
-            + [OUT_FEATURES], "tensors": len(params), "parameters": numel,
-            "gradient_mb": round(numel * 4 / MIB, 2)}
+            + [OUT_FEATURES], **info}
 
 
-def make_batches(setup: Setup, device: torch.device, rank: int, count: int = 4) -> list:
-    """``count`` fixed (x, y) batches for ``rank``: a pure function of the rank."""
+class Batches(list):
+    """A rank's fixed batches, ``(inputs, target)`` each, and the loss that goes with them."""
+
+    def __init__(self, batches, loss=F.mse_loss):
+        super().__init__(batches)
+        self.loss = loss
+
+
+def to_device(obj, device: torch.device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(to_device(x, device) for x in obj)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def make_batches(setup: Setup, device: torch.device, rank: int, count: int = 4,
+                 size: int | None = None) -> Batches:
+    """``count`` fixed (x, y) batches for ``rank``: a pure function of the rank. ``size``
+    samples each (default :data:`BATCH`); a model from outside makes its own batches."""
     g = torch.Generator().manual_seed(1000 + rank)
-    n, d = BATCH[setup.size], input_features(setup)
-    return [(torch.randn(n, d, generator=g).to(device),
-             torch.randn(n, OUT_FEATURES, generator=g).to(device)) for _ in range(count)]
+    if outside.is_outside(setup.model):
+        made = outside.built(setup.model, setup.quick)
+        return Batches([to_device(made.make_batch(g), device) for _ in range(count)], made.loss)
+    n, d = size or BATCH[setup.size], input_features(setup)
+    return Batches([(torch.randn(n, d, generator=g).to(device),
+                     torch.randn(n, OUT_FEATURES, generator=g).to(device))
+                    for _ in range(count)])
+
+
+def batch_size(batches: Batches) -> int:
+    inputs = batches[0][0]
+    return len(inputs if isinstance(inputs, torch.Tensor) else inputs[0])
 
 
 class Trainer:
@@ -183,6 +262,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module, batches: list, set_to_none: bool = True):
         self.model, self.batches, self.seen, self.set_to_none = model, batches, 0, set_to_none
+        self.loss = getattr(batches, "loss", F.mse_loss)
         self.opt = torch.optim.SGD(model.parameters(), lr=1e-3)
 
     def step(self, micro: int = 1, sync: bool = True) -> None:
@@ -193,20 +273,20 @@ class Trainer:
             self.seen += 1
             quiet = getattr(self.model, "no_sync", contextlib.nullcontext)
             with contextlib.nullcontext() if sync and m == micro - 1 else quiet():
-                loss = F.mse_loss(self.model(x), y)
+                output = self.model(*x) if isinstance(x, (tuple, list)) else self.model(x)
+                loss = self.loss(output, y)
             loss.backward()
         self.opt.step()
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
 def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     """Element-wise maximum over ranks: a step takes as long as its slowest rank."""
-    t = torch.tensor(values, dtype=torch.float64,
-                     device=device if dist.get_backend() == "nccl" else "cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
@@ -227,12 +307,12 @@ def alternate(calls: dict, setup: Setup, device: torch.device, label: str = "") 
     last_print = start = time.perf_counter()
     for k in range(setup.pairs):
         for name in names if k % 2 == 0 else names[::-1]:
-            _sync(device)
+            sync(device)
             dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda"
                             and dist.get_backend() == "nccl" else {}))
             c0, t0 = time.thread_time(), time.perf_counter()
             calls[name]()
-            _sync(device)
+            sync(device)
             wall[name].append(1000 * (time.perf_counter() - t0))
             cpu[name].append(1000 * (time.thread_time() - c0))
         if label and time.perf_counter() - last_print > 15:
@@ -273,9 +353,21 @@ def summarize(times: dict, baseline: str | None = None) -> dict:
     return out
 
 
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Same dtype, shape and bits (viewed as integers): the same NaN is equal, unlike in
+    ``torch.equal`` (as tests/bits.py, which the suite uses)."""
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return False
+    as_int = _INTEGER_OF_WIDTH[x.element_size()]
+    return torch.equal(x.detach().view(as_int), y.detach().view(as_int))
+
+
 def same_bits(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
     """True on every rank when every parameter of ``a`` equals ``b``'s bit for bit, on all ranks."""
-    equal = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    equal = all(bits_equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
     return max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0
 
 
@@ -333,9 +425,17 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12,
-         models: tuple[str, ...] = ("wide",)) -> list[dict]:
-    """Run ``measure`` in every setup; save, plot and print each result; return them."""
+         models: tuple[str, ...] = ("wide",), parts=None, combine=None) -> list[dict]:
+    """Run ``measure`` in every setup; save, plot and print each result; return them.
+
+    With ``parts(setup)`` (a list of picklable values), ``measure(setup, part)`` runs once per
+    part, each in a rank group of its own (fresh processes), and ``combine(setup, figures)``
+    joins rank 0's figures of every part. Under torchrun the ranks are torchrun's, so the parts
+    run one after another in them (the result says ``"parts_shared_processes": true``).
+    """
     args = parse_args(doc.splitlines()[0], argv, pairs, models)
+    for model, why in args.skipped.items():
+        print0(f"skipped --model {model}: {why}")
     results = []
     for setup in setups(name, args):
         env = environment()
@@ -344,8 +444,17 @@ def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12,
                f"({setup.launcher}){', quick' if setup.quick else ''}; load average "
                f"{env['load_average_before'][0]:.2f}")
         started = time.perf_counter()
-        figures = launch(measure, setup.world_size, args=(setup,), backend=setup.backend,
-                         timeout=args.timeout, pg_timeout=120.0)[0]
+        run = functools.partial(launch, backend=setup.backend, timeout=args.timeout,
+                                pg_timeout=120.0)
+        if parts is None:
+            figures = run(measure, setup.world_size, args=(setup,))[0]
+        elif launched_by_torchrun():
+            figures = {**combine(setup, run(_each_part, setup.world_size,
+                                            args=(measure, setup, parts(setup)))[0]),
+                       "parts_shared_processes": True}
+        else:
+            figures = combine(setup, [run(measure, setup.world_size, args=(setup, part))[0]
+                                      for part in parts(setup)])
         env["load_average_after"] = list(os.getloadavg())
         env["seconds"] = round(time.perf_counter() - started, 1)
         result = {"benchmark": name, "setup": asdict(setup), "machine": env, **figures}
@@ -359,3 +468,7 @@ def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12,
         save_figure(setup.tag, lambda ax, r=result: plot(r, ax), args.out)
         print0(report(result))
     return results
+
+
+def _each_part(measure, setup: Setup, parts: list) -> list:
+    return [measure(setup, part) for part in parts]

@@ -3,7 +3,7 @@
 For miniddp and torch's DDP, each with ``gradient_as_bucket_view`` off and on, and zeroing
 gradients both ways (``zero_grad(set_to_none=True)``, torch's default, and ``False``): wrap a
 copy of the model, then run three training steps (the second rebuilds the buckets) and then one
-more, a steady step. The peak of each part is measured from just before the wrapping, so the
+more, a steady step. The peak of each step is measured from just before the wrapping, so the
 model's own parameters are not counted and the buckets are:
 
 * on GPU: ``torch.cuda.max_memory_allocated()`` minus what was allocated before;
@@ -15,8 +15,21 @@ model's own parameters are not counted and the buckets are:
   profiler with ``profile_memory=True`` was tried and dropped: frees made on gloo's threads are
   not reported to it, so its total drifted from run to run.)
 
+Every configuration runs in a rank group of its own: fresh processes, which first pay the
+one-off costs outside the measurement (a plain training step, a collective, both DDP classes on
+a tiny model). Run one after another in one process, the configurations saw each other on
+NCCL: tensors of a finished one (held by NCCL's work objects or the caching allocator) were
+freed while the next was measured, which gave a 2 MB peak for 197 MB of gradients (the first
+GPU run, 2026-11-24). The parent compares a hash of each configuration's final parameters:
+miniddp's must be torch's, bit for bit.
+
 Without the option a gradient lives twice, in ``.grad`` and in its bucket; with it ``.grad`` is a
-view of the bucket. Both DDPs must end with bit-identical parameters.
+view of the bucket.
+
+On CUDA, ``MINIDDP_MEMORY_SNAPSHOTS=DIR`` writes a snapshot of the caching allocator after each
+configuration (every live block and the stack that allocated it; open it in
+https://pytorch.org/memory_viz): where torch's DDP keeps its extra copy on NCCL (see
+benchmarks/README.md). gpu.sh sets it to ``results/logs/memory-snapshots``.
 
     python benchmarks/memory.py           # no GPU: gloo, 2 CPU ranks, under a minute
     python benchmarks/memory.py --quick   # smoke run, seconds
@@ -27,6 +40,9 @@ from __future__ import annotations
 import copy
 import ctypes
 import gc
+import hashlib
+import os
+from pathlib import Path
 
 import harness
 import torch
@@ -39,6 +55,8 @@ from miniddp.train.report import print0
 
 CONFIGS = [(impl, view, none) for impl in ("miniddp", "torch") for view in (False, True)
            for none in (True, False)]
+CLASSES = {"miniddp": miniddp.DistributedDataParallel,
+           "torch": nn.parallel.DistributedDataParallel}
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 STEPS = 3  # step 0 uses one bucket, step 1 rebuilds the buckets, step 2 is steady
 
@@ -89,44 +107,85 @@ def train(cls, model, batches, device, view: bool, none: bool) -> dict:
     meter = Meter(device)
     ddp = cls(model, gradient_as_bucket_view=view, **harness.ddp_kwargs(device))
     trainer = Trainer(ddp, batches, set_to_none=none)
-    for _ in range(STEPS):
+    peaks = []  # step 0's includes the wrapping
+    for step in range(STEPS):
+        if step:
+            meter.reset_peak()
         trainer.step()
-    first = meter.peak()
+        peaks.append(meter.peak())
+    first = max(peaks)
     meter.reset_peak()
     trainer.step()
-    return {"first_steps_peak_mb": first, "steady_peak_mb": meter.peak(), "end_mb": meter.now()}
+    return {"first_steps_peak_mb": first, "steady_peak_mb": meter.peak(), "end_mb": meter.now(),
+            "peak_by_step_mb": peaks}
 
 
-def measure(setup: harness.Setup) -> dict:
+def warm_up(base: nn.Module, batches, device) -> None:
+    """One-off costs outside the measurement: a plain training step (the BLAS workspace on a
+    GPU), the communicator's first collective, and both DDP classes wrapping a tiny model."""
+    Trainer(copy.deepcopy(base), batches).step()
+    dist.all_reduce(torch.ones(1, device=harness.collective_device(device)))
+    tiny = nn.Linear(4, 4).to(device)
+    for cls in CLASSES.values():
+        ddp = cls(copy.deepcopy(tiny), **harness.ddp_kwargs(device))
+        ddp(torch.ones(2, 4, device=device)).sum().backward()
+    harness.sync(device)
+
+
+def parameter_digest(model: nn.Module) -> str:
+    """The bits of every parameter, hashed: what the parent compares between processes."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def measure(setup: harness.Setup, config: tuple) -> dict:
+    """One configuration, in a rank group of its own (see the module docstring)."""
+    impl, view, none = config
     device = harness.rank_device(setup)
     if device.type == "cpu":
         mmap_large_blocks()
     base = harness.make_model(setup, device)
     batches = harness.make_batches(setup, device, dist.get_rank())
-    classes = {"miniddp": miniddp.DistributedDataParallel,
-               "torch": nn.parallel.DistributedDataParallel}
-    for cls in classes.values():  # unmeasured: the first run pays one-off costs (~15 MB)
-        train(cls, copy.deepcopy(base), batches, device, False, True)
-    finals, rows = {}, []
-    for n, (impl, view, none) in enumerate(CONFIGS, 1):
-        model = copy.deepcopy(base)
-        gc.collect()  # the previous DDP's buffers must not be freed inside this measurement
-        figures = train(classes[impl], model, batches, device, view, none)
-        finals[impl, view, none] = model
-        rows.append({"impl": impl, "gradient_as_bucket_view": view, "set_to_none": none,
-                     **figures})
-        print0(f"  ({n}/{len(CONFIGS)}) {impl}, gradient_as_bucket_view={view}, "
-               f"set_to_none={none}: peak {figures['first_steps_peak_mb']:.1f} MB in the "
-               f"first steps, {figures['steady_peak_mb']:.1f} MB in a later one")
+    warm_up(base, batches, device)
+    model = copy.deepcopy(base)
+    gc.collect()  # the warm-up's buffers must not be freed inside the measurement
+    snapshots = os.environ.get("MINIDDP_MEMORY_SNAPSHOTS") if device.type == "cuda" else None
+    if snapshots:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    figures = train(CLASSES[impl], model, batches, device, view, none)
+    if snapshots:  # every live block at the end, with the stack that allocated it
+        Path(snapshots).mkdir(parents=True, exist_ok=True)
+        torch.cuda.memory._dump_snapshot(f"{snapshots}/{impl}-view{view:d}-none{none:d}-"
+                                         f"{setup.backend}-rank{dist.get_rank()}.pickle")
+    print0(f"  {impl}, gradient_as_bucket_view={view}, set_to_none={none}: peak "
+           f"{figures['first_steps_peak_mb']:.1f} MB in the first steps, "
+           f"{figures['steady_peak_mb']:.1f} MB in a later one")
+    return {"row": {"impl": impl, "gradient_as_bucket_view": view, "set_to_none": none,
+                    **figures, "pid": os.getpid()}, "digest": parameter_digest(model),
+            "model": harness.model_info(base, setup),
+            "batch_per_rank": harness.batch_size(batches), **harness.rank_facts(device)}
+
+
+def parts(setup: harness.Setup) -> list[tuple]:
+    return CONFIGS
+
+
+def combine(setup: harness.Setup, figures: list[dict]) -> dict:
+    """Every configuration's row; miniddp's parameters must be torch's, bit for bit."""
+    digests = {(f["row"]["impl"], f["row"]["gradient_as_bucket_view"],
+                f["row"]["set_to_none"]): f["digest"] for f in figures}
     for view in (False, True):
         for none in (True, False):
-            check(harness.same_bits(finals["miniddp", view, none], finals["torch", view, none],
-                                    device),
+            check(digests["miniddp", view, none] == digests["torch", view, none],
                   f"gradient_as_bucket_view={view}, set_to_none={none}: parameters differ")
-    return {"model": harness.model_info(base), "batch_per_rank": len(batches[0][0]),
-            **harness.rank_facts(device), "steps": STEPS + 1, "bit_identical": True,
-            "counted": "cuda.max_memory_allocated" if device.type == "cuda"
-            else "peak RSS (VmHWM)", "memory": rows}
+    first = figures[0]
+    return {"model": first["model"], "batch_per_rank": first["batch_per_rank"],
+            "gpu": first["gpu"], "gpus_visible": first["gpus_visible"], "steps": STEPS + 1,
+            "bit_identical": True, "process_per_configuration": True,
+            "counted": "cuda.max_memory_allocated" if setup.device == "cuda"
+            else "peak RSS (VmHWM)", "memory": [f["row"] for f in figures]}
 
 
 def plot(result: dict, ax) -> None:
@@ -158,7 +217,8 @@ def report(result: dict) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    return harness.main("memory", __doc__, measure, plot, report, argv)
+    return harness.main("memory", __doc__, measure, plot, report, argv, parts=parts,
+                        combine=combine)
 
 
 if __name__ == "__main__":

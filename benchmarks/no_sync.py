@@ -50,7 +50,8 @@ def measure(setup: harness.Setup) -> dict:
                          name: harness.median_ratio(per_micro[1, name]["wall"],
                                                     per_micro[k, name]["wall"])[0]
                          for name in trainers}})
-    return {"model": harness.model_info(base), "batch_per_rank": len(batches[0][0]),
+    return {"model": harness.model_info(base, setup),
+            "batch_per_rank": harness.batch_size(batches),
             **harness.rank_facts(device), "bit_identical": True, "no_sync": rows}
 
 

@@ -64,10 +64,8 @@ def with_python_hooks(module: nn.Module, copy_into_bucket: bool) -> nn.Module:
 def measure(setup: harness.Setup) -> dict:
     device = harness.rank_device(setup)
     base = harness.make_model(setup, device)
-    g = torch.Generator().manual_seed(dist.get_rank())
-    features = harness.input_features(setup)
-    batches = [(torch.randn(4, features, generator=g).to(device),
-                torch.randn(4, harness.OUT_FEATURES, generator=g).to(device))]
+    # one small batch: the machinery, not the arithmetic (a model from outside: its own batch)
+    batches = harness.make_batches(setup, device, dist.get_rank(), count=1, size=4)
     kwargs = harness.ddp_kwargs(device)
     models = {}
     for label, cap in CAPS.items():
@@ -103,7 +101,8 @@ def measure(setup: harness.Setup) -> dict:
     bare = summarize({name: times[name] for name in ("local", "empty_hooks", "copy_hooks")})
     floor = {name: 1000 * (bare[name]["cpu_median_ms"] - bare["local"]["cpu_median_ms"]) / tensors
              for name in ("empty_hooks", "copy_hooks")}
-    return {"model": harness.model_info(base), "batch_per_rank": 4,
+    return {"model": harness.model_info(base, setup),
+            "batch_per_rank": harness.batch_size(batches),
             **harness.rank_facts(device), "bit_identical": True, "overhead": rows,
             "local": bare["local"], "python_floor": {
                 "empty_hook_cpu_us_per_parameter": floor["empty_hooks"],

@@ -3,7 +3,8 @@
 Used by the equivalence tests: each rank builds the same *architecture* from a rank-dependent
 seed (so the broadcast from rank 0 at construction is exercised), copies it, wraps one copy in
 each DDP, trains both on the same rank-dependent data, and records every tensor that is not
-bit-identical (``torch.equal``) after every backward and every optimizer step.
+bit-identical (``bits.bit_difference``: same dtype, shape and bits, so identical NaNs are equal)
+after every backward and every optimizer step.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bits import bit_difference
 from torch import nn
 
 import miniddp
@@ -177,14 +179,13 @@ def make_optimizer(name: str, params):
 def _diff(tag, step, name, a, b, problems):
     if (a is None) != (b is None):
         problems.append(f"step {step} {tag} {name}: one is None ({a is None}, {b is None})")
-    elif a is not None and not torch.equal(a, b):
-        err = (a.double() - b.double()).abs().max().item()
-        problems.append(f"step {step} {tag} {name}: max abs diff {err:.3g}")
+    elif a is not None and (difference := bit_difference(a, b)) is not None:
+        problems.append(f"step {step} {tag} {name}: {difference}")
 
 
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
-                       penalty=False, user_hook=False, **ddp_kwargs) -> dict:
+                       penalty=False, user_hook=False, nan=False, **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
     Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
@@ -193,12 +194,16 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     ``user_hook`` registers, after wrapping, a post-accumulate-grad hook halving every gradient.
     ``sabotage`` breaks miniddp on purpose (negative controls, proving the check can fail):
     ``"divide"`` scales gradients by ``/ world_size`` instead of ``* (1 / world_size)``;
-    ``"layout"`` gives miniddp a different bucket cap from torch's.
+    ``"layout"`` gives miniddp a different bucket cap from torch's; ``"nan_in_ours"`` puts a
+    NaN into miniddp's first weight after wrapping. ``nan=True`` puts a NaN into that weight of
+    the model both wrap (it spreads through every step on both sides: equal bits, no problem).
     """
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
     module = MLP(width, depth) if model_name == "mlp" else MODELS[model_name]()
     module.to(device)
+    if nan:
+        _put_nan(module)
     our_kwargs = dict(ddp_kwargs)
     if sabotage == "layout":
         our_kwargs["bucket_cap_mb"] = 0.0002
@@ -211,6 +216,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         def divide_instead(param, view):
             view.copy_(param.grad / dist.get_world_size())
         ours.reducer._copy_into_bucket = divide_instead
+    if sabotage == "nan_in_ours":
+        _put_nan(ours.module)
     both = [(ours, make_optimizer(optimizer, ours.parameters())),
             (theirs, make_optimizer(optimizer, theirs.parameters()))]
     if user_hook:
@@ -250,6 +257,11 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         layouts.append([info.param_indices for info in ours.buckets])
     return {"problems": problems[:10], "layouts": layouts,
             "torch_layout": torch_bucket_layout(theirs)}
+
+
+def _put_nan(module: nn.Module) -> None:
+    with torch.no_grad():
+        next(module.parameters()).view(-1)[0] = float("nan")
 
 
 @contextlib.contextmanager

@@ -5,20 +5,25 @@ The scripts run in this process (their ranks are forked from it) to skip seconds
 ``import torch`` per script; one runs from the command line, as a user would.
 """
 
+import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 import bucket_sweep  # noqa: E402
+import gpu  # noqa: E402
 import ladder  # noqa: E402
 import memory  # noqa: E402
 import no_sync  # noqa: E402
@@ -93,7 +98,23 @@ def test_ladder_has_every_rung_checked_and_its_call_count(tmp_path):
     assert rungs["per_parameter"]["allreduce_calls"] == result["model"]["tensors"]
     assert rungs["overlap"]["allreduce_calls"] == rungs["torch"]["allreduce_calls"] \
         == rungs["buckets_after_backward"]["allreduce_calls"]
-    assert "overlap_vs_after_backward" in result
+    assert "overlap_vs_after_backward" in result and result["nothing_to_overlap"] is None
+
+
+@pytest.mark.parametrize("module", [overlap, ladder])
+def test_at_world_size_one_there_is_nothing_to_overlap_and_no_number_says_otherwise(module,
+                                                                                     tmp_path):
+    """One rank has no communication to hide: no hidden fraction, no overlap ratio, a reason."""
+    result = module.main(["--quick", "--device", "cpu", "--world-size", "1",
+                          "--out", str(tmp_path)])[0]
+    assert result["setup"]["world_size"] == 1
+    assert "world size 1" in result["nothing_to_overlap"]
+    assert "world size 1: there is no communication to hide" in module.report(result)
+    if module is overlap:
+        assert not any("hidden_fraction" in v for v in result["impls"].values())
+        assert "overlap_saves_ms" not in result and "miniddp_hides_more_ms" not in result
+    else:
+        assert "overlap_vs_after_backward" not in result
 
 
 def test_overlap_reports_compute_communication_and_hidden(tmp_path):
@@ -107,6 +128,7 @@ def test_overlap_reports_compute_communication_and_hidden(tmp_path):
         assert low <= figures["hidden_fraction"] <= high
         assert figures["ideal_ms"] <= figures["serial_ms"]
     assert {"miniddp_hides_more_ms", "overlap_saves_ms", "compute_ratio"} <= set(result)
+    assert result["nothing_to_overlap"] is None
     assert len(result["bucket_mb"]) == result["buckets"]
     assert {"local", "after_backward", "communication"} <= set(result["times"])
 
@@ -120,6 +142,7 @@ def test_no_sync_times_every_accumulation_length(tmp_path):
                                                                                   "torch"}
 
 
+@pytest.mark.slow
 def test_memory_measures_both_ddps_with_and_without_bucket_views(tmp_path):
     result = run(memory, tmp_path)
     assert result["bit_identical"]
@@ -128,6 +151,20 @@ def test_memory_measures_both_ddps_with_and_without_bucket_views(tmp_path):
     assert configs == set(memory.CONFIGS) and len(configs) == 8
     assert all({"first_steps_peak_mb", "steady_peak_mb", "end_mb"} <= set(r)
                for r in result["memory"])
+    assert all(len(r["peak_by_step_mb"]) == memory.STEPS for r in result["memory"])
+    # every configuration in a rank group of its own: none can see another's tensors
+    assert result["process_per_configuration"]
+    assert len({r["pid"] for r in result["memory"]}) == len(memory.CONFIGS)
+
+
+def test_memory_refuses_configurations_whose_parameters_differ():
+    setup = memory.harness.Setup("memory", "cpu", "gloo", 2, "fork", True, 2, 3)
+    figures = [{"row": {"impl": impl, "gradient_as_bucket_view": view, "set_to_none": none},
+                "digest": f"{impl}{view}{none}" if (impl, view) == ("torch", True) else "same",
+                "model": {}, "batch_per_rank": 8, "gpu": None, "gpus_visible": 0}
+               for impl, view, none in memory.CONFIGS]
+    with pytest.raises(RuntimeError, match="gradient_as_bucket_view=True.*parameters differ"):
+        memory.combine(setup, figures)
 
 
 def test_zero_memory_counts_each_ranks_optimizer_state_at_1_2_3_ranks(tmp_path):
@@ -180,3 +217,118 @@ def test_command_line_quick_run(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "hidden fraction" in done.stdout
     assert json.loads((tmp_path / "overlap-cpu-gloo-ws2.json").read_text())["bit_identical"]
+
+
+# ----- where the ranks come from: the same plan on CPU and GPU, forked or under torchrun -----
+
+@pytest.mark.parametrize("gpus, flags, expected", [
+    (0, {}, [("gloo", 2, "fork")]),
+    (1, {}, [("nccl", 1, "fork"), ("gloo", 2, "fork")]),
+    (4, {}, [("nccl", 4, "fork")]),
+    (1, {"world_size": 2}, [("gloo", 2, "fork")]),
+    (2, {"world_size": 3}, [("gloo", 3, "fork")]),
+    (0, {"torchrun": (3, 3)}, [("gloo", 3, "torchrun")]),
+    (4, {"torchrun": (8, 4)}, [("nccl", 8, "torchrun")]),
+    (2, {"torchrun": (4, 4)}, [("gloo", 4, "torchrun")]),
+    (4, {"backend": "gloo"}, [("gloo", 4, "fork")]),
+])
+def test_one_rank_per_gpu_takes_nccl_else_gloo(gpus, flags, expected):
+    plan = bucket_sweep.harness.plan(gpus, **flags)
+    assert [(p["backend"], p["world_size"], p["launcher"]) for p in plan] == expected
+
+
+# ----- --model: the user's own model, and ready-made ones -----
+
+def linear_factory():
+    """The least a factory can be: a model and a batch maker (the loss: mean squared error)."""
+    def make_batch(generator):
+        return torch.randn(4, 8, generator=generator), torch.randn(4, 2, generator=generator)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)), make_batch
+
+
+def not_a_factory():
+    return nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("factory", ["examples.my_model:factory", "test_benchmarks:linear_factory"])
+def test_a_users_model_through_its_factory(factory, tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    result = bucket_sweep.main(["--quick", "--device", "cpu", "--model", factory,
+                                "--out", str(tmp_path)])[0]
+    assert result["model"]["name"] == factory and result["setup"]["model"] == factory
+    assert all(r["bit_identical"] for r in result["sweep"])
+    tag = bucket_sweep.harness.Setup(**result["setup"]).tag
+    assert ":" not in tag and (tmp_path / f"{tag}.json").exists()
+    if factory.startswith("examples"):
+        assert result["model"]["class"] == "TinyTransformer" and result["model"]["tensors"] > 20
+
+
+def test_a_factory_that_returns_something_else_is_refused_with_what_it_returned(tmp_path):
+    with pytest.raises(RankError, match="must return \\(model, make_batch\\)"):
+        bucket_sweep.main(["--quick", "--device", "cpu", "--model",
+                           "test_benchmarks:not_a_factory", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="cannot import 'no_such_module'"):
+        bucket_sweep.main(["--quick", "--device", "cpu", "--model", "no_such_module:f"])
+
+
+@pytest.mark.parametrize("name, library", [("gpt2", "transformers"), ("resnet50", "torchvision")])
+def test_ready_made_models_run_or_are_skipped_with_a_message(name, library, tmp_path, capsys):
+    if importlib.util.find_spec(library) is None:
+        assert no_sync.main(["--quick", "--device", "cpu", "--model", name]) == []
+        assert f"skipped --model {name}: --model {name} needs {library}" in capsys.readouterr().out
+        return
+    # From the command line, as a user runs it: inside pytest (its faulthandler plugin), a rank
+    # forked after importing transformers died silently (seen with transformers 5 on torch 2.13)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "no_sync.py"), "--quick", "--device",
+                           "cpu", "--model", name, "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / f"no_sync-{name}-cpu-gloo-ws2.json").read_text())
+    assert result["bit_identical"] and result["model"]["name"] == name
+
+
+# ----- benchmarks/gpu.sh: its CPU dry run, the torchrun path, time limits -----
+
+def gpu_sh(*flags, timeout=240):
+    started = time.monotonic()
+    done = subprocess.run(["bash", str(BENCHMARKS / "gpu.sh"), "--cpu", *flags],
+                          capture_output=True, text=True, timeout=timeout)
+    return done, time.monotonic() - started
+
+
+@pytest.mark.slow
+def test_gpu_sh_dry_run_takes_the_several_gpu_path_under_torchrun_and_summarizes(tmp_path):
+    """The CPU dry run of gpu.sh: the CUDA tests (skipped here) and a benchmark on the path of
+    a machine with several GPUs (torchrun, one rank each), on 3 CPU ranks over gloo."""
+    done, _ = gpu_sh("--ranks", "3", "--only", "tests,bucket_sweep", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "bucket_sweep-cpu-gloo-ws3.json").read_text())
+    assert result["setup"]["launcher"] == "torchrun" and result["setup"]["world_size"] == 3
+    assert all(r["bit_identical"] for r in result["sweep"])
+    summary = (tmp_path / "gpu-summary.txt").read_text()
+    assert "CPU dry run, torchrun with 3 ranks" in summary and summary in done.stdout
+    assert "skipped" in summary.splitlines()[1]  # tests/test_ddp_cuda.py, without a GPU
+    assert "  gloo ws3 " in summary and "bucket_sweep, miniddp / torch step time" in summary
+    assert (tmp_path / "logs" / "bucket_sweep.log").read_text().count("saved ") == 2
+
+
+@pytest.mark.slow
+def test_gpu_sh_stops_a_part_past_its_limit_names_it_and_goes_on(tmp_path):
+    done, seconds = gpu_sh("--only", "overlap,ladder", "--limit", "overlap=1", "--limit",
+                           "ladder=1", "--out", str(tmp_path), timeout=120)
+    assert done.returncode == 1 and seconds < 90
+    summary = (tmp_path / "gpu-summary.txt").read_text()
+    for part in ("overlap", "ladder"):
+        assert f"HUNG or too slow: {part} did not finish in 1 s (its limit)" in summary
+
+
+def test_gpu_sh_several_gpus_get_torchrun_except_memory_which_forks_its_own_groups(tmp_path):
+    args = gpu.parse_args(["--out", str(tmp_path)])
+    sweep = gpu.command("bucket_sweep", args, gpus=4, limit=100)
+    assert "torch.distributed.run" in sweep and "--nproc_per_node=4" in sweep
+    assert "--device" in sweep and sweep[sweep.index("--device") + 1] == "cuda"
+    mem = gpu.command("memory", args, gpus=4, limit=100)
+    assert "torch.distributed.run" not in mem and mem[mem.index("--world-size") + 1] == "4"
+    assert "torch.distributed.run" not in gpu.command("bucket_sweep", args, gpus=1, limit=100)
+    late = gpu.run_part("overlap", args, gpus=1, deadline=time.monotonic())
+    assert late["status"] == "not run: the budget was spent"

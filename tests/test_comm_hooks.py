@@ -2,9 +2,9 @@
 
 Each case trains miniddp's DDP and torch's DDP side by side, each with its own copy of the same
 hook (and of its state: PowerSGD keeps per-bucket memory), and compares every gradient and
-parameter with ``torch.equal`` after every step, at 2 and 3 ranks (at 3, gloo's ring sums an
-element in an order that depends on its offset in the bucket, so a wrong layout or a wrong
-scaling shows in the bits).
+parameter bit for bit (``bits.bit_difference``) after every step, at 2 and 3 ranks (at 3,
+gloo's ring sums an element in an order that depends on its offset in the bucket, so a wrong
+layout or a wrong scaling shows in the bits).
 
 On a CPU-only torch, torch's DDP refuses its own bf16 hooks by name (it wants CUDA and NCCL);
 gloo can all_reduce bf16 all the same, so the CPU cases call them through a function of another
@@ -124,9 +124,11 @@ def compare_hook(hook, steps=4, micro_batches=1, model_name="mlp", register_at_s
         if [b.param_indices for b in ours.buckets] != cases.torch_bucket_layout(theirs):
             problems.append(f"step {step}: bucket layout differs from torch's")
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
-            cases._diff("grad", step, name, a.grad, b.grad, problems)
             if a.grad is not None and b.grad is not None and a.grad.dtype != b.grad.dtype:
-                dtypes.append((name, a.grad.dtype, b.grad.dtype))
+                dtypes.append((name, a.grad.dtype, b.grad.dtype))  # values compared below
+                cases._diff("grad", step, name, a.grad, b.grad.to(a.grad.dtype), problems)
+            else:
+                cases._diff("grad", step, name, a.grad, b.grad, problems)
         for _, opt in both:
             opt.step()
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bits import all_same_bits
 from ddp_cases import MLP, compare_with_torch
 from torch import nn
 
@@ -123,7 +124,7 @@ def accumulate_through_the_module(every):
                 x, y = data(10 * step + 2)
                 F.mse_loss(model(x), y).backward()
                 opt.step()
-    same = all(torch.equal(a, b) for a, b in zip(ddp.parameters(), theirs.parameters()))
+    same = all_same_bits(ddp.parameters(), theirs.parameters())
     return {"same": same, "warnings": [str(w.message) for w in seen
                                        if "got a gradient after" in str(w.message)]}
 

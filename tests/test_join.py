@@ -4,8 +4,8 @@ step.
 
 Each rank trains miniddp's DDP inside ``join``, then torch's, on the same rank-dependent
 batches, taking ``steps[rank]`` optimizer steps; the states after each of its steps and after
-the join context (the final sync) are compared with ``torch.equal``. A hang is the failure mode
-here: the ranks' process group times out after 20 s, the test after 60.
+the join context (the final sync) are compared bit for bit (``bits.bit_difference``). A hang
+is the failure mode here: the ranks' process group times out after 20 s, the test after 60.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from bits import bit_difference
 from ddp_cases import (
     MLP,
     MODELS,
@@ -107,9 +108,8 @@ def differences(ours: list[dict], theirs: list[dict]) -> list[str]:
                 problems.append(f"{where} {key}: None on one side only")
             elif x is not None and x.shape != y.shape:
                 problems.append(f"{where} {key}: {x.tolist()} != {y.tolist()}")
-            elif x is not None and not torch.equal(x, y):
-                problems.append(f"{where} {key}: max abs diff "
-                                f"{(x.double() - y.double()).abs().max().item():.3g}")
+            elif x is not None and (difference := bit_difference(x, y)) is not None:
+                problems.append(f"{where} {key}: {difference}")
     return problems[:8]
 
 

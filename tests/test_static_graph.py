@@ -2,7 +2,7 @@
 
 Each rank trains miniddp's DDP and torch's side by side from the same weights on the same
 rank-dependent data, both with ``static_graph=True``, and compares every gradient, every
-parameter and the bucket layout after every micro-batch with ``torch.equal``. Small buckets
+parameter and the bucket layout after every micro-batch bit for bit (``bits``). Small buckets
 make the rebuilt layout several buckets, so at 3 ranks the bits depend on when and in which
 order the buckets are rebuilt (after the *second* synchronized backward here, not the first).
 """
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from bits import same_bits
 from ddp_cases import MLP, first_bucket_as_small_as, torch_bucket_layout
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -100,9 +101,9 @@ def _differences(tag, ours, theirs):
     for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
         if (a.grad is None) != (b.grad is None):
             found.append(f"{tag} grad {name}: None on one side only")
-        elif a.grad is not None and not torch.equal(a.grad, b.grad):
+        elif a.grad is not None and not same_bits(a.grad, b.grad):
             found.append(f"{tag} grad {name}")
-        if not torch.equal(a, b):
+        if not same_bits(a, b):
             found.append(f"{tag} param {name}")
     return found
 
