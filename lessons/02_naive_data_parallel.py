@@ -189,8 +189,7 @@ def main():
     if slowdown <= 1:  # shown, not checked: a burst of load from other programs can do this
         print0(f"(on this run DataParallel x2 took {medians['DataParallel x2']:.2f} ms per step, "
                f"no more than the plain module's {medians['plain module']:.2f}: it does the same "
-               "arithmetic plus threads,
-copies, scatter and gather, so other programs' load "
+               "arithmetic plus threads,\ncopies, scatter and gather, so other programs' load "
                "must have hit the plain module's turns; run again)")
     if device == "cpu":
         print0(f"on this CPU the replicas are threads sharing {os.cpu_count()} cores under one "

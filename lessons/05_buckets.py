@@ -316,8 +316,7 @@ def on_every_rank():
     if alpha <= 0 or beta <= 0 or typical >= 0.5:  # shown, not checked: load is nobody's fault
         print0(f"this fit is poor (alpha {alpha:.1e} s, beta {beta:.1e} s/byte, typical error "
                f"{100 * typical:.0f}%): other programs took the cores while some sizes were "
-               "timed.
-The model still holds; its numbers here do not. Run again on a quieter "
+               "timed.\nThe model still holds; its numbers here do not. Run again on a quieter "
                "machine to see a clean line")
 
     print0(f"\n{'':<23} {'calls':>5} {'MiB':>6} {'predicted':>10} {'measured':>10} "
