@@ -33,8 +33,8 @@ What you will see: the batches each rank has; the hang: which ranks waited, the 
 after 3 s and what it means; join by hand, close to the real one; the loss falling on every
 rank while the ranks that ran out shadow the others; miniddp equal to torch's DDP bit for bit
 after every step, for both divisors; the same model on every rank at the end, equal to torch's
-bit for bit; and ``OK: ...``. 10-20 seconds, 3 of them waiting for the timeout. Gloo on the CPU even where there are GPUs:
-the hang is shown with gloo's timeout.
+bit for bit; and ``OK: ...``. 10-20 seconds, 3 of them waiting for the timeout. Gloo on the CPU
+even where there are GPUs: the hang is shown with gloo's timeout.
 """
 
 import argparse
