@@ -35,14 +35,22 @@ became ready, when each bucket was launched and finished, when backward ended. T
 the same model with ``miniddp.DistributedDataParallel`` (overlap) and with
 ``AllReduceBucketsAfterBackward`` (no overlap), in turns, on the same data, and checks:
 
-* with overlap, in most steps some gradient became ready while an all_reduce was in flight
-  (after the bucket's launch and before its completion, which gloo's thread records) on some
-  rank; without overlap, never. An ordering of events, not a timing, so a busy machine cannot
-  flip it, and a reducer that waits for each all_reduce right after launching it fails it;
+* with overlap, gradients become ready while an all_reduce is in flight (after the bucket's
+  launch and before its completion, which gloo's thread records); without overlap, never. In
+  the timed steps this happens by chance, and how often is shown, not checked. The check is
+  made on a few steps in which every rank but 0 starts backward late: an all_reduce needs every
+  rank, so rank 0's first one cannot finish before they join, and if it was launched during
+  backward the gradients that follow must arrive while it is in flight, however loaded the
+  machine. A reducer that waits for each all_reduce right after launching it, or launches only
+  after backward, fails it;
+* one more backward, recorded with ``ddp.trace()`` on every rank, shows what it must: every
+  parameter ready once, each bucket launched once its gradients are in, in order, then the end
+  of backward, every launched bucket waited for in order, and the write-back last. The check
+  reads the lines the trace prints, so a trace that dropped or reordered events fails it;
 * the gradients of the two, of ``SmallReducer`` and of torch's DDP are equal bit for bit at
   every step: the same buckets summed the same way, only launched at other moments.
 
-``--trace`` prints one backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
+``--trace`` prints that backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
 the same for your own model): each gradient as it becomes ready with its bucket and how full the
 bucket is, each all_reduce launched and finished, the end of backward, the waits and the
 write-back.
@@ -65,7 +73,8 @@ With one GPU per rank it uses NCCL and the GPUs.
 
 What you will see: ``SmallReducer`` equal to torch's DDP bit for bit, the loss falling with each
 run's own milliseconds per step, step times and the communication left exposed after backward for
-each run, how many gradients became ready while an all_reduce was in flight, the timeline of one
+each run, how many gradients became ready while an all_reduce was in flight (in the timed steps,
+and in the staggered ones), "the trace ... shows each of the buckets ...", the timeline of one
 step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png``, the same
 check at 3 ranks, and ``OK: ...``. A few seconds.
 """
