@@ -75,7 +75,53 @@ def everyone(t: torch.Tensor) -> list[torch.Tensor]:
 
 # ----- 03: all_reduce averaging by hand -----
 
-LATE_S = 0.2  # every rank but 0 calls the learner's function this late (see average_task)
+LATE_S = 0.1  # every rank but 0 makes each of the learner's all_reduces this late
+
+
+class Waited:
+    """A work (or its future) handed to the learner: notes when it is waited for."""
+
+    def __init__(self, inner, record: dict, on_wait=None):
+        self.inner, self.record, self.on_wait = inner, record, on_wait
+
+    def _mark(self):
+        if not self.record["waited"] and self.on_wait is not None:
+            self.on_wait()
+        self.record["waited"] = True
+
+    def wait(self, *args, **kwargs):
+        self._mark()
+        return self.inner.wait(*args, **kwargs)
+
+    def value(self, *args, **kwargs):
+        self._mark()
+        return self.inner.value(*args, **kwargs)
+
+    def get_future(self):
+        return Waited(self.inner.get_future(), self.record, self.on_wait)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class WatchedAllReduce:
+    """Stands in for dist.all_reduce during the learner's function: keeps every asynchronous
+    work's record (waited for or not), and on ranks other than 0 makes every call late, so
+    that rank 0 cannot find an all_reduce it left in flight finished by chance."""
+
+    def __init__(self, delay: float = 0.0):
+        self.original, self.delay, self.works = dist.all_reduce, delay, []
+
+    def __call__(self, tensor, *args, async_op=False, **kwargs):
+        time.sleep(self.delay)
+        work = self.original(tensor, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            return work
+        self.works.append({"waited": False})
+        return Waited(work, self.works[-1])
+
+    def unwaited(self) -> int:
+        return sum(not w["waited"] for w in self.works)
 
 
 def what_grad_holds(ours, mean, local, world) -> str:
@@ -111,11 +157,13 @@ def average_task():
         F.mse_loss(model(x), y).backward()
     local = flat_grads(mine).clone()
     reference = [p.grad.clone() for p in mine.parameters()]
-    # The others start late, so an all_reduce rank 0 left in flight cannot have finished when
-    # its function returns: what rank 0 reads then is what the learner's code handed back.
-    if rank > 0:
-        time.sleep(LATE_S)
-    sys.modules["exercise_03"].average_gradients(mine)
+    # The others make each all_reduce late, so one that rank 0 left in flight cannot have
+    # finished when its function returns: what rank 0 reads then is what the learner handed back.
+    watched = dist.all_reduce = WatchedAllReduce(LATE_S if rank > 0 else 0.0)
+    try:
+        sys.modules["exercise_03"].average_gradients(mine)
+    finally:
+        dist.all_reduce = watched.original
     at_return = flat_grads(mine).clone()
     for grad in reference:  # torch's arithmetic, per parameter: scale, then sum
         grad.mul_(1.0 / world)
@@ -124,6 +172,7 @@ def average_task():
     expected = torch.cat([g.reshape(-1) for g in reference])
     return {"equal": torch.equal(ours, torchs), "diff": (ours - torchs).abs().max().item(),
             "complete_at_return": torch.equal(at_return, ours),
+            "unwaited": (watched.unwaited(), len(watched.works)),
             "as_reference": torch.equal(ours, expected),
             "reference_diff": (ours - expected).abs().max().item(),
             "scale": expected.abs().max().item(),
@@ -135,12 +184,18 @@ def grade_03():
     for world in (2, 3):
         results = on_ranks(world, average_task)
         late = [r for r, result in enumerate(results) if not result["complete_at_return"]]
-        yield (not late, f"{world} ranks: .grad holds its final value when average_gradients "
-               "returns", f"on rank {late[0] if late else ''}, .grad changed after "
-               "average_gradients had returned: an all_reduce was still in flight. Wait for "
-               "every asynchronous all_reduce (work.wait()) before returning, or use a "
-               "blocking one")
-        if late:
+        unwaited = next(((r, *result["unwaited"]) for r, result in enumerate(results)
+                         if result["unwaited"][0]), None)
+        seen = ([f"on rank {late[0]}, .grad changed after average_gradients had returned"]
+                if late else [])
+        if unwaited:
+            seen.append(f"on rank {unwaited[0]}, {unwaited[1]} of the {unwaited[2]} works that "
+                        "all_reduce(async_op=True) returned were never waited for")
+        yield (not seen, f"{world} ranks: .grad holds its final value when average_gradients "
+               "returns", "; ".join(seen) + ": an all_reduce was still in flight, or could be. "
+               "Wait for every asynchronous all_reduce (work.wait()) before returning, or use "
+               "a blocking one")
+        if seen:
             return
         diff = max(r["diff"] for r in results)
         worst = max(results, key=lambda r: r["reference_diff"])
@@ -247,10 +302,11 @@ def describe(params) -> list[tuple[int, str]]:
 
 def buckets_task():
     assign = sys.modules["exercise_05"].assign_buckets
-    for what, params in boundary_cases():
+    members = lambda layout: sorted(sorted(b) for b in layout)  # noqa: E731  (order aside)
+    for what, params in boundary_cases():  # which parameters share a bucket; order comes next
         theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
         expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
-        if got != expected:
+        if members(got) != members(expected):
             return "boundary", (f"{what}: for parameters of (bytes, dtype) {describe(params)}, "
                                 f"first_bytes=4000, cap_bytes=9000: expected {expected}, got "
                                 f"{got}. A bucket closes once it holds at least its limit "
@@ -289,7 +345,8 @@ def grade_05():
     failed, detail = results[0]
     yield (failed != "boundary", f"{len(boundary_cases())} parameter lists at the limits "
            "(exactly at, one element short of, one past; first limit and cap; float32 and "
-           "float64): torch's layout", detail if failed == "boundary" else "")
+           "float64): the parameters that share a bucket are torch's",
+           detail if failed == "boundary" else "")
     if failed == "boundary":
         return
     layout_ok = failed is None

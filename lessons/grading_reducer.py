@@ -11,7 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import flat_grads, many_layers, on_ranks
+from grading_checks import Waited, flat_grads, many_layers, on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
@@ -39,37 +39,8 @@ class AllReduceSpy:
         self.calls.append((async_op, tensor.data_ptr(), self.ready_so_far()))
         if not async_op:
             return work
-        spy = self
-
-        class Waited:
-            """Marks the work waited for, from wait() or from its future's wait() or value()."""
-
-            def __init__(self, inner):
-                self.inner = inner
-
-            def mark(self):
-                if not record["waited"]:
-                    spy.waits.append(spy.ready_so_far())
-                record["waited"] = True
-
-            def wait(self, *a, **k):
-                self.mark()
-                return self.inner.wait(*a, **k)
-
-            def value(self, *a, **k):
-                self.mark()
-                return self.inner.value(*a, **k)
-
-            def __getattr__(self, name):
-                return getattr(self.inner, name)
-
-        class Work(Waited):
-            def get_future(self):
-                return Waited(self.inner.get_future())
-
-        record = {"waited": False}
-        self.works.append(record)
-        return Work(work)
+        self.works.append({"waited": False})
+        return Waited(work, self.works[-1], lambda: self.waits.append(self.ready_so_far()))
 
     def unwaited(self) -> int:
         return sum(not record["waited"] for record in self.works)

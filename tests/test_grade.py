@@ -224,6 +224,11 @@ WRONG = {
                       "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
                       "    works.clear()\n"),
         "2 ranks: .grad holds its final value", ["still in flight"], []),
+    "03 async, only the first waited": (
+        "03", loop_03("        p.grad.mul_(1.0 / world_size)\n"
+                      "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
+                      "    works[0].wait()\n"),
+        "2 ranks: .grad holds its final value", ["still in flight", "never waited for"], []),
     # 03: large differences named as what they are, never as rounding
     "03 sum, not the mean": ("03", [("        p.grad.mul_(1.0 / world_size)\n", "")],
                              BITS_03, ["not rounding", "the SUM over the ranks"],
@@ -344,3 +349,26 @@ def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(tmp_
             [k] = [k for k in failed if ALSO[name] in lines[k]]
             assert all(w in lines[k + 1] for w in words), f"{name}: {lines[k + 1]!r}"
             assert not any(w in lines[k + 1] for w in absent), f"{name}: {lines[k + 1]!r}"
+
+
+# Other right solutions: they must pass every check, or the grader dictates one way of writing
+RIGHT = {
+    "03": loop_03("        p.grad.mul_(1.0 / world_size)\n"
+                  "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
+                  "    for work in works:\n        work.get_future().wait()\n"),
+    "06": [(WAIT_06, "            work.get_future().wait()\n")],
+}
+
+
+@pytest.mark.slow
+def test_other_right_solutions_pass(tmp_path):
+    for number, edits in RIGHT.items():
+        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+        text = solution.read_text()
+        for right, other in edits:
+            assert text.count(right) == 1, f"{solution.name} no longer holds {right!r}"
+            text = text.replace(right, other)
+        (tmp_path / solution.name).write_text(text)
+    done = grade(*RIGHT, "--dir", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAIL" not in done.stdout
