@@ -191,22 +191,35 @@ def reducer_records_no_waits(module):
 
 
 def write_back_before_wait(module):
-    """Lessons 06 and 07: the reducer copies each bucket into ``.grad`` before waiting for its
-    all_reduce (what is copied is this rank's own scaled gradient, or half an all_reduce)."""
-    def finalize(original):
-        def write_first(self):
-            copies = ([], [])
-            for bucket in self.buckets:
-                for slot, i in enumerate(bucket.param_indices):
-                    if self.params[i].grad is not None:
-                        copies[0].append(self.params[i].grad)
-                        copies[1].append(bucket.views[slot].clone())
-            original(self)
-            for grad, early in zip(*copies):
-                grad.copy_(early)
-        return write_first
-    _patch(module.Reducer, "_finalize", finalize)
+    """Lessons 06 and 07: the reducer writes each bucket into ``.grad`` as if before waiting for
+    its all_reduce, when the all_reduce has not written the sum yet: ``.grad`` gets this rank's
+    own scaled gradients. (Reading the bucket before the wait is a race; this is its outcome
+    whenever the all_reduce is the slower, fixed so that the lessons' tests are deterministic.)"""
+    def launch(original):
+        def keep_before(self, bucket):
+            self._before_wait = getattr(self, "_before_wait", {})
+            self._before_wait[bucket.index] = bucket.buffer.clone()
+            original(self, bucket)
+        return keep_before
 
+    def finalize(original):
+        def write_early(self):
+            early = getattr(self, "_before_wait", {})
+            self._before_wait = {}
+            original(self)
+            for bucket in self.buckets:
+                if bucket.index not in early:
+                    continue
+                offset = 0
+                for i in bucket.param_indices:
+                    param = self.params[i]
+                    if param.grad is not None:
+                        flat = early[bucket.index][offset:offset + param.numel()]
+                        param.grad.copy_(flat.view_as(param.grad))
+                    offset += param.numel()
+        return write_early
+    _patch(module.Reducer, "_launch", launch)
+    _patch(module.Reducer, "_finalize", finalize)
 
 #: name -> (module it patches, the patch)
 BREAKAGES = {
