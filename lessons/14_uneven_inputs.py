@@ -236,7 +236,7 @@ def main():
     world, counts = launch(on_every_rank, args.nproc, backend="gloo")[0]
     ok(f"{world} ranks with {counts} batches per epoch: without join the others time out, "
        "with ddp.join() nobody hangs, miniddp equals torch's DDP bit for bit for both "
-       "divisors, and every rank ends with the same model")
+       "divisors, and every rank ends with torch's final model")
 
 
 if __name__ == "__main__":
