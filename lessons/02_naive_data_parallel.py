@@ -24,7 +24,9 @@ What the numbers on a CPU do and do not show: without a GPU the replicas are thr
 releases Python's global interpreter lock (GIL) inside each operation, but this model's
 operations last microseconds and the Python between them holds the lock, so the threads mostly
 take turns: DataParallel is slower than the plain module here, and slower with every replica
-added. That measures its overheads (threads, copies, scatter and gather), not parallel compute.
+added. That measures its overheads (threads, copies, scatter and gather), not parallel compute;
+the times are shown, not checked (what the lesson checks is that DataParallel computes the plain
+module's steps and copies the weights every step).
 On GPUs the replicas do compute at the same time, so a large model gets some speed-up, but the
 overheads stay and grow with the GPUs: the weights are copied from GPU 0 every step, outputs,
 loss and gradients all meet on GPU 0 (it works and holds more than the others), and one Python
@@ -185,9 +187,11 @@ def main():
 
     medians = timings(device)
     slowdown = medians["DataParallel x2"] / medians["plain module"]
-    check(slowdown > 1, f"DataParallel x2 took {medians['DataParallel x2']:.2f} ms per step, "
-          f"not more than the plain module's {medians['plain module']:.2f}: on this small model "
-          "it does the same arithmetic plus threads, copies, scatter and gather")
+    if slowdown <= 1:  # shown, not checked: a burst of load from other programs can do this
+        print0(f"(on this run DataParallel x2 took {medians['DataParallel x2']:.2f} ms per step, "
+               f"no more than the plain module's {medians['plain module']:.2f}: it does the same "
+               "arithmetic plus threads,\ncopies, scatter and gather, so other programs' load "
+               "must have hit the plain module's turns; run again)")
     if device == "cpu":
         print0(f"on this CPU the replicas are threads sharing {os.cpu_count()} cores under one "
                "GIL: the table shows\nDataParallel's overheads (threads, copies, scatter, gather), "

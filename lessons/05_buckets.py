@@ -18,11 +18,12 @@ The lesson times all_reduce over message sizes from 16 bytes to 4 MiB, fits ``al
 ``beta``, predicts the three costs for a 26-layer model (52 small tensors, 1.5 MiB), and times
 them. Everything is timed in turns (every size and strategy once per round, in a shuffled order,
 round after round) and summarized by medians, so a burst of load from other programs hits them
-all alike. The checks are only what survives a busy machine: the line fits most sizes, and one
-call per parameter costs at least twice what buckets cost (the model predicts ~10x). Expect the
-prediction to get the ranking and the order of magnitude right, not the milliseconds: on a
-shared machine a long run of back-to-back calls often costs more per call than the short bursts
-the line was fitted on.
+all alike. The times are shown and read, never checked: on a shared machine a burst of load can
+bend the line by half or reorder two strategies, and that is nobody's mistake. What the lesson
+checks is what no load can change: the buckets and the bits. Expect the prediction to get the
+ranking and the order of magnitude right, not the milliseconds: on a shared machine a long run
+of back-to-back calls often costs more per call than the short bursts the line was fitted on;
+when the line misses most sizes by more than half, the lesson says so and why.
 
 And the buckets themselves (``ddp.buckets``): at construction DDP cannot know the order in which
 gradients will become ready, so iteration 0 uses one bucket in parameter order. During the first
@@ -312,9 +313,11 @@ def on_every_rank():
     print0(f"alpha = {1e6 * alpha:.1f} us per call, beta = {1e3 * beta * MIB:.3f} ms per MiB "
            f"({1e-9 / beta:.2f} GB/s); they balance at {alpha / beta / 1024:.0f} KiB. "
            f"Typical error of the line: {100 * typical:.0f}%")
-    check(alpha > 0 and beta > 0, f"the fit makes no sense: alpha={alpha:.2e}, beta={beta:.2e}")
-    check(typical < 0.5, f"the line t = alpha + n beta misses the median size by "
-          f"{100 * typical:.0f}% (>50%): was the machine very busy? Run the lesson again.")
+    if alpha <= 0 or beta <= 0 or typical >= 0.5:  # shown, not checked: load is nobody's fault
+        print0(f"this fit is poor (alpha {alpha:.1e} s, beta {beta:.1e} s/byte, typical error "
+               f"{100 * typical:.0f}%): other programs took the cores while some sizes were "
+               "timed.\nThe model still holds; its numbers here do not. Run again on a quieter "
+               "machine to see a clean line")
 
     print0(f"\n{'':<23} {'calls':>5} {'MiB':>6} {'predicted':>10} {'measured':>10} "
            f"{'ratio':>6}")
@@ -324,12 +327,12 @@ def on_every_rank():
                f"{1e3 * predicted:8.2f}ms {1e3 * measured[name]:8.2f}ms "
                f"{measured[name] / predicted:5.1f}x")
     per_param, buckets = measured["one call per parameter"], measured["DDP's buckets"]
-    check(per_param > 2 * buckets,
-          f"one call per parameter took {1e3 * per_param:.2f} ms, not at least twice the "
-          f"{1e3 * buckets:.2f} ms of {len(ddp.buckets)} buckets moving the same bytes")
+    calls = len(strategies["one call per parameter"])
     print0(f"the same {4 * sum(strategies['one bucket']) / MIB:.2f} MiB cost "
-           f"{per_param / buckets:.1f}x more in {len(strategies['one call per parameter'])} "
-           "calls than in buckets: each call pays alpha")
+           f"{per_param / buckets:.1f}x as much in {calls} calls as in {len(ddp.buckets)} "
+           f"buckets: each call pays alpha"
+           + ("" if per_param > buckets else " (not on this run: the load of other programs "
+              "outweighed alpha; the timings are shown, not checked)"))
     plot(nbytes, seconds, alpha, beta, strategies, measured)
     return alpha, beta, per_param / buckets
 
@@ -340,9 +343,9 @@ def main():
                         help="ranks to fork (ignored under torchrun, which sets its own)")
     args = parser.parse_args()
     alpha, beta, ratio = launch(on_every_rank, args.nproc)[0]
-    ok(f"all_reduce costs {1e6 * alpha:.0f} us + {1e3 * beta * MIB:.2f} ms/MiB here; buckets "
-       f"made the same gradients {ratio:.1f}x cheaper than one call per parameter, and match "
-       "torch's buckets")
+    ok(f"buckets by hand match the library's and torch's, layouts and gradients bit for bit; "
+       f"measured here: all_reduce costs {1e6 * alpha:.0f} us + {1e3 * beta * MIB:.2f} ms/MiB, "
+       f"and buckets made the same gradients {ratio:.1f}x cheaper than one call per parameter")
 
 
 if __name__ == "__main__":

@@ -35,14 +35,22 @@ became ready, when each bucket was launched and finished, when backward ended. T
 the same model with ``miniddp.DistributedDataParallel`` (overlap) and with
 ``AllReduceBucketsAfterBackward`` (no overlap), in turns, on the same data, and checks:
 
-* with overlap, in most steps some gradient became ready while an all_reduce was in flight
-  (after the bucket's launch and before its completion, which gloo's thread records) on some
-  rank; without overlap, never. An ordering of events, not a timing, so a busy machine cannot
-  flip it, and a reducer that waits for each all_reduce right after launching it fails it;
+* with overlap, gradients become ready while an all_reduce is in flight (after the bucket's
+  launch and before its completion, which gloo's thread records); without overlap, never. In
+  the timed steps this happens by chance, and how often is shown, not checked. The check is
+  made on a few steps in which every rank but 0 starts backward late: an all_reduce needs every
+  rank, so rank 0's first one cannot finish before they join, and if it was launched during
+  backward the gradients that follow must arrive while it is in flight, however loaded the
+  machine. A reducer that waits for each all_reduce right after launching it, or launches only
+  after backward, fails it;
+* one more backward, recorded with ``ddp.trace()`` on every rank, shows what it must: every
+  parameter ready once, each bucket launched once its gradients are in, in order, then the end
+  of backward, every launched bucket waited for in order, and the write-back last. The check
+  reads the lines the trace prints, so a trace that dropped or reordered events fails it;
 * the gradients of the two, of ``SmallReducer`` and of torch's DDP are equal bit for bit at
   every step: the same buckets summed the same way, only launched at other moments.
 
-``--trace`` prints one backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
+``--trace`` prints that backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
 the same for your own model): each gradient as it becomes ready with its bucket and how full the
 bucket is, each all_reduce launched and finished, the end of backward, the waits and the
 write-back.
@@ -65,13 +73,15 @@ With one GPU per rank it uses NCCL and the GPUs.
 
 What you will see: ``SmallReducer`` equal to torch's DDP bit for bit, the loss falling with each
 run's own milliseconds per step, step times and the communication left exposed after backward for
-each run, how many gradients became ready while an all_reduce was in flight, the timeline of one
+each run, how many gradients became ready while an all_reduce was in flight (in the timed steps,
+and in the staggered ones), "the trace ... shows each of the buckets ...", the timeline of one
 step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png``, the same
 check at 3 ranks, and ``OK: ...``. A few seconds.
 """
 
 import argparse
 import functools
+import re
 import statistics
 import time
 
@@ -90,6 +100,8 @@ from miniddp.train.report import check, mean_over_ranks, ok, print0, save_figure
 LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: one bucket per layer with a 0.5 MiB cap
 BUCKET_CAP_MB = 0.5
 STEPS = 30
+STAGGERED_STEPS = 3
+STAGGER_S = 0.2  # seconds: rank 0's backward of this model takes milliseconds
 LOCAL_BATCH = 32
 LR = 0.1
 
@@ -284,16 +296,91 @@ def draw_timelines(timelines: dict, buckets):
     save_figure("06_overlap", draw)
 
 
-def show_trace(ddp, x, y) -> None:
-    """One more backward, printed event by event from every rank's view of it."""
-    from miniddp.checks.trace import trace_backward
+def staggered_step(ddp, optimizer, x, y) -> int:
+    """One step in which every rank but 0 starts its backward ``STAGGER_S`` late; how many of
+    rank 0's gradients became ready while one of its all_reduces was in flight (0 elsewhere).
 
+    An all_reduce needs every rank, so rank 0's first one cannot finish before the others start
+    backward: if rank 0 launched it during its backward (overlap), the gradients that follow
+    arrive while it is in flight, however loaded the machine; if it waited at the launch or
+    launched after backward, none does. The timed steps above show the same thing by chance."""
+    dist.barrier()
+    loss = F.mse_loss(ddp(x), y)
+    optimizer.zero_grad()
+    if dist.get_rank() > 0:
+        time.sleep(STAGGER_S)
+    ddp.reducer.timeline = []
+    loss.backward()
+    optimizer.step()
+    return ready_while_in_flight(ddp.reducer.timeline) if dist.get_rank() == 0 else 0
+
+
+TRACE_LINE = re.compile(r"\s*[\d.]+ ms  (\w+)\s+(?:bucket (\d+)|(\S+) -> bucket (\d+) "
+                        r"\((\d+)/(\d+)\))?")
+
+
+def trace_problems(lines: list[str], names: list[str], buckets: int) -> list[str]:
+    """What is wrong with one rank's trace, read from the lines it prints: every parameter ready
+    once; each bucket launched once, in order, once all its gradients are in; then the end of
+    backward; every launched bucket waited for, in order, after it; the write-back last."""
+    events, complete = [], set()  # (kind, bucket or parameter, buckets complete so far)
+    for line in lines:
+        found = TRACE_LINE.match(line)
+        if not found:
+            continue
+        kind, bucket, name, into, filled, size = found.groups()
+        if kind == "ready" and name is not None:
+            if filled == size:
+                complete.add(int(into))
+            events.append((kind, name, set(complete)))
+        else:
+            events.append((kind, None if bucket is None else int(bucket), set(complete)))
+    kinds = [kind for kind, _, _ in events]
+    problems = []
+    ready = [name for kind, name, _ in events if kind == "ready"]
+    if sorted(ready) != sorted(names):
+        problems.append(f"{len(ready)} 'ready' lines for {len(names)} parameters")
+    launched = [b for kind, b, _ in events if kind == "launch"]
+    waited = [b for kind, b, _ in events if kind == "waited"]
+    if launched != list(range(buckets)):
+        problems.append(f"buckets launched {launched}, expected {list(range(buckets))}")
+    if waited != launched:
+        problems.append(f"buckets waited for {waited}, but launched {launched}: every launched "
+                        "all_reduce must be waited for, in launch order")
+    early = [b for kind, b, complete in events if kind == "launch" and b not in complete]
+    if early:
+        problems.append(f"buckets {early} launched before their last gradient was ready")
+    if kinds.count("backward") != 1 or kinds.count("finalized") != 1:
+        problems.append(f"{kinds.count('backward')} 'backward' and {kinds.count('finalized')} "
+                        "'finalized' lines, expected one each")
+        return problems
+    end, written = kinds.index("backward"), kinds.index("finalized")
+    if "ready" in kinds[end:]:
+        problems.append("a gradient ready after the end of backward")
+    if any(kind == "waited" and not end < at < written for at, kind in enumerate(kinds)):
+        problems.append("a wait outside the end of backward and the write-back")
+    if any(kind != "done" for kind in kinds[written + 1:]):
+        problems.append(f"events after the write-back: {kinds[written + 1:]}")
+    return problems
+
+
+def traced_backward(ddp, x, y, show: bool) -> None:
+    """One more backward, recorded by ``ddp.trace()`` on every rank and checked from what it
+    prints; printed event by event with ``--trace``."""
     dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)
-    with trace_backward(ddp, all_ranks=True) as trace:
+    with ddp.trace(all_ranks=True) as trace:
         loss.backward()
-    print0(f"\none backward, event by event (--trace):\n"
-           f"{trace.format()}")
+    names = [name for name, _ in ddp.module.named_parameters()]
+    for each in trace.others:
+        problems = trace_problems(each.lines(), names, len(ddp.buckets))
+        check(not problems, f"the trace of rank {each.rank}'s backward does not show the "
+              f"reducer's work: {'; '.join(problems)}")
+    if show:
+        print0(f"\none backward, event by event (--trace):\n{trace.format()}")
+    print0(f"the trace of one backward on every rank shows each of the {len(ddp.buckets)} "
+           "buckets launched once its gradients were in, in order, and waited for, in order, "
+           "between the end of backward and the write-back")
 
 
 def on_every_rank(show_the_trace: bool):
@@ -339,17 +426,26 @@ def on_every_rank(show_the_trace: bool):
     overlapped = on_any_rank([ready_while_in_flight(e) for _, e in timelines["overlap"]])
     control = on_any_rank([ready_while_in_flight(e) for _, e in timelines["after backward"]])
     in_flight_steps = sum(n > 0 for n in overlapped)
-    check(in_flight_steps >= len(overlapped) / 2,
-          "with overlap, gradients must become ready while an all_reduce is in flight (on some "
-          f"rank) in most steps; they did in {in_flight_steps} of {len(overlapped)} steps. "
-          f"Gradients ready in flight, per step: {overlapped}")
-    check(not any(control), "the control overlapped communication with backward: the check "
-          f"above could not tell them apart ({control})")
     buckets = models["overlap"].buckets
-    print0(f"\n{len(buckets)} buckets; with overlap, gradients became ready while an all_reduce "
-           f"was in flight in {in_flight_steps} of {len(overlapped)} steps (a median of "
-           f"{statistics.median(overlapped):g} of {len(list(models['overlap'].parameters()))} "
-           f"per step, on the rank that saw most); without overlap, {max(control)}")
+    print0(f"\n{len(buckets)} buckets; in the timed steps, with overlap, gradients became ready "
+           f"while an all_reduce was in flight in {in_flight_steps} of {len(overlapped)} steps "
+           f"(a median of {statistics.median(overlapped):g} of "
+           f"{len(list(models['overlap'].parameters()))} per step, on the rank that saw most); "
+           f"without overlap, in {sum(n > 0 for n in control)}. How often depends on the load")
+    staggered = {name: on_any_rank([staggered_step(models[name], optimizers[name], x, y)
+                                    for _ in range(STAGGERED_STEPS)]) for name in runs}
+    print0(f"{STAGGERED_STEPS} steps with the other ranks starting backward {STAGGER_S:g} s "
+           f"late: gradients ready on rank 0 while its all_reduce was in flight: "
+           + ", ".join(f"{name} {counts}" for name, counts in staggered.items()))
+    check(any(staggered["overlap"]), "with overlap, rank 0's gradients must become ready while "
+          "an all_reduce is in flight when the other ranks start backward late (its first "
+          "all_reduce cannot finish before they join); none did in "
+          f"{STAGGERED_STEPS} such steps: {staggered['overlap']}. The all_reduces were waited "
+          "for as soon as they were launched, or launched only after backward")
+    check(not any(staggered["after backward"]) and not any(control),
+          "the control, which launches after backward, overlapped communication with "
+          f"backward: {staggered['after backward']}, {control}. The check above could not "
+          "tell them apart")
 
     print0(f"\n{'median over steps':<18} {'step':>9} {'exposed communication':>22}")
     for name in runs:
@@ -361,8 +457,7 @@ def on_every_rank(show_the_trace: bool):
     # the step of median duration, one per run, stands for the rest in the picture
     draw_timelines({name: sorted(steps, key=lambda x: x[0])[len(steps) // 2][1]
                     for name, steps in timelines.items()}, buckets)
-    if show_the_trace:
-        show_trace(models["overlap"], x_all[:LOCAL_BATCH], y_all[:LOCAL_BATCH])
+    traced_backward(models["overlap"], x_all[:LOCAL_BATCH], y_all[:LOCAL_BATCH], show_the_trace)
     return len(buckets), STEPS
 
 

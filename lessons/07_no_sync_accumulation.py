@@ -169,13 +169,15 @@ def check_communication(ours, marks, k):
         print0(f"  {j:>11}  {where}   {calls[j]:>16}   {'yes' if agree[j] else 'no'}")
     expected_calls = [0] * (k - 1) + [buckets]
     expected_agree = [False] * (k - 1) + [True]
-    for s in range(steps):
-        check(calls[s * k:(s + 1) * k] == expected_calls,
-              f"step {s}: all_reduce calls per micro-batch {calls[s * k:(s + 1) * k]}, "
-              f"expected {expected_calls}")
-        check(agree[s * k:(s + 1) * k] == expected_agree,
-              f"step {s}: gradients equal across ranks after each micro-batch "
-              f"{agree[s * k:(s + 1) * k]}, expected {expected_agree}")
+    for s in range(steps):  # the messages say what was seen, both counts, and guess no cause
+        seen = (f"step {s}, micro-batch by micro-batch: all_reduce calls "
+                f"{calls[s * k:(s + 1) * k]} (expected {expected_calls}), gradients equal on "
+                f"every rank afterwards {agree[s * k:(s + 1) * k]} (expected {expected_agree})")
+        check(calls[s * k:(s + 1) * k] == expected_calls, seen)
+        check(agree[s * k:(s + 1) * k] == expected_agree, seen + (
+            ". The all_reduces were launched as expected, yet the ranks' .grad do not hold "
+            "their common average after the last backward" if agree[(s + 1) * k - 1] is False
+            else ""))
     check(ours.allreduce_calls == buckets, f"ddp.allreduce_calls says {ours.allreduce_calls} "
                                            f"for {buckets} bucket(s)")
     return sum(calls), steps * k
@@ -198,15 +200,19 @@ def the_trap(rank, device):
     synced = {}
     for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
         ddp = wrap(ddp_class, make_model(seed=0).to(device), device)
+        if name == "miniddp":
+            ddp.reducer.timeline = []  # to count its launches
         with ddp.no_sync():
             out = ddp(x)  # forward inside no_sync ...
         F.mse_loss(out, y).backward()  # ... backward outside: NOT synchronized
         forward_inside = grads_agree_across_ranks(ddp)
         ddp.zero_grad()
         out = ddp(x)  # forward outside ...
+        launches = reducer_launches(ddp) if name == "miniddp" else None
         with ddp.no_sync():
             F.mse_loss(out, y).backward()  # ... backward inside: synchronized all the same
-        synced[name] = (forward_inside, grads_agree_across_ranks(ddp))
+        launched = None if launches is None else reducer_launches(ddp) - launches
+        synced[name] = (forward_inside, grads_agree_across_ranks(ddp), launched)
 
     word = {True: "synchronized", False: "NOT synchronized"}
     print0("\nthe trap: where forward runs decides, not where backward runs")
@@ -214,11 +220,14 @@ def the_trap(rank, device):
                                   "forward outside, backward inside no_sync")):
         print0(f"  {label}:  " + ",  ".join(f"{name}: {word[synced[name][case]]}"
                                              for name in synced))
-    for name, (forward_inside, backward_inside) in synced.items():
-        check(not forward_inside, f"{name}: a forward inside no_sync was followed by a "
-                                  "synchronized backward; the flag must be read at forward time")
-        check(backward_inside, f"{name}: a forward outside no_sync was not synchronized because "
-                               "its backward ran inside; the flag must be read at forward time")
+    for name, (forward_inside, backward_inside, launched) in synced.items():
+        check(not forward_inside, f"{name}: after a forward inside no_sync and its backward "
+              "outside, every rank held the same gradients; expected each rank's own (the "
+              "flag is read at forward time)")
+        calls = "" if launched is None else f"; that backward launched {launched} all_reduce(s)"
+        check(backward_inside, f"{name}: after a forward outside no_sync and its backward "
+              f"inside, the ranks held different gradients{calls}; expected the same averaged "
+              "gradients on every rank (the flag is read at forward time)")
 
 
 # ----- a second trap: a forward that no backward follows -----

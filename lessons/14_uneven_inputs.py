@@ -32,9 +32,9 @@ Run it:
 What you will see: the batches each rank has; the hang: which ranks waited, the error they got
 after 3 s and what it means; join by hand, close to the real one; the loss falling on every
 rank while the ranks that ran out shadow the others; miniddp equal to torch's DDP bit for bit
-after every step, for both divisors; the same model on every rank at the end; and ``OK: ...``.
-10-20 seconds, 3 of them waiting for the timeout. Gloo on the CPU even where there are GPUs:
-the hang is shown with gloo's timeout.
+after every step, for both divisors; the same model on every rank at the end, equal to torch's
+bit for bit; and ``OK: ...``. 10-20 seconds, 3 of them waiting for the timeout. Gloo on the CPU
+even where there are GPUs: the hang is shown with gloo's timeout.
 """
 
 import argparse
@@ -203,6 +203,9 @@ def on_every_rank():
         first_difference = next((s for s, (a, b) in enumerate(zip(our_states, their_states))
                                  if not all(map(torch.equal, a, b))), None)
         synced = same_on_every_rank(ours)
+        # After the loop, join's last act: every rank takes the model of the last to finish.
+        final = [(name, (a - b).abs().max().item()) for (name, a), b in
+                 zip(ours.module.named_parameters(), theirs.parameters()) if not torch.equal(a, b)]
         firsts_and_lasts = [None] * world
         dist.all_gather_object(firsts_and_lasts, (our_losses[0], our_losses[-1],
                                                   len(our_losses)))
@@ -211,9 +214,14 @@ def on_every_rank():
             print0(f"    rank {r}: {steps} steps, loss {first:.4f} -> {last:.5f}, then shadowed "
                    f"{max(s for _, _, s in firsts_and_lasts) - steps} steps of the others")
         print0(f"    equal to torch's DDP bit for bit after every step: "
-               f"{first_difference is None}; the same model on every rank after: {synced}")
+               f"{first_difference is None}; the same model on every rank after: {synced}; "
+               f"the final model (after join's sync) equal to torch's: {not final}")
         check(first_difference is None, f"rank {rank}: miniddp differs from torch's DDP under "
                                         f"join after step {first_difference}")
+        check(not final, f"rank {rank}: after the join, miniddp's final model differs from "
+              f"torch's DDP's (though every step matched): {len(final)} tensors, the first "
+              f"{final[0][0] if final else ''} by {final[0][1] if final else 0:.3g}. Join ends "
+              "by giving every rank the model of the last rank to finish")
         check(synced, "after the join the ranks hold different models")
         check(our_losses[-1] < 0.2 * our_losses[0], f"rank {rank}: the loss went from "
               f"{our_losses[0]:.4f} to {our_losses[-1]:.4f}, not below 20% of it")
@@ -228,7 +236,7 @@ def main():
     world, counts = launch(on_every_rank, args.nproc, backend="gloo")[0]
     ok(f"{world} ranks with {counts} batches per epoch: without join the others time out, "
        "with ddp.join() nobody hangs, miniddp equals torch's DDP bit for bit for both "
-       "divisors, and every rank ends with the same model")
+       "divisors, and every rank ends with torch's final model")
 
 
 if __name__ == "__main__":

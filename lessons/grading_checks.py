@@ -7,6 +7,7 @@ exercise with ``NotWritten`` and its instruction.
 
 import os
 import sys
+import time
 from contextlib import nullcontext
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
@@ -74,42 +75,147 @@ def everyone(t: torch.Tensor) -> list[torch.Tensor]:
 
 # ----- 03: all_reduce averaging by hand -----
 
+LATE_S = 0.1  # every rank but 0 makes each of the learner's all_reduces this late
+
+
+class Waited:
+    """A work (or its future) handed to the learner: notes when it is waited for."""
+
+    def __init__(self, inner, record: dict, on_wait=None):
+        self.inner, self.record, self.on_wait = inner, record, on_wait
+
+    def _mark(self):
+        if not self.record["waited"] and self.on_wait is not None:
+            self.on_wait()
+        self.record["waited"] = True
+
+    def wait(self, *args, **kwargs):
+        self._mark()
+        return self.inner.wait(*args, **kwargs)
+
+    def value(self, *args, **kwargs):
+        self._mark()
+        return self.inner.value(*args, **kwargs)
+
+    def get_future(self):
+        return Waited(self.inner.get_future(), self.record, self.on_wait)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+class WatchedAllReduce:
+    """Stands in for dist.all_reduce during the learner's function: keeps every asynchronous
+    work's record (waited for or not), and on ranks other than 0 makes every call late, so
+    that rank 0 cannot find an all_reduce it left in flight finished by chance."""
+
+    def __init__(self, delay: float = 0.0):
+        self.original, self.delay, self.works = dist.all_reduce, delay, []
+
+    def __call__(self, tensor, *args, async_op=False, **kwargs):
+        time.sleep(self.delay)
+        work = self.original(tensor, *args, async_op=async_op, **kwargs)
+        if not async_op:
+            return work
+        self.works.append({"waited": False})
+        return Waited(work, self.works[-1])
+
+    def unwaited(self) -> int:
+        return sum(not w["waited"] for w in self.works)
+
+
+def what_grad_holds(ours, mean, local, world) -> str:
+    """What a wrong result is, said from what it equals: the sum, the rank's own gradient, ..."""
+    close = lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-8)  # noqa: E731
+    for candidate, said in ((mean * world, "the SUM over the ranks: it was never scaled by "
+                             "1 / world_size"),
+                            (mean / world, "the mean divided by world_size once more: it was "
+                             "scaled twice"),
+                            (local, "this rank's own gradient, unreduced: the all_reduce did not "
+                             "write into p.grad (a copy reduced, or no all_reduce)"),
+                            (local / world, "this rank's own gradient scaled, never summed: the "
+                             "all_reduce did not write into p.grad")):
+        if close(ours, candidate):
+            return f"it equals {said}"
+    return "it is none of the mean, the sum or this rank's own gradient"
+
+
+def difference(diff: float, scale: float, what: str) -> str:
+    """Name rounding only when the difference is rounding-sized; else say what it is."""
+    if diff <= 1e-6 * scale:
+        return (f"a rounding-sized difference ({diff:.3g}, gradients up to {scale:.3g}): the "
+                "right mean computed with other arithmetic")
+    return (f"a large difference ({diff:.3g}, {diff / scale:.1%} of the largest gradient "
+            f"{scale:.3g}): not rounding, .grad does not hold the mean; {what}")
+
+
 def average_task():
-    x, y = make_dataset(n=32, seed=dist.get_rank()).tensors
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, y = make_dataset(n=32, seed=rank).tensors
     theirs, mine = TorchDDP(make_model(seed=0)), make_model(seed=0)
     for model in (theirs, mine):
         F.mse_loss(model(x), y).backward()
+    local = flat_grads(mine).clone()
     reference = [p.grad.clone() for p in mine.parameters()]
-    sys.modules["exercise_03"].average_gradients(mine)
+    # The others make each all_reduce late, so one that rank 0 left in flight cannot have
+    # finished when its function returns: what rank 0 reads then is what the learner handed back.
+    watched = dist.all_reduce = WatchedAllReduce(LATE_S if rank > 0 else 0.0)
+    try:
+        sys.modules["exercise_03"].average_gradients(mine)
+    finally:
+        dist.all_reduce = watched.original
+    at_return = flat_grads(mine).clone()
     for grad in reference:  # torch's arithmetic, per parameter: scale, then sum
-        grad.mul_(1.0 / dist.get_world_size())
-        dist.all_reduce(grad)
+        grad.mul_(1.0 / world)
+        dist.all_reduce(grad)  # after the learner's collectives: they are done when it is
     ours, torchs = flat_grads(mine), flat_grads(theirs)
     expected = torch.cat([g.reshape(-1) for g in reference])
     return {"equal": torch.equal(ours, torchs), "diff": (ours - torchs).abs().max().item(),
+            "complete_at_return": torch.equal(at_return, ours),
+            "unwaited": (watched.unwaited(), len(watched.works)),
             "as_reference": torch.equal(ours, expected),
             "reference_diff": (ours - expected).abs().max().item(),
+            "scale": expected.abs().max().item(),
+            "holds": what_grad_holds(ours, expected, local, world),
             "same_everywhere": all(torch.equal(g, ours) for g in everyone(ours))}
 
 
 def grade_03():
     for world in (2, 3):
         results = on_ranks(world, average_task)
+        late = [r for r, result in enumerate(results) if not result["complete_at_return"]]
+        unwaited = next(((r, *result["unwaited"]) for r, result in enumerate(results)
+                         if result["unwaited"][0]), None)
+        seen = ([f"on rank {late[0]}, .grad changed after average_gradients had returned"]
+                if late else [])
+        if unwaited:
+            seen.append(f"on rank {unwaited[0]}, {unwaited[1]} of the {unwaited[2]} works that "
+                        "all_reduce(async_op=True) returned were never waited for")
+        yield (not seen, f"{world} ranks: .grad holds its final value when average_gradients "
+               "returns", "; ".join(seen) + ": an all_reduce was still in flight, or could be. "
+               "Wait for every asynchronous all_reduce (work.wait()) before returning, or use "
+               "a blocking one")
+        if seen:
+            return
         diff = max(r["diff"] for r in results)
+        worst = max(results, key=lambda r: r["reference_diff"])
         if world == 2:
             yield (all(r["equal"] for r in results), "2 ranks: every .grad equals torch's DDP's "
-                   "bit for bit", f"expected torch's bits; largest difference {diff:.3g}. "
-                   "Every gradient must be scaled by 1 / world_size and summed over the ranks.")
+                   "bit for bit", "expected torch's bits; " + difference(
+                       diff, worst["scale"], worst["holds"]) + ". Every gradient must be "
+                   "scaled by 1 / world_size and summed over the ranks, into p.grad")
             continue
         yield (all(r["same_everywhere"] for r in results), "3 ranks: every rank holds the "
                "same bits", "the ranks hold different gradients: every rank must "
                "all_reduce every gradient")
-        off = max(r["reference_diff"] for r in results)
+        off = worst["reference_diff"]
+        rounding = off <= 1e-6 * worst["scale"]
         yield (all(r["as_reference"] for r in results), "3 ranks: bit for bit the gradients "
                "of torch's arithmetic (each gradient times 1 / 3, then summed)",
-               f"largest difference {off:.3g} from scaling first, then summing. Dividing "
-               "after the sum rounds differently at 3 ranks (at 2 ranks both are exact, so "
-               "it passed there): multiply by the reciprocal BEFORE the all_reduce (lesson 03)")
+               difference(off, worst["scale"], worst["holds"]) + (
+                   ". Dividing after the sum rounds this way at 3 ranks (at 2 ranks both are "
+                   "exact): multiply by the reciprocal BEFORE the all_reduce (lesson 03)"
+                   if rounding else ""))
         yield (diff < 1e-6, "3 ranks: within 1e-6 of torch's DDP (not bit for bit: torch "
                "sums whole buckets, and a ring's order depends on an element's offset)",
                f"largest difference {diff:.3g}")
@@ -156,8 +262,55 @@ def many_layers() -> nn.Module:
                          nn.Linear(32, OUT_FEATURES))
 
 
+def boundary_cases() -> list[tuple[str, list[torch.Tensor]]]:
+    """Parameter lists that put a bucket exactly at its limit, one element short of it and one
+    past it: the first limit (4000 bytes) and the cap (9000), float32 and float64, one
+    parameter or several adding up to it. Torch closes a bucket once it holds AT LEAST the
+    limit, so these are where a comparison written the other way shows."""
+    f32, f64 = torch.float32, torch.float64
+    t = lambda n, dtype=f32: torch.empty(n, dtype=dtype)  # noqa: E731
+    cases = []
+    for name, dtype, size in (("float32", f32, 4), ("float64", f64, 8)):
+        first, cap = 4000 // size, 9000 // size
+        for delta, where in ((0, "exactly at"), (-1, "one element short of"),
+                             (1, "one element past")):
+            cases += [
+                (f"one {name} parameter {where} the first limit", [t(first + delta, dtype),
+                                                                    t(10, dtype)]),
+                (f"{name} parameters adding up to {where} the first limit",
+                 [t(first // 2, dtype), t(first - first // 2 + delta, dtype), t(10, dtype)]),
+                (f"{name}: the second bucket {where} the cap",
+                 [t(first, dtype), t(cap + delta, dtype), t(10, dtype)]),
+                (f"{name}: parameters adding up to {where} the cap in the second bucket",
+                 [t(first, dtype), t(cap // 3, dtype), t(cap - cap // 3 + delta, dtype),
+                  t(10, dtype)]),
+                (f"{name}: the third bucket {where} the cap",
+                 [t(first, dtype), t(cap, dtype), t(cap + delta, dtype), t(10, dtype)]),
+            ]
+    cases += [  # the limits count per (dtype, device): each dtype's first bucket at 4000 bytes
+        ("float32 and float64 interleaved, each exactly at its first limit",
+         [t(1000), t(500, f64), t(10), t(10, f64)]),
+        ("float64 first at its limit, float32 after it still in its first bucket",
+         [t(500, f64), t(999), t(1), t(10)]),
+    ]
+    return cases
+
+
+def describe(params) -> list[tuple[int, str]]:
+    return [(p.numel() * p.element_size(), str(p.dtype)[6:]) for p in params]
+
+
 def buckets_task():
     assign = sys.modules["exercise_05"].assign_buckets
+    members = lambda layout: sorted(sorted(b) for b in layout)  # noqa: E731  (order aside)
+    for what, params in boundary_cases():  # which parameters share a bucket; order comes next
+        theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
+        expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
+        if members(got) != members(expected):
+            return "boundary", (f"{what}: for parameters of (bytes, dtype) {describe(params)}, "
+                                f"first_bytes=4000, cap_bytes=9000: expected {expected}, got "
+                                f"{got}. A bucket closes once it holds at least its limit "
+                                "(equal counts), with the parameter that reached it")
     g = torch.Generator().manual_seed(0)
     for case in range(30):
         count = int(torch.randint(1, 12, (), generator=g))
@@ -167,9 +320,8 @@ def buckets_task():
         theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
         expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
         if got != expected:
-            sizes = [(p.numel() * p.element_size(), str(p.dtype)[6:]) for p in params]
-            return False, (f"for parameters of (bytes, dtype) {sizes}, first_bytes=4000, "
-                           f"cap_bytes=9000: expected {expected}, got {got}")
+            return "random", (f"for parameters of (bytes, dtype) {describe(params)}, "
+                              f"first_bytes=4000, cap_bytes=9000: expected {expected}, got {got}")
     model, theirs = many_layers(), TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_05,
                                             find_unused_parameters=True)
     x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
@@ -185,12 +337,19 @@ def buckets_task():
             params[i].grad.copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
             offset += params[i].numel()
     same = torch.equal(flat_grads(model), flat_grads(theirs))
-    return True, (same, (flat_grads(model) - flat_grads(theirs)).abs().max().item(), layout)
+    return None, (same, (flat_grads(model) - flat_grads(theirs)).abs().max().item(), layout)
 
 
 def grade_05():
     results = on_ranks(3, buckets_task)
-    layout_ok, detail = results[0]
+    failed, detail = results[0]
+    yield (failed != "boundary", f"{len(boundary_cases())} parameter lists at the limits "
+           "(exactly at, one element short of, one past; first limit and cap; float32 and "
+           "float64): the parameters that share a bucket are torch's",
+           detail if failed == "boundary" else "")
+    if failed == "boundary":
+        return
+    layout_ok = failed is None
     yield (layout_ok, "30 parameter lists (mixed dtypes too): the layout of torch's "
            "_compute_bucket_assignment_by_size, reversed", "" if layout_ok else detail)
     if layout_ok:
@@ -219,7 +378,10 @@ def no_sync_task(k: int = 3, steps: int = 3):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
                   for m in (learner, reference, ours)]
     x_all, y_all = make_dataset(n=8 * k * steps, seed=rank).tensors
-    report = {"mismatch": None, "rounds": []}
+    report = {"mismatch": None, "rounds": [], "synced": []}
+    # Each forward marks the timeline, so each backward's launches fall after its forward's mark
+    ours.register_forward_pre_hook(lambda module, args: module.reducer.timeline.append(
+        ("forward", -1, 0.0)) if module.reducer.timeline is not None else None)
     for s in range(steps):
         micro = list(zip(x_all[8 * k * s:8 * k * (s + 1)].chunk(k),
                          y_all[8 * k * s:8 * k * (s + 1)].chunk(k)))
@@ -229,6 +391,9 @@ def no_sync_task(k: int = 3, steps: int = 3):
         step(ours, optimizers[2], micro)
         events = [e for e, _, _ in ours.reducer.timeline]
         report["rounds"].append((events.count("backward_end"), events.count("launch")))
+        marks = [at for at, e in enumerate(events) if e == "forward"] + [len(events)]
+        report["synced"].append([j for j in range(len(marks) - 1)
+                                 if "launch" in events[marks[j]:marks[j + 1]]])
         a = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
         b = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
         if report["mismatch"] is None and not torch.equal(a, b):
@@ -239,14 +404,24 @@ def no_sync_task(k: int = 3, steps: int = 3):
 
 
 def grade_07():
-    for world in (2, 3):
-        results = on_ranks(world, no_sync_task)
+    by_world = {world: on_ranks(world, no_sync_task) for world in (2, 3)}
+    rounds, buckets = by_world[3][0]["rounds"], by_world[3][0]["buckets"]
+    synced, k = by_world[3][0]["synced"], 3
+    when = (f"the micro-batches (0 to {k - 1}) whose backward launched all_reduces, per step: "
+            f"{synced}")
+    yield (all(r == (1, buckets) for r in rounds), "one all_reduce round per step",
+           f"(synchronized backwards, all_reduces) per step were {rounds}, expected (1, "
+           f"{buckets}); {when}. The forward and backward of the first k - 1 micro-batches go "
+           "inside no_sync, the last outside")
+    last_synced = all(s == [k - 1] for s in synced)
+    yield (last_synced, "the micro-batch that synchronizes is the last one of each step",
+           f"{when}, expected [{k - 1}] in each. Until the last micro-batch's backward the "
+           "gradients are still accumulating, so an all_reduce before it averages only part of "
+           "them: every earlier micro-batch inside no_sync, the last outside")
+    for world, results in by_world.items():
         mismatch = next((r["mismatch"] for r in results if r["mismatch"]), None)
         yield (mismatch is None, f"{world} ranks: parameters equal the correct loop's on torch's "
-               "DDP bit for bit after every step", f"{mismatch}: zero_grad once, loss / k, "
-               "step once")
-    rounds, buckets = results[0]["rounds"], results[0]["buckets"]
-    yield (all(r == (1, buckets) for r in rounds), "one all_reduce round per step: only the last "
-           "micro-batch's backward synchronizes", f"(synchronized backwards, all_reduces) per "
-           f"step were {rounds}, expected (1, {buckets}): forward and backward of the first k - "
-           "1 micro-batches both inside no_sync, the last outside")
+               "DDP bit for bit after every step", f"{mismatch}: " + (
+                   "the synchronization checked above is wrong, and changes the gradient"
+                   if not last_synced else "zero_grad once before the first micro-batch, each "
+                   "loss divided by k, one optimizer step after the last"))

@@ -5,12 +5,13 @@ reset for the next one. Only then the bits against torch's DDP, and what a spy s
 ``dist.all_reduce`` saw of how the collectives were launched and waited for.
 """
 
+import copy
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import flat_grads, many_layers, on_ranks
+from grading_checks import Waited, flat_grads, many_layers, on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
@@ -22,10 +23,12 @@ CAP_MB_06 = 0.02
 
 
 class AllReduceSpy:
-    """Stands in for dist.all_reduce during the learner's backward; records how it is used."""
+    """Stands in for dist.all_reduce during the learner's backward; records how it is used:
+    each call (async or not, which buffer, how many gradients were ready), and for each
+    asynchronous one whether its work was waited for (``wait()``, or its future's)."""
 
     def __init__(self, reducer):
-        self.reducer, self.calls, self.waits = reducer, [], []
+        self.reducer, self.calls, self.waits, self.works = reducer, [], [], []
         self.original = dist.all_reduce
 
     def ready_so_far(self) -> int:
@@ -34,21 +37,63 @@ class AllReduceSpy:
     def __call__(self, tensor, *args, async_op=False, **kwargs):
         work = self.original(tensor, *args, async_op=async_op, **kwargs)
         self.calls.append((async_op, tensor.data_ptr(), self.ready_so_far()))
-        if async_op:
-            spy = self
+        if not async_op:
+            return work
+        self.works.append({"waited": False})
+        return Waited(work, self.works[-1], lambda: self.waits.append(self.ready_so_far()))
 
-            class Work:
-                def wait(self, *a, **k):
-                    spy.waits.append(spy.ready_so_far())
-                    return work.wait(*a, **k)
+    def unwaited(self) -> int:
+        return sum(not record["waited"] for record in self.works)
 
-            return Work()
-        return work
+
+def watch_finish(reducer, report: dict, step: int) -> None:
+    """Wrap this reducer's ``_finish``: note a call made from inside the hook (``_on_ready`` on
+    the stack) rather than by the autograd engine once backward is over."""
+    finish, hook = reducer._finish, type(reducer)._on_ready.__code__
+
+    def watched(*args, **kwargs):
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_code is hook:
+                report["finish_in_hook"].append(step)
+                break
+            frame = frame.f_back
+        return finish(*args, **kwargs)
+
+    reducer._finish = watched
+
+
+def swapped(layout: list[list[int]]) -> list[list[int]]:
+    """The first two buckets swapped: bucket 1 now holds the gradients that come first."""
+    return [layout[1], layout[0], *layout[2:]] if len(layout) > 1 else layout
+
+
+def reversed_layout(layout: list[list[int]]) -> list[list[int]]:
+    """Every bucket's gradients arrive after the next one's: the last bucket completes first."""
+    return list(reversed(layout))
+
+
+def averaged_by_buckets(model, layout, world) -> torch.Tensor:
+    """The gradients ``model`` would get from one all_reduce of ``grad * (1 / world)`` per
+    bucket of ``layout``, in order: what the learner's reducer must give with that layout."""
+    params, out = list(model.parameters()), {}
+    for members in layout:
+        flat = torch.cat([params[i].grad.reshape(-1) for i in members]) * (1.0 / world)
+        dist.all_reduce(flat)
+        offset = 0
+        for i in members:
+            out[i] = flat[offset:offset + params[i].numel()]
+            offset += params[i].numel()
+    return torch.cat([out[i] for i in range(len(params))])
+
+
+# Steps after the ones compared with torch: layouts whose buckets complete out of launch order
+OUT_OF_ORDER = {"the first two buckets swapped": swapped, "the buckets reversed": reversed_layout}
 
 
 def reducer_task(steps: int = 3):
     Reducer = sys.modules["exercise_06"].Reducer
-    rank = dist.get_rank()
+    rank, world = dist.get_rank(), dist.get_world_size()
     mine = many_layers()
     saved_first = dist._DEFAULT_FIRST_BUCKET_BYTES
     if not EXPLICIT_CAP_COVERS_FIRST_BUCKET:  # torch < 2.4: a 1 MiB first bucket would hold all
@@ -62,17 +107,29 @@ def reducer_task(steps: int = 3):
     reducer = Reducer(mine, [list(range(n))])  # step 0: one bucket, as torch
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
                   for m in (mine, theirs, ours)]
-    x_all, y_all = make_dataset(n=16 * steps, seed=rank).tensors
+    extra = list(OUT_OF_ORDER)
+    x_all, y_all = make_dataset(n=16 * (steps + len(extra)), seed=rank).tensors
     report = {"mismatch": None, "sync": [], "order": [], "late": [], "early_wait": [],
-              "no_finish": [], "not_reset": []}
-    for s in range(steps):
+              "no_finish": [], "not_reset": [], "unwaited": [], "finish_in_hook": [],
+              "layouts": {}, "steps": steps}
+    for s in range(steps + len(extra)):
+        torch_step = s < steps  # then: out-of-order layouts, checked against the grader's sums
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
-        losses = [F.mse_loss(m(x), y) for m in (mine, theirs, ours)]
+        models = (mine, theirs, ours) if torch_step else (mine,)
+        losses = [F.mse_loss(m(x), y) for m in models]
         if s == 1:  # torch and miniddp rebuilt their buckets in this forward: take theirs
             reducer.set_buckets([b.param_indices for b in ours.buckets])
+        if not torch_step:
+            layout = OUT_OF_ORDER[extra[s - steps]]([b.param_indices for b in ours.buckets])
+            reducer.set_buckets(layout)
+            report["layouts"][s] = extra[s - steps]
+            plain = copy.deepcopy(mine)
+            F.mse_loss(plain(x), y).backward()
+            expected = averaged_by_buckets(plain, layout, world)
         for optimizer in optimizers:
             optimizer.zero_grad()
         reducer.timeline = []
+        watch_finish(reducer, report, s)
         spy = AllReduceSpy(reducer)
         dist.all_reduce = spy
         try:
@@ -85,22 +142,33 @@ def reducer_task(steps: int = 3):
             raise
         finally:
             dist.all_reduce = spy.original
+            reducer.__dict__.pop("_finish", None)
+        if spy.unwaited():
+            report["unwaited"].append((s, spy.unwaited(), len(spy.works)))
         if "backward_end" not in [event for event, _, _ in reducer.timeline]:
             report["no_finish"].append(s)
         elif reducer.in_flight or reducer.missing != [len(m) for m in reducer.buckets]:
             report["not_reset"].append((s, len(reducer.in_flight), list(reducer.missing)))
         for loss in losses[1:]:
             loss.backward()
-        if report["mismatch"] is None and not torch.equal(flat_grads(mine), flat_grads(theirs)):
-            diff = (flat_grads(mine) - flat_grads(theirs)).abs().max().item()
-            report["mismatch"] = f"step {s}, rank {rank}: largest difference {diff:.3g}"
+        if report["mismatch"] is None:
+            if torch_step and not torch.equal(flat_grads(mine), flat_grads(theirs)):
+                diff = (flat_grads(mine) - flat_grads(theirs)).abs().max().item()
+                report["mismatch"] = f"step {s}, rank {rank}: largest difference {diff:.3g}"
+            elif not torch_step and not torch.equal(flat_grads(mine), expected):
+                diff = (flat_grads(mine) - expected).abs().max().item()
+                report["mismatch"] = (f"step {s} (buckets set to {extra[s - steps]}), rank "
+                                      f"{rank}: largest difference {diff:.3g} from one "
+                                      "all_reduce per bucket")
         report["sync"] += [ptr for async_op, ptr, _ in spy.calls if not async_op]
-        if [ptr for _, ptr, _ in spy.calls] != [f.data_ptr() for f in reducer.flat]:
-            report["order"].append(s)
-        if s > 0 and (not spy.calls or spy.calls[0][2] >= n):
+        flats = [f.data_ptr() for f in reducer.flat]
+        launched = [flats.index(ptr) if ptr in flats else -1 for _, ptr, _ in spy.calls]
+        if launched != list(range(len(flats))):
+            report["order"].append((s, launched))
+        if torch_step and s > 0 and (not spy.calls or spy.calls[0][2] >= n):
             report["late"].append(s)
         report["early_wait"] += [k for k in spy.waits if k < n]
-        for optimizer in optimizers:
+        for optimizer in optimizers[:len(models)]:
             optimizer.step()
     return report
 
@@ -109,7 +177,7 @@ def grade_06(steps: int = 3):
     by_world = {world: on_ranks(world, reducer_task, steps) for world in (2, 3)}
     reports = [r for results in by_world.values() for r in results]
     not_reset = min((r["not_reset"][0] for r in reports if r["not_reset"]), default=None)
-    first_unreset = not_reset[0] if not_reset else steps  # what follows it is its consequence
+    first_unreset = not_reset[0] if not_reset else 99  # what follows it is its consequence
     no_finish = sorted({s for r in reports for s in r["no_finish"] if s < first_unreset})
     yield (not no_finish, "_finish runs at the end of every backward",
            f"at steps {no_finish} no 'backward_end' was recorded. _finish never ran: no "
@@ -118,6 +186,18 @@ def grade_06(steps: int = 3):
            "is launched")
     if no_finish:
         return
+    unwaited = min((r["unwaited"][0] for r in reports if r["unwaited"]), default=None)
+    yield (unwaited is None, "every launched all_reduce is waited for before backward returns",
+           "" if unwaited is None else f"at step {unwaited[0]}, {unwaited[1]} of the "
+           f"{unwaited[2]} works that all_reduce(async_op=True) returned were never waited "
+           "for: their result may not be in the bucket yet when it is copied into .grad. "
+           "Call wait() on each, in bucket order, in _finish")
+    in_hook = sorted({s for r in reports for s in r["finish_in_hook"]})
+    yield (not in_hook, "_finish is run by the autograd engine once backward is over, not "
+           "from a hook", f"at steps {in_hook} _finish was called from inside the hook "
+           "(_on_ready), while backward was still running: the last hook is not the end of "
+           "backward (other gradients, of inputs or of a later use, may still be computed). "
+           "Queue it instead: torch.autograd.Variable._execution_engine.queue_callback")
     yield (not_reset is None, "every backward starts from a reset state (no work in flight, "
            "every bucket missing all its gradients)",
            "" if not_reset is None else f"after the backward of step {not_reset[0]}, in_flight "
@@ -125,6 +205,15 @@ def grade_06(steps: int = 3):
            "end of _finish, or the next backward launches nothing")
     if not_reset is not None:
         return
+    r = by_world[3][0]
+    order = r["order"][0] if r["order"] else None
+    yield (order is None, "buckets are launched in bucket order, each once, also when a later "
+           "bucket is complete first", "" if order is None else
+           f"at step {order[0]}" + (f" (buckets set to {r['layouts'][order[0]]})"
+                                    if order[0] in r["layouts"] else "")
+           + f" the all_reduces went to buckets {order[1]} (-1: not a bucket's buffer), "
+           "expected 0, 1, 2, ... once each: a complete bucket waits for the ones before it, "
+           "so that every rank issues the same collectives in the same order")
     mismatch = {}
     for world, results in by_world.items():
         mismatch[world] = next((r["mismatch"] for r in results if r["mismatch"]), None)
@@ -135,8 +224,8 @@ def grade_06(steps: int = 3):
                   "x / 2 and x * (1 / 2) are the same bits, x / 3 and x * (1 / 3) are not. " \
                   "Multiply by the reciprocal 1.0 / world_size, as torch does (lesson 03)"
         yield (mismatch[world] is None, f"{world} ranks: .grad equals torch's DDP's bit for bit "
-               "after every backward (one bucket, then torch's rebuilt buckets)", why)
-    r = by_world[3][0]
+               "after every backward (one bucket, then torch's rebuilt buckets; then buckets "
+               "that complete out of order, against one all_reduce per bucket)", why)
     yield (not r["sync"], "every all_reduce is asynchronous (async_op=True)",
            f"{len(r['sync'])} all_reduce calls ran synchronously: backward stopped for each")
     yield (not r["early_wait"], "no all_reduce is waited for before backward has computed every "
@@ -144,5 +233,3 @@ def grade_06(steps: int = 3):
     yield (not r["late"], "with several buckets, the first all_reduce starts while gradients "
            "are still arriving", f"at steps {r['late']} nothing was launched before the last "
            "gradient: launch a bucket as soon as it is complete")
-    yield (not r["order"], "buckets are launched in order, each once",
-           f"at steps {r['order']} the all_reduces did not follow self.flat's order")

@@ -179,3 +179,196 @@ def test_a_crash_shows_the_learners_line_and_next_keeps_the_flags(tmp_path):
     assert "raised: AttributeError" in done.stdout
     assert "at 07_no_sync.py:" in done.stdout and "optimizer.stepp()" in done.stdout
     assert f"next: python lessons/grade.py 07 --dir {tmp_path}" in done.stdout
+
+
+# ----- wrong solutions of each class the grader must catch, several of each -----
+# Each: (exercise, [(text in the solution, what replaces it), ...], the check whose FAIL line
+# must be the first, words the line after it must hold, words it must not hold).
+LOOP_03 = ("    for p in model.parameters():\n        if p.grad is None:\n            continue\n"
+           "        p.grad.mul_(1.0 / world_size)\n        dist.all_reduce(p.grad)\n")
+
+
+def loop_03(body: str, after: str = "") -> list[tuple[str, str]]:
+    return [(LOOP_03, "    works = []\n    for p in model.parameters():\n        if p.grad is None:"
+                      "\n            continue\n" + body + after)]
+
+
+LAUNCH_06 = ("        while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_"
+             "flight)] == 0:\n            k = len(self.in_flight)\n            self._record("
+             "\"launch\", k)\n            self.in_flight.append(dist.all_reduce(self.flat[k], "
+             "async_op=True))\n            if k == len(self.buckets) - 1:\n")
+WHEN_COMPLETE_06 = ("        if self.missing[b] == 0:  # launched at once, whatever came before\n"
+                    "            k = b\n            self._record(\"launch\", k)\n"
+                    "            self.in_flight.append(KEEP)\n"
+                    "            if len(self.in_flight) == len(self.buckets):\n")
+QUEUE_06 = "torch.autograd.Variable._execution_engine.queue_callback(self._finish)"
+WAIT_06 = "            work.wait()\n"
+WHICH_03 = "3 ranks: bit for bit the gradients of torch's arithmetic"
+BITS_03 = "2 ranks: every .grad equals torch's DDP's bit for bit"
+CLOSE_05 = "        if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes):\n"
+AT_LIMITS = "parameter lists at the limits"
+
+WRONG = {
+    # 03: a result still in flight when the learner's function returns
+    "03 async, never waited": ("03", [("        dist.all_reduce(p.grad)\n",
+                                        "        dist.all_reduce(p.grad, async_op=True)\n")],
+                               "2 ranks: .grad holds its final value when average_gradients "
+                               "returns", ["still in flight"], []),
+    "03 async, all waited but the last": (
+        "03", loop_03("        p.grad.mul_(1.0 / world_size)\n"
+                      "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
+                      "    for work in works[:-1]:\n        work.wait()\n"),
+        "2 ranks: .grad holds its final value", ["still in flight"], []),
+    "03 async, works kept and dropped": (
+        "03", loop_03("        p.grad.mul_(1.0 / world_size)\n"
+                      "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
+                      "    works.clear()\n"),
+        "2 ranks: .grad holds its final value", ["still in flight"], []),
+    "03 async, only the first waited": (
+        "03", loop_03("        p.grad.mul_(1.0 / world_size)\n"
+                      "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
+                      "    works[0].wait()\n"),
+        "2 ranks: .grad holds its final value", ["still in flight", "never waited for"], []),
+    # 03: large differences named as what they are, never as rounding
+    "03 sum, not the mean": ("03", [("        p.grad.mul_(1.0 / world_size)\n", "")],
+                             BITS_03, ["not rounding", "the SUM over the ranks"],
+                             ["rounds", "rounding-sized"]),
+    "03 all_reduce of a copy": ("03", [("dist.all_reduce(p.grad)",
+                                        "dist.all_reduce(p.grad.clone())")],
+                                BITS_03, ["not rounding", "own gradient scaled, never summed"],
+                                ["rounds", "rounding-sized"]),
+    "03 scaled twice": ("03", [("        dist.all_reduce(p.grad)\n",
+                                "        dist.all_reduce(p.grad)\n"
+                                "        p.grad.mul_(1.0 / world_size)\n")],
+                        BITS_03, ["not rounding", "scaled twice"], ["rounds", "rounding-sized"]),
+    # 05: a bucket closed when it exceeds its limit instead of when it reaches it
+    "05 closes when over the limit": ("05", [(CLOSE_05, CLOSE_05.replace(">=", ">"))],
+                                      AT_LIMITS, ["at least its limit", "exactly at"], []),
+    "05 first limit exceeded": ("05", [(CLOSE_05, "        if (entry[1] > first_bytes) if entry"
+                                        "[2] == 0 else (entry[1] >= cap_bytes):\n")],
+                                AT_LIMITS, ["exactly at the first limit"], []),
+    "05 cap exceeded": ("05", [(CLOSE_05, "        if (entry[1] >= first_bytes) if entry[2] == 0"
+                                " else (entry[1] > cap_bytes):\n")],
+                        AT_LIMITS, ["the cap"], []),
+    "05 closes before adding one that would not fit": (
+        "05", [("        entry[0].append(i)\n        entry[1] += p.numel() * p.element_size()\n"
+                + CLOSE_05,
+                "        size = p.numel() * p.element_size()\n"
+                "        if entry[0] and entry[1] + size > (first_bytes if entry[2] == 0 else "
+                "cap_bytes):\n            closed.append(entry[0])\n"
+                "            entry[0], entry[1], entry[2] = [], 0, entry[2] + 1\n"
+                "        entry[0].append(i)\n        entry[1] += size\n        if False:\n")],
+        AT_LIMITS, ["at least its limit"], []),
+    # 06: buckets launched as they complete, ignoring the ones before them
+    "06 launched when complete, waited in bucket order": (
+        "06", [(LAUNCH_06, WHEN_COMPLETE_06.replace(
+            "KEEP", "(k, dist.all_reduce(self.flat[k], async_op=True))")),
+               ("for b, work in enumerate(self.in_flight):",
+                "for b, work in sorted(self.in_flight, key=lambda kept: kept[0]):")],
+        "buckets are launched in bucket order", ["buckets set to", "the all_reduces went to "
+                                                 "buckets [1, 0", "waits for the ones before "
+                                                 "it"], []),
+    "06 launched when complete, kept in launch order": (
+        "06", [(LAUNCH_06, WHEN_COMPLETE_06.replace(
+            "KEEP", "dist.all_reduce(self.flat[k], async_op=True)"))],
+        "buckets are launched in bucket order", ["waits for the ones before it"], []),
+    # 06: _finish run from the last hook instead of by the autograd engine
+    "06 _finish called from the hook": ("06", [(QUEUE_06, "self._finish()")],
+                                        "_finish is run by the autograd engine",
+                                        ["called from inside the hook", "queue_callback"], []),
+    "06 _finish called by a helper of the hook": (
+        "06", [(QUEUE_06, "self._done()"),
+               ("    def _finish(self) -> None:\n",
+                "    def _done(self) -> None:\n        self._finish()\n\n"
+                "    def _finish(self) -> None:\n")],
+        "_finish is run by the autograd engine", ["called from inside the hook"], []),
+    # 06: launched works never waited for
+    "06 no wait": ("06", [(WAIT_06, "")], "every launched all_reduce is waited for",
+                   ["never waited for"], []),
+    "06 only the last waited": ("06", [(WAIT_06, "            if b == len(self.in_flight) - 1:\n"
+                                                 "                work.wait()\n")],
+                                "every launched all_reduce is waited for",
+                                ["never waited for"], []),
+    "06 all but the first waited": ("06", [(WAIT_06, "            if b > 0:\n"
+                                                     "                work.wait()\n")],
+                                    "every launched all_reduce is waited for",
+                                    ["never waited for"], []),
+    # 07: the wrong micro-batch synchronizes
+    "07 the first micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
+                                                      "        if j > 0:\n")],
+                                              "the micro-batch that synchronizes is the last",
+                                              ["[[0], [0], [0]]", "expected [2]"], []),
+    "07 a middle micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
+                                                     "        if j != 1:\n")],
+                                             "the micro-batch that synchronizes is the last",
+                                             ["[[1], [1], [1]]"], []),
+}
+
+
+def rounds_of(cases: dict) -> list[list[str]]:
+    """The cases in rounds of at most one per exercise: one grader run grades a round."""
+    rounds: list[list[str]] = []
+    for name, case in cases.items():
+        target = next((r for r in rounds if all(cases[n][0] != case[0] for n in r)), None)
+        if target is None:
+            rounds.append(target := [])
+        target.append(name)
+    return rounds
+
+
+ROUNDS = rounds_of(WRONG)
+# Later FAIL lines whose message must hold the same words (and not the absent ones) as the first
+ALSO = {"03 sum, not the mean": WHICH_03, "03 all_reduce of a copy": WHICH_03,
+        "03 scaled twice": WHICH_03}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", ROUNDS, ids=[" + ".join(r) for r in ROUNDS])
+def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(tmp_path, names):
+    for name in names:
+        number, edits, _, _, _ = WRONG[name]
+        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+        text = solution.read_text()
+        for right, wrong in edits:
+            assert text.count(right) == 1, f"{name}: {solution.name} no longer holds {right!r}"
+            text = text.replace(right, wrong)
+        (tmp_path / solution.name).write_text(text)
+    done = grade(*sorted(WRONG[n][0] for n in names), "--dir", tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = sections(done.stdout)
+    for name in names:
+        number, _, check, words, absent = WRONG[name]
+        lines = found[number].splitlines()
+        failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
+        assert failed, f"{name} passed:\n{found[number]}"
+        assert check in lines[failed[0]], f"{name}:\n{found[number]}"
+        why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+        assert all(w in why for w in words), f"{name}: {why!r} lacks {words}"
+        assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
+        if name in ALSO:
+            [k] = [k for k in failed if ALSO[name] in lines[k]]
+            assert all(w in lines[k + 1] for w in words), f"{name}: {lines[k + 1]!r}"
+            assert not any(w in lines[k + 1] for w in absent), f"{name}: {lines[k + 1]!r}"
+
+
+# Other right solutions: they must pass every check, or the grader dictates one way of writing
+RIGHT = {
+    "03": loop_03("        p.grad.mul_(1.0 / world_size)\n"
+                  "        works.append(dist.all_reduce(p.grad, async_op=True))\n",
+                  "    for work in works:\n        work.get_future().wait()\n"),
+    "06": [(WAIT_06, "            work.get_future().wait()\n")],
+}
+
+
+@pytest.mark.slow
+def test_other_right_solutions_pass(tmp_path):
+    for number, edits in RIGHT.items():
+        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+        text = solution.read_text()
+        for right, other in edits:
+            assert text.count(right) == 1, f"{solution.name} no longer holds {right!r}"
+            text = text.replace(right, other)
+        (tmp_path / solution.name).write_text(text)
+    done = grade(*RIGHT, "--dir", tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAIL" not in done.stdout

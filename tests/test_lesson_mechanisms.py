@@ -193,26 +193,101 @@ def test_ready_while_in_flight_counts_gradients_between_launch_and_done():
     assert overlap.ready_while_in_flight(events) == 1
 
 
-PATCH_SYNCHRONOUS = """
-import runpy, sys
-import miniddp.reducer as reducer
+# Ways to lose the overlap, each applied from outside before the lesson runs. (Waiting for
+# the first bucket only is not one: the later buckets still overlap, and the lesson says so.)
+NO_OVERLAP = {
+    "every all_reduce waited for at its launch": """
 launch = reducer.Reducer._launch
 def launch_and_wait(self, bucket):
     launch(self, bucket)
     bucket.work.wait()
 reducer.Reducer._launch = launch_and_wait
+""",
+    "every bucket launched after backward": """
+init = reducer.Reducer.__init__
+def after_backward(self, *args, **kwargs):
+    init(self, *args, **kwargs)
+    self.overlap = False
+reducer.Reducer.__init__ = after_backward
+""",
+}
+RUN_LESSON = """
+import runpy, sys
+import miniddp.reducer as reducer
+{patch}
 sys.argv = [sys.argv[1]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
 @pytest.mark.lesson
-def test_lesson_06_fails_when_every_all_reduce_is_synchronous(tmp_path):
+@pytest.mark.parametrize("how", sorted(NO_OVERLAP))
+def test_lesson_06_fails_when_communication_does_not_overlap_backward(tmp_path, how):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", PATCH_SYNCHRONOUS,
+    done = subprocess.run([sys.executable, "-c", RUN_LESSON.format(patch=NO_OVERLAP[how]),
                            str(LESSONS_DIR / "06_overlap.py")], env=env, capture_output=True,
-                          text=True, timeout=120, cwd=LESSONS_DIR.parent)
+                          text=True, timeout=180, cwd=LESSONS_DIR.parent)
     assert done.returncode != 0, done.stdout
     assert "while an all_reduce is in flight" in done.stderr, done.stderr[-2000:]
     assert "OK:" not in done.stdout
+
+
+# ----- lesson 06: what the trace shows -----
+
+NAMES = ["2.bias", "2.weight", "0.bias", "0.weight"]
+BUCKETS = [[0, 1], [2, 3]]
+GOOD = [("ready", 0), ("ready", 1), ("launch", 0), ("ready", 2), ("ready", 3), ("launch", 1),
+        ("backward_end", -1), ("done", 0), ("waited", 0), ("done", 1), ("waited", 1),
+        ("finalized", -1)]
+
+
+def trace_lines(events) -> list[str]:
+    from miniddp.buckets import BucketInfo
+    from miniddp.checks.trace import BackwardTrace
+
+    buckets = [BucketInfo(index=b, names=[NAMES[i] for i in members], param_indices=members,
+                          numel=2, nbytes=8, dtype=torch.float32, device=torch.device("cpu"))
+               for b, members in enumerate(BUCKETS)]
+    trace = BackwardTrace(names=NAMES, buckets=buckets,
+                          events=[(e, i, 0.001 * k) for k, (e, i) in enumerate(events)])
+    return trace.lines()
+
+
+def without(kind, events=GOOD):
+    return [e for e in events if e[0] != kind]
+
+
+def moved(event, to, events=GOOD):
+    rest = [e for e in events if e != event]
+    return rest[:to] + [event] + rest[to:]
+
+
+TRACES = {  # name: (events, words one of the problems must hold)
+    "no waits": (without("waited"), "waited for []"),
+    "no launches": (without("launch"), "launched []"),
+    "a wait missing": ([e for e in GOOD if e != ("waited", 0)], "waited for [1]"),
+    "waits in reverse": (moved(("waited", 1), 8), "waited for [1, 0]"),
+    "launches in reverse": (moved(("launch", 1), 2), "launched [1, 0]"),
+    "a bucket launched before its last gradient": (moved(("launch", 0), 1),
+                                                    "launched before their last gradient"),
+    "a wait before the end of backward": (moved(("waited", 0), 5),
+                                          "a wait outside the end of backward"),
+    "a wait after the write-back": (moved(("waited", 1), 11), "a wait outside"),
+    "no write-back": (without("finalized"), "'finalized' lines"),
+    "no end of backward": (without("backward_end"), "'backward' and"),
+    "a gradient after the end of backward": (moved(("ready", 3), 6), "after the end of backward"),
+    "a gradient missing": ([e for e in GOOD if e != ("ready", 0)],
+                           "3 'ready' lines for 4 parameters"),
+}
+
+
+def test_trace_check_passes_a_right_trace():
+    assert overlap.trace_problems(trace_lines(GOOD), NAMES, len(BUCKETS)) == []
+
+
+@pytest.mark.parametrize("case", sorted(TRACES))
+def test_trace_check_names_what_a_wrong_trace_shows(case):
+    events, words = TRACES[case]
+    problems = overlap.trace_problems(trace_lines(events), NAMES, len(BUCKETS))
+    assert any(words in p for p in problems), problems

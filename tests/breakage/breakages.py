@@ -138,6 +138,108 @@ def broadcast_does_nothing(module):
     _patch(module, "broadcast", lambda original: broadcast)
 
 
+def join_syncs_from_the_first_joiner(module):
+    """Lesson 14: join's final sync takes the model of the ranks that ran out first (the
+    highest of those that are not the last joiner) instead of the last joiner's."""
+    _patch(module.DDPJoinHook, "post_hook", lambda original: lambda self, is_last_joiner:
+           original(self, not is_last_joiner))
+
+
+def join_syncs_from_rank_0(module):
+    """Lesson 14: join's final sync always takes rank 0's model (rank 0 runs out first)."""
+    def post_hook(self, is_last_joiner):
+        ddp = self.ddp
+        states = [p.detach() for name, p in ddp.module.named_parameters()
+                  if name not in ddp.ignored] + [b.detach() for b in module._synced_buffers(ddp)]
+        module.broadcast_from(states, 0, ddp.process_group)
+    _patch(module.DDPJoinHook, "post_hook", lambda original: post_hook)
+
+
+def join_skips_the_final_sync(module):
+    """Lesson 14: join never copies the last joiner's model to the others."""
+    _patch(module.DDPJoinHook, "post_hook", lambda original: lambda self, is_last_joiner: None)
+
+
+def _trace_without(kinds):
+    """A ``BackwardTrace.lines`` that leaves out the events of ``kinds``."""
+    def patch(lines):
+        def without(self):
+            kept = [e for e in self.events if e[0] not in kinds]
+            saved, self.events = self.events, kept
+            try:
+                return lines(self)
+            finally:
+                self.events = saved
+        return without
+    return patch
+
+
+def trace_drops_waits(module):
+    """Lesson 06: the trace prints no 'waited' line."""
+    _patch(module.BackwardTrace, "lines", _trace_without({"waited"}))
+
+
+def trace_drops_launches(module):
+    """Lesson 06: the trace prints no 'launch' line."""
+    _patch(module.BackwardTrace, "lines", _trace_without({"launch"}))
+
+
+def trace_waits_reversed(module):
+    """Lesson 06: the trace shows the waits in the reverse of their order."""
+    def patch(lines):
+        def reversed_waits(self):
+            waits = [e for e in self.events if e[0] == "waited"][::-1]
+            saved = self.events
+            self.events = [waits.pop(0) if e[0] == "waited" else e for e in saved]
+            try:
+                return lines(self)
+            finally:
+                self.events = saved
+        return reversed_waits
+    _patch(module.BackwardTrace, "lines", patch)
+
+
+def reducer_records_no_waits(module):
+    """Lesson 06: the reducer's record (that the trace prints) has no 'waited' events."""
+    def record(original):
+        def without_waits(self, event, ident):
+            if event != "waited":
+                original(self, event, ident)
+        return without_waits
+    _patch(module.Reducer, "_record", record)
+
+
+def write_back_before_wait(module):
+    """Lessons 06 and 07: the reducer writes each bucket into ``.grad`` as if before waiting for
+    its all_reduce, when the all_reduce has not written the sum yet: ``.grad`` gets this rank's
+    own scaled gradients. (Reading the bucket before the wait is a race; this is its outcome
+    whenever the all_reduce is the slower, fixed so that the lessons' tests are deterministic.)"""
+    def launch(original):
+        def keep_before(self, bucket):
+            self._before_wait = getattr(self, "_before_wait", {})
+            self._before_wait[bucket.index] = bucket.buffer.clone()
+            original(self, bucket)
+        return keep_before
+
+    def finalize(original):
+        def write_early(self):
+            early = getattr(self, "_before_wait", {})
+            self._before_wait = {}
+            original(self)
+            for bucket in self.buckets:
+                if bucket.index not in early:
+                    continue
+                offset = 0
+                for i in bucket.param_indices:
+                    param = self.params[i]
+                    if param.grad is not None:
+                        flat = early[bucket.index][offset:offset + param.numel()]
+                        param.grad.copy_(flat.view_as(param.grad))
+                    offset += param.numel()
+        return write_early
+    _patch(module.Reducer, "_launch", launch)
+    _patch(module.Reducer, "_finalize", finalize)
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -154,6 +256,15 @@ BREAKAGES = {
     "comm_hook_ignored": ("miniddp.options.comm_hooks", comm_hook_ignored),
     "join_ignores_the_divisor": ("miniddp.options.join", join_ignores_the_divisor),
     "broadcast_does_nothing": ("torch.distributed", broadcast_does_nothing),
+    "join_syncs_from_the_first_joiner": ("miniddp.options.join",
+                                         join_syncs_from_the_first_joiner),
+    "join_syncs_from_rank_0": ("miniddp.options.join", join_syncs_from_rank_0),
+    "join_skips_the_final_sync": ("miniddp.options.join", join_skips_the_final_sync),
+    "trace_drops_waits": ("miniddp.checks.trace", trace_drops_waits),
+    "trace_drops_launches": ("miniddp.checks.trace", trace_drops_launches),
+    "trace_waits_reversed": ("miniddp.checks.trace", trace_waits_reversed),
+    "reducer_records_no_waits": ("miniddp.reducer", reducer_records_no_waits),
+    "write_back_before_wait": ("miniddp.reducer", write_back_before_wait),
 }
 
 

@@ -4,10 +4,12 @@ After ``loss.backward()`` each rank holds the gradient of its own shard's loss. 
 needs every rank to hold the mean of all of them. Do it the way torch's DDP does the arithmetic:
 multiply each gradient by ``1 / world_size`` first, then ``dist.all_reduce`` it (a SUM), in place.
 
-Graded by ``python lessons/grade.py 03``: at 2 ranks every ``.grad`` must equal torch's DDP's bit
-for bit; at 3 ranks every rank must hold the very same bits, those of scale-then-sum computed
-in the same run (where dividing after the sum rounds differently), and close to torch's (not
-equal: torch sums whole buckets, and a ring's summation order depends on where an element sits).
+Graded by ``python lessons/grade.py 03``: ``.grad`` must hold its final value when your function
+returns (an asynchronous all_reduce must be waited for first); at 2 ranks every ``.grad`` must
+equal torch's DDP's bit for bit; at 3 ranks every rank must hold the very same bits, those of
+scale-then-sum computed in the same run (where dividing after the sum rounds differently), and
+close to torch's (not equal: torch sums whole buckets, and a ring's summation order depends on
+where an element sits).
 """
 
 import torch.distributed as dist

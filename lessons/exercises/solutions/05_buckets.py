@@ -8,7 +8,8 @@ that crosses the limit stays in the bucket it closed. At the end, the still-open
 closed too. Then sort the buckets by their smallest parameter index and **reverse** the list:
 the last layers' gradients are ready first, so their bucket is reduced first.
 
-Graded by ``python lessons/grade.py 05``: the layout against torch's own assignment, then the
+Graded by ``python lessons/grade.py 05``: the layout against torch's own assignment (first where
+a bucket holds exactly its limit, one element less, or one more; then random lists), then the
 gradients of torch's DDP (``find_unused_parameters=True`` uses this layout from its first step)
 against one all_reduce per bucket of yours, bit for bit at 3 ranks (where layout decides bits).
 """

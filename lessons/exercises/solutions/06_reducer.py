@@ -13,9 +13,11 @@ Write the two pieces that make DDP:
 * ``_finish`` (after backward computed every gradient): wait for every bucket in order and copy
   the averages back into ``.grad``; reset for the next backward.
 
-Graded by ``python lessons/grade.py 06``: gradients equal torch's DDP's bit for bit at every
-step at 2 and 3 ranks (one bucket at step 0, torch's rebuilt buckets after), every all_reduce
-asynchronous and launched during backward, in bucket order.
+Graded by ``python lessons/grade.py 06``: ``_finish`` run by the autograd engine after every
+backward, every launched all_reduce waited for, the state reset; gradients equal torch's DDP's
+bit for bit at every step at 2 and 3 ranks (one bucket at step 0, torch's rebuilt buckets after,
+then buckets that complete out of order); every all_reduce asynchronous and launched during
+backward, in bucket order.
 """
 
 import functools

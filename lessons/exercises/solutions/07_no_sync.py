@@ -10,9 +10,9 @@ of the mean loss over all k micro-batches on all ranks, with one all_reduce roun
   accumulated ``.grad`` over the ranks once;
 * ``optimizer.step()`` once.
 
-Graded by ``python lessons/grade.py 07`` with torch's DDP (parameters equal to the correct
-loop's bit for bit after every step) and miniddp's (all_reduces launched only in the last
-backward of each step).
+Graded by ``python lessons/grade.py 07`` with miniddp's DDP (all_reduces launched only in the
+last micro-batch's backward of each step) and torch's (parameters equal to the correct loop's
+bit for bit after every step).
 """
 
 import torch.nn.functional as F
