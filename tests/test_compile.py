@@ -12,7 +12,7 @@ on miniddp's side only (``optimize_ddp=False``) and shows the comparison then fa
 
 from __future__ import annotations
 
-import copy
+import os
 
 import pytest
 import torch
@@ -29,10 +29,10 @@ needs_is_compiling = pytest.mark.skipif(
 
 class Tower(nn.Module):
     """A user's own model (dynamo compiles user code; it leaves torch.nn.Sequential's frames
-    alone under torch.compile(DDP(m))), with ~3 MiB of parameters: a 1 MiB cap gives several
+    alone under torch.compile(DDP(m))), with ~2 MiB of parameters: a 1 MiB cap gives several
     buckets, hence several compiled pieces."""
 
-    def __init__(self, width: int = 512, depth: int = 3):
+    def __init__(self, width: int = 512, depth: int = 2):
         super().__init__()
         self.inp = nn.Linear(16, width)
         self.hidden = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
@@ -101,7 +101,7 @@ def train_compiled(ddp_class, order: str, steps: int, backend: str = "aot_eager"
             "graphs": len(compiled_graphs), "breaks": breaks, "events": events}
 
 
-def compare(order: str, steps: int = 3, backend: str = "aot_eager",
+def compare(order: str, steps: int = 2, backend: str = "aot_eager",
             ours_optimize_ddp=True, **ddp_kwargs) -> dict:
     """Train with torch's compiled DDP, then miniddp's; say what differs."""
     theirs = train_compiled(nn.parallel.DistributedDataParallel, order, steps, backend,
@@ -155,6 +155,19 @@ def test_compiled_training_is_bit_identical_to_torchs(ranks, world_size, order):
         for step, events in enumerate(result["events"][1:], start=1):
             assert launched_during_backward(events) >= 1, (
                 f"rank {rank} step {step}: no all_reduce launched before backward ended")
+
+
+@needs_is_compiling
+@pytest.mark.slow
+@pytest.mark.skipif(os.environ.get("MINIDDP_TEST_INDUCTOR") != "1",
+                    reason="inductor compiles C++ kernels: about 2 minutes a rank on a cold "
+                           "cache on 2 CPU cores; set MINIDDP_TEST_INDUCTOR=1 to run it")
+@pytest.mark.parametrize("order", ["compile_inside", "compile_outside"])
+def test_inductor_training_is_bit_identical_to_torchs(ranks, order):
+    for rank, result in enumerate(ranks(3).run(compare, order, backend="inductor",
+                                               bucket_cap_mb=1, timeout=600)):
+        assert result["differing"] == [], f"rank {rank}: parameters {result['differing']} differ"
+        assert result["graphs"][0] == result["graphs"][1] >= 2
 
 
 @needs_is_compiling
