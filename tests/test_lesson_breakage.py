@@ -42,6 +42,8 @@ CASES = [
      "fp16 mean on miniddp differs from torch's DDP"),
     ("14_uneven_inputs", "join_ignores_the_divisor",
      "miniddp differs from torch's DDP under join"),
+    ("16_compile", "compiled_ddp_unrecognised",
+     "differ from torch's compiled DDP's"),
 ]
 
 

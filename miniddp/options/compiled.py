@@ -130,8 +130,8 @@ def first_bucket_refused(ddp) -> AssertionError:
     return AssertionError(
         f"{FIRST_BUCKET_PHRASE}: torch's compiler splits a compiled DDP model into pieces at "
         f"DDP's bucket boundaries (dynamo's DDPOptimizer), with a first piece of "
-        f"{first / 2**20:g} MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) and the others of "
-        f"bucket_cap_mb ({cap / 2**20:g} MiB here), and refuses a cap smaller than the first "
+        f"{first / 2**20:.3g} MiB (dist._DEFAULT_FIRST_BUCKET_BYTES) and the others of "
+        f"bucket_cap_mb ({cap / 2**20:.3g} MiB here), and refuses a cap smaller than the first "
         "piece; torch's DDP refuses the same. Use bucket_cap_mb >= "
-        f"{first / 2**20:g}, or set torch._dynamo.config.optimize_ddp = False (one compiled "
+        f"{first / 2**20:.3g}, or set torch._dynamo.config.optimize_ddp = False (one compiled "
         "graph: no communication overlaps backward).")

@@ -119,6 +119,13 @@ def join_ignores_the_divisor(module):
     _patch(module, "notify_still_training", lambda original: notify_still_training)
 
 
+def compiled_ddp_unrecognised(module):
+    """Lesson 16: miniddp marks its forward on a stand-in class, not on torch's DDP class, so
+    torch's compiler never sees an active DDP module and compiles one graph."""
+    _patch(module, "_TorchDDP", lambda original: type("NotTorchsDDP", (),
+                                                      {"_active_ddp_module": None}))
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -133,6 +140,7 @@ BREAKAGES = {
     "averages_not_written_back": ("miniddp.reducer", averages_not_written_back),
     "comm_hook_ignored": ("miniddp.options.comm_hooks", comm_hook_ignored),
     "join_ignores_the_divisor": ("miniddp.options.join", join_ignores_the_divisor),
+    "compiled_ddp_unrecognised": ("miniddp.options.compiled", compiled_ddp_unrecognised),
 }
 
 
