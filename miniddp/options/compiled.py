@@ -92,7 +92,8 @@ def _enter_untraced(ddp, inputs, kwargs):
     if _splits_graphs() and ddp.bucket_bytes_cap < _first_bucket_bytes():
         raise first_bucket_refused(ddp)
     inputs, kwargs = ddp._pre_forward(*inputs, **kwargs)
-    ddp._active_before_forward = _TorchDDP._active_ddp_module
+    previous = _TorchDDP._active_ddp_module  # itself, if its last forward raised before _leave
+    ddp._active_before_forward = None if previous is ddp else previous
     _TorchDDP._active_ddp_module = ddp
     return inputs, kwargs
 
