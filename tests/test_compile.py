@@ -45,13 +45,27 @@ class Tower(nn.Module):
         return self.out(h)
 
 
+class SequentialTower(nn.Sequential):
+    """The same layers in torch's Sequential: under torch.compile(DDP(m)) every frame is
+    torch's, and dynamo compiles none of them, with torch's DDP as with miniddp's."""
+
+    def __init__(self, width: int = 512, depth: int = 2):
+        layers = [nn.Linear(16, width), nn.ReLU()]
+        for _ in range(depth):
+            layers += [nn.Linear(width, width), nn.ReLU()]
+        super().__init__(*layers, nn.Linear(width, 4))
+
+
+MODELS = {"tower": Tower, "sequential": SequentialTower}
+
+
 def _data(step: int, rank: int):
     g = torch.Generator().manual_seed(1000 * step + rank)
     return torch.randn(4, 16, generator=g), torch.randn(4, 4, generator=g)
 
 
 def train_compiled(ddp_class, order: str, steps: int, backend: str = "aot_eager",
-                   optimize_ddp=True, **ddp_kwargs) -> dict:
+                   optimize_ddp=True, model_name: str = "tower", **ddp_kwargs) -> dict:
     """Train a compiled Tower with ``ddp_class`` on this rank; return its final parameters,
     the graphs dynamo compiled, its graph breaks and (miniddp) each backward's events."""
     import torch._dynamo
@@ -69,7 +83,7 @@ def train_compiled(ddp_class, order: str, steps: int, backend: str = "aot_eager"
 
     rank = dist.get_rank()
     torch.manual_seed(7 + rank)  # different per rank: construction broadcasts rank 0's
-    model = Tower()
+    model = MODELS[model_name]()
     saved = torch._dynamo.config.optimize_ddp
     torch._dynamo.config.optimize_ddp = optimize_ddp
     try:
@@ -102,12 +116,12 @@ def train_compiled(ddp_class, order: str, steps: int, backend: str = "aot_eager"
 
 
 def compare(order: str, steps: int = 2, backend: str = "aot_eager",
-            ours_optimize_ddp=True, **ddp_kwargs) -> dict:
+            ours_optimize_ddp=True, model_name: str = "tower", **ddp_kwargs) -> dict:
     """Train with torch's compiled DDP, then miniddp's; say what differs."""
     theirs = train_compiled(nn.parallel.DistributedDataParallel, order, steps, backend,
-                            **ddp_kwargs)
+                            model_name=model_name, **ddp_kwargs)
     ours = train_compiled(miniddp.DistributedDataParallel, order, steps, backend,
-                          optimize_ddp=ours_optimize_ddp, **ddp_kwargs)
+                          optimize_ddp=ours_optimize_ddp, model_name=model_name, **ddp_kwargs)
     differing = [k for k, (a, b) in enumerate(zip(ours["params"], theirs["params"]))
                  if not torch.equal(a, b)]
     return {"differing": differing, "graphs": (ours["graphs"], theirs["graphs"]),
@@ -155,6 +169,20 @@ def test_compiled_training_is_bit_identical_to_torchs(ranks, world_size, order):
         for step, events in enumerate(result["events"][1:], start=1):
             assert launched_during_backward(events) >= 1, (
                 f"rank {rank} step {step}: no all_reduce launched before backward ended")
+
+
+@needs_is_compiling
+def test_compiling_ddp_compiles_the_frames_torch_compiles(ranks):
+    """torch.compile(DDP(nn.Sequential(...))): dynamo skips torch's own frames, so torch's
+    compiled DDP trains the Sequential eagerly; miniddp's must not compile it either (its
+    pieces would give other ready orders, other buckets and, at 3 ranks, other bits)."""
+    for rank, result in enumerate(ranks(3).run(compare, "compile_outside",
+                                               model_name="sequential", bucket_cap_mb=1,
+                                               timeout=120)):
+        assert result["differing"] == [], f"rank {rank}: parameters {result['differing']} differ"
+        assert result["graphs"] == (0, 0), f"rank {rank}: graphs (ours, torch's) {result['graphs']}"
+        ours, theirs = result["breaks"]
+        assert ours <= theirs, f"rank {rank}: graph breaks (ours, torch's) {ours, theirs}"
 
 
 @needs_is_compiling

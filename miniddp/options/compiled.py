@@ -10,7 +10,8 @@ whenever the parameters met reach ``bucket_bytes_cap``; the first piece at
 ``dist._DEFAULT_FIRST_BUCKET_BYTES``), so backward runs as several compiled pieces and each
 bucket fills as its piece returns.
 
-How dynamo recognises DDP, in every torch from 2.0 to 2.13: while it compiles a frame it asks
+How dynamo recognises DDP (the same from torch 2.0's ``eval_frame.py`` to 2.13's
+``convert_frame.py``): while it compiles a frame it asks
 ``torch.nn.parallel.DistributedDataParallel._get_active_ddp_module()``, which returns the
 class attribute ``_active_ddp_module`` that torch's DDP sets only while its wrapped module's
 forward runs (``_inside_ddp_forward``). If a module is returned (and
@@ -26,10 +27,12 @@ gets the same cuts, the same order of ready gradients, hence the same rebuilt bu
 ``torch.compile(ddp)`` traces DDP's own forward too. torch's forward costs it three graph breaks:
 its bookkeeping runs outside the graph and the user's model is compiled in one graph. miniddp's
 forward, traced line by line, broke the graph at each collective, each check and the reducer's
-bookkeeping (8 breaks, 9 graphs). When dynamo traces it, :func:`forward` instead runs all of
-that in two calls dynamo does not trace (:func:`_enter`, :func:`_leave`): two graph breaks, and
-the model in one graph compiled while the module is active, as torch's replicate() does. The
-eager path never imports ``torch._dynamo`` (seconds of CPU in a fresh process).
+bookkeeping (8 breaks, 9 graphs), and compiled the wrapped module in its own frame. When dynamo
+traces it, :func:`forward` instead hands the whole forward to a function whose own frame dynamo
+skips but whose callees it compiles, as it does for torch's DDP (whose file it skips): three
+graph breaks, as torch's, and exactly the frames torch's compiled DDP compiles (a ``torch.nn.Sequential``,
+all torch's frames, is not compiled at all under ``torch.compile(DDP(m))``, with either DDP).
+The eager path never imports ``torch._dynamo`` (seconds of CPU in a fresh process).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
 #: True while dynamo traces the code that asks (it folds the call to a constant). torch 2.1
 #: and 2.2 have no ``torch.compiler.is_compiling``; there, ``torch.compile(ddp)`` traces
-#: miniddp's forward line by line (more graph breaks, the same bits).
+#: miniddp's forward line by line (untested: the tests skip there).
 _is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
 
 FIRST_BUCKET_PHRASE = ("First bucket should be smaller/equal to other buckets to get comms "
@@ -80,35 +83,49 @@ def inside_forward(ddp):
 
 
 def forward(ddp, inputs, kwargs):
-    """DDP's forward as dynamo traces it: DDP's work out of the graph, the model in one graph."""
-    inputs, kwargs = _enter(ddp, inputs, kwargs)
-    output = ddp.module(*inputs, **kwargs)  # compiled with ddp active: split at its buckets
-    return _leave(ddp, output)
+    """DDP's forward as dynamo traces it (``torch.compile(ddp)``): the graph breaks here, the
+    forward runs as it runs eagerly, and dynamo compiles the frames the wrapped module runs
+    (with ``ddp`` active: cut at its buckets), as under torch's DDP."""
+    _skip_forward_frame()
+    return _untraced_forward(ddp, inputs, kwargs)
 
 
-def _enter_untraced(ddp, inputs, kwargs):
-    """Before the model: DDP's pre-forward, then ``ddp`` becomes the active module, so the
-    frame dynamo compiles next (the rest of :func:`forward`) goes through DDPOptimizer."""
+def _untraced_forward(ddp, inputs, kwargs):
+    """DDP's forward; dynamo neither inlines it nor compiles its own frame, only the frames it
+    calls (torch's DDP gets the same by living in torch's files, which dynamo skips). Its
+    bookkeeping runs in calls with nothing compiled inside."""
+    inputs, kwargs = _before(ddp, inputs, kwargs)
+    with inside_forward(ddp):
+        output = ddp.module(*inputs, **kwargs)
+    return _after(ddp, output)
+
+
+def _before_untraced(ddp, inputs, kwargs):
     if _splits_graphs() and ddp.bucket_bytes_cap < _first_bucket_bytes():
         raise first_bucket_refused(ddp)
-    inputs, kwargs = ddp._pre_forward(*inputs, **kwargs)
-    previous = _TorchDDP._active_ddp_module  # itself, if its last forward raised before _leave
-    ddp._active_before_forward = None if previous is ddp else previous
-    _TorchDDP._active_ddp_module = ddp
-    return inputs, kwargs
+    return ddp._pre_forward(*inputs, **kwargs)
 
 
-def _leave_untraced(ddp, output):
-    """After the model: the previous active module back, then DDP's post-forward."""
-    _TorchDDP._active_ddp_module = getattr(ddp, "_active_before_forward", None)
+def _after_untraced(ddp, output):
     return ddp._post_forward(output)
+
+
+def _skip_forward_frame_untraced() -> None:
+    """Tell dynamo (loaded, since it is tracing) to skip :func:`_untraced_forward`'s frame but
+    not the frames it calls: ``skip`` (``torch.compiler.disable(recursive=False)`` before
+    torch 2.6). It also marks the function, so that dynamo does not inline it."""
+    import torch._dynamo
+
+    skip = getattr(torch._dynamo.decorators, "skip", None) or torch._dynamo.skip
+    skip(_untraced_forward)
 
 
 # Calls dynamo leaves out of the graph and runs as they are, with nothing inside them compiled.
 # torch._disable_dynamo (torch 2.1 on) imports dynamo at the first call, which only the traced
 # path makes.
-_enter = torch._disable_dynamo(_enter_untraced)
-_leave = torch._disable_dynamo(_leave_untraced)
+_skip_forward_frame = torch._disable_dynamo(_skip_forward_frame_untraced)
+_before = torch._disable_dynamo(_before_untraced)
+_after = torch._disable_dynamo(_after_untraced)
 
 
 def _splits_graphs() -> bool:
