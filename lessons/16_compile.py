@@ -21,8 +21,8 @@ dynamo asks for it (``_get_active_ddp_module()``) whenever it compiles a frame. 
 same attribute (``miniddp/options/compiled.py``), and so gets torch's pieces, torch's ready
 order, torch's rebuilt buckets and torch's bits, in both orders: ``DDP(torch.compile(model))``
 and ``torch.compile(DDP(model))``. For the second, DDP's own forward is traced too; miniddp's
-runs its bookkeeping in two calls dynamo leaves alone, so it breaks the graph no more often than
-torch's.
+runs in a frame dynamo skips while it compiles the frames called from it, as it treats torch's
+(whose file it skips), so it breaks the graph where torch's does.
 
 The proof, on the reducer's timeline (``ddp.trace()``, lesson 06) with one more event: a hook on
 each ``CompiledFunctionBackward`` node records when each compiled piece starts computing. An

@@ -22,6 +22,11 @@ from torch import nn
 
 import miniddp
 
+# What the first compile imports, imported here, before the ranks are forked (conftest.py does
+# the same for torch._dynamo): seconds of CPU saved in every rank.
+import torch._dynamo.backends.distributed  # noqa: E402, F401, I001
+import torch._functorch.aot_autograd  # noqa: E402, F401
+
 needs_is_compiling = pytest.mark.skipif(
     not hasattr(getattr(torch, "compiler", None), "is_compiling"),
     reason="torch.compiler.is_compiling (torch 2.3+) tells miniddp's forward it is traced")
@@ -169,6 +174,20 @@ def test_compiled_training_is_bit_identical_to_torchs(ranks, world_size, order):
         for step, events in enumerate(result["events"][1:], start=1):
             assert launched_during_backward(events) >= 1, (
                 f"rank {rank} step {step}: no all_reduce launched before backward ended")
+
+
+@needs_is_compiling
+@pytest.mark.slow
+@pytest.mark.parametrize("option", ["find_unused_parameters", "static_graph",
+                                    "gradient_as_bucket_view"])
+def test_options_under_compile_stay_bit_identical(ranks, option):
+    """The options change how gradients reach the buckets, not what dynamo compiles."""
+    results = ranks(3).run(compare, "compile_outside", steps=3, bucket_cap_mb=1,
+                           timeout=180, **{option: True})
+    for rank, result in enumerate(results):
+        assert result["differing"] == [], f"rank {rank}: parameters {result['differing']} differ"
+        assert result["graphs"][0] == result["graphs"][1]
+        assert launched_during_backward(result["events"][-1]) >= 1
 
 
 @needs_is_compiling
