@@ -16,16 +16,16 @@ import os
 
 import pytest
 import torch
+
+# What the first compile imports, imported before the ranks are forked (conftest.py does the
+# same for torch._dynamo): seconds of CPU saved in every rank.
+import torch._dynamo.backends.distributed  # noqa: F401
+import torch._functorch.aot_autograd  # noqa: F401
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 import miniddp
-
-# What the first compile imports, imported here, before the ranks are forked (conftest.py does
-# the same for torch._dynamo): seconds of CPU saved in every rank.
-import torch._dynamo.backends.distributed  # noqa: E402, F401, I001
-import torch._functorch.aot_autograd  # noqa: E402, F401
 
 needs_is_compiling = pytest.mark.skipif(
     not hasattr(getattr(torch, "compiler", None), "is_compiling"),

@@ -30,8 +30,9 @@ forward, traced line by line, broke the graph at each collective, each check and
 bookkeeping (8 breaks, 9 graphs), and compiled the wrapped module in its own frame. When dynamo
 traces it, :func:`forward` instead hands the whole forward to a function whose own frame dynamo
 skips but whose callees it compiles, as it does for torch's DDP (whose file it skips): three
-graph breaks, as torch's, and exactly the frames torch's compiled DDP compiles (a ``torch.nn.Sequential``,
-all torch's frames, is not compiled at all under ``torch.compile(DDP(m))``, with either DDP).
+graph breaks, as torch's, and exactly the frames torch's compiled DDP compiles (a
+``torch.nn.Sequential``, all torch's frames, is not compiled at all under
+``torch.compile(DDP(m))``, with either DDP).
 The eager path never imports ``torch._dynamo`` (seconds of CPU in a fresh process).
 """
 
