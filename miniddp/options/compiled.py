@@ -113,8 +113,9 @@ def _after_untraced(ddp, output):
 
 def _skip_forward_frame_untraced() -> None:
     """Tell dynamo (loaded, since it is tracing) to skip :func:`_untraced_forward`'s frame but
-    not the frames it calls: ``skip`` (``torch.compiler.disable(recursive=False)`` before
-    torch 2.6). It also marks the function, so that dynamo does not inline it."""
+    not the frames it calls: dynamo's ``skip``, what ``disable(recursive=False)`` was in older
+    torch (2.13's wraps the function and compiles its frame). It also marks the function, so
+    that dynamo does not inline it."""
     import torch._dynamo
 
     skip = getattr(torch._dynamo.decorators, "skip", None) or torch._dynamo.skip
@@ -124,9 +125,10 @@ def _skip_forward_frame_untraced() -> None:
 # Calls dynamo leaves out of the graph and runs as they are, with nothing inside them compiled.
 # torch._disable_dynamo (torch 2.1 on) imports dynamo at the first call, which only the traced
 # path makes.
-_skip_forward_frame = torch._disable_dynamo(_skip_forward_frame_untraced)
-_before = torch._disable_dynamo(_before_untraced)
-_after = torch._disable_dynamo(_after_untraced)
+_disable = getattr(torch, "_disable_dynamo", lambda fn: fn)  # absent before 2.1
+_skip_forward_frame = _disable(_skip_forward_frame_untraced)
+_before = _disable(_before_untraced)
+_after = _disable(_after_untraced)
 
 
 def _splits_graphs() -> bool:
