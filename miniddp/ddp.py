@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
-from miniddp.options import arguments, comm_hooks, pickling
+from miniddp.options import arguments, comm_hooks, compiled, pickling
 from miniddp.options.batched_copy import BatchedGradCopy
 from miniddp.options.join import (
     DDPJoinHook,
@@ -82,6 +82,9 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
     #: The checks and traces attach here: ``miniddp.checks`` sets it when ``miniddp`` is
     #: imported (the engine imports no check). None: no checks, no trace.
     checks = None
+    #: torch's compiler asks DDP's class for the module whose forward is running; asked of
+    #: this class too, the answer is the same (miniddp.options.compiled)
+    _get_active_ddp_module = staticmethod(compiled.active_ddp_module)
     #: torch's (private, but libraries use it): name parameters and buffers DDP must leave alone
     _set_params_and_buffers_to_ignore_for_model = staticmethod(
         nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model)
@@ -322,8 +325,18 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         return self.process_group
 
     def forward(self, *inputs, **kwargs):
-        grad_enabled = torch.is_grad_enabled()
+        if compiled.tracing():  # torch.compile(ddp): see miniddp.options.compiled
+            return compiled.forward(self, inputs, kwargs)
+        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+        with compiled.inside_forward(self):  # a compiled module is split at our buckets
+            output = self.module(*inputs, **kwargs)
+        return self._post_forward(output)
+
+    def _pre_forward(self, *inputs, **kwargs):
+        """Before the module runs: the join notice, the bucket rebuild, the buffer broadcast;
+        returns the inputs, moved to the module's GPU if it has one."""
         notify_still_training(self)  # miniddp.options.join: joined ranks shadow this step
+        grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
             self.reducer.begin_forward()
         checks = self.reducer.consistency  # miniddp.checks
@@ -339,7 +352,11 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        output = self.module(*inputs, **kwargs)
+        return inputs, kwargs
+
+    def _post_forward(self, output):
+        """After the module ran: when a synced backward will follow, prepare the reducer."""
+        grad_enabled = torch.is_grad_enabled()
         sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
         if sync:

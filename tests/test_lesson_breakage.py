@@ -64,6 +64,8 @@ CASES = [
     ("07_no_sync_accumulation", "write_back_before_wait",
      "The all_reduces were launched as expected, yet the ranks' .grad do not hold their common "
      "average"),
+    ("16_compile", "compiled_ddp_unrecognised",
+     "differ from torch's compiled DDP's"),
 ]
 # Words a failure message must not hold: a cause the lesson did not observe
 NOT_SAID = {"write_back_before_wait": ["no_sync", "flag"]}

@@ -7,7 +7,8 @@
 * ``static_graph``: ``static_graph=True`` / ``_set_static_graph()``;
 * ``comm_hooks``: ``register_comm_hook``, and miniddp's own hooks written out;
 * ``join``: uneven inputs, ``ddp.join()`` and torch's ``Join``;
-* ``pickling``: ``copy.deepcopy`` and pickling, as torch's.
+* ``pickling``: ``copy.deepcopy`` and pickling, as torch's;
+* ``compiled``: ``torch.compile``, where torch's compiler looks for the DDP module.
 
 They import the engine's bucket rules at most; the engine imports them where it attaches them.
 """

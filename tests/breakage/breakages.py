@@ -240,6 +240,14 @@ def write_back_before_wait(module):
     _patch(module.Reducer, "_launch", launch)
     _patch(module.Reducer, "_finalize", finalize)
 
+
+def compiled_ddp_unrecognised(module):
+    """Lesson 16: miniddp marks its forward on a stand-in class, not on torch's DDP class, so
+    torch's compiler never sees an active DDP module and compiles one graph."""
+    _patch(module, "_TorchDDP", lambda original: type("NotTorchsDDP", (),
+                                                      {"_active_ddp_module": None}))
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -265,6 +273,7 @@ BREAKAGES = {
     "trace_waits_reversed": ("miniddp.checks.trace", trace_waits_reversed),
     "reducer_records_no_waits": ("miniddp.reducer", reducer_records_no_waits),
     "write_back_before_wait": ("miniddp.reducer", write_back_before_wait),
+    "compiled_ddp_unrecognised": ("miniddp.options.compiled", compiled_ddp_unrecognised),
 }
 
 
