@@ -41,12 +41,14 @@ class UnusedParameters:
         self.unreached_this_step: set[int] = set()
         self.skip_unused_buckets = False  # skip_all_reduce_unused_params
         self.used_everywhere = self.work = None
+        self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
-        self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
+        with torch.autograd.profiler.record_function("search_unused_parameters"):  # torch's
+            self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
         self.unreached_this_step = set(self.unreached)
-        return watch_outputs(outputs)
+        return watch_outputs(outputs, self.clone_outputs)
 
     def note_use(self, index: int) -> None:
         if self.params[index].grad is not None:
@@ -104,7 +106,7 @@ def output_grad_fns(obj) -> list:
     return []
 
 
-def watch_outputs(outputs):
+def watch_outputs(outputs, clone: bool = True):
     """``outputs`` with every tensor that has a grad_fn passed through :class:`_WatchOutputs`.
 
     The structure is taken apart with torch's pytree (as torch's DDP does): tensors inside
@@ -115,7 +117,7 @@ def watch_outputs(outputs):
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not tracked:
         return outputs
-    watched = _WatchOutputs.apply(*(leaves[k] for k in tracked))
+    watched = _WatchOutputs.apply(clone, *(leaves[k] for k in tracked))
     for k, t in zip(tracked, watched):
         leaves[k] = t
     return tree_unflatten(leaves, spec)
@@ -126,10 +128,10 @@ class _WatchOutputs(torch.autograd.Function):
     (not materialized as zeros) on its way to the parameters behind it."""
 
     @staticmethod
-    def forward(ctx, *outputs):
+    def forward(ctx, clone, *outputs):
         ctx.set_materialize_grads(False)
-        return tuple(t.clone() for t in outputs)
+        return tuple(t.clone() for t in outputs) if clone else outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        return grads
+        return (None, *grads)
