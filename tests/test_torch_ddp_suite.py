@@ -14,10 +14,13 @@ fail with miniddp's class: if one starts passing, the list is out of date.
 
 from __future__ import annotations
 
+import collections
 import copy
+import itertools
 import os
 import unittest
 import warnings
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -848,6 +851,410 @@ def t_test_ddp_device_mesh_initialization(self, DDP):
         DDP(model, device_mesh=device_mesh)
 
 
+def _test_ddp_ignore_params_arg(self, DDP, static_graph=False):
+    class TestModel(nn.Module):
+        def __init__(self, rank):
+            self.rank = rank
+            super().__init__()
+            self.fc1 = nn.Linear(1, 1, bias=False)
+            self.fc2 = nn.Linear(1, 10, bias=False) if rank == 0 else nn.Linear(10, 10, bias=False)
+
+        def forward(self, x):
+            return self.fc2(self.fc1(x))
+
+    for find_unused, broadcast_buffers in itertools.product([False, True], [False, True]):
+        model = TestModel(self.rank).float()
+        model.fc2.register_buffer("ignore_buffer", torch.zeros(5 + self.rank))
+        proxy_params = list(model.fc2.parameters())
+        proxy_param_names = [f"fc2.{n}" for n, _ in model.fc2.named_parameters()]
+        proxy_buffer_names = [f"fc2.{n}" for n, _ in model.fc2.named_buffers()]
+        DDP._set_params_and_buffers_to_ignore_for_model(model,
+                                                        proxy_param_names + proxy_buffer_names)
+        ddp = DDP(model, find_unused_parameters=find_unused, broadcast_buffers=broadcast_buffers,
+                  static_graph=static_graph)
+        ddp.module.fc2 = nn.Linear(1, 1, bias=False)
+        local_model = copy.deepcopy(ddp.module)
+        inp = torch.ones(1, dtype=torch.float) * (self.rank + 1)
+        for _ in range(6):
+            ddp(inp).sum().backward()
+            local_model(inp).sum().backward()
+            for materialized_param, local_param in zip(ddp.module.fc2.parameters(),
+                                                       local_model.fc2.parameters()):
+                self.assertEqual(materialized_param.grad, local_param.grad)
+            for synced_param, local_param in zip(ddp.module.fc1.parameters(),
+                                                 local_model.fc1.parameters()):
+                self.assertFalse(synced_param.grad == local_param.grad)
+            for proxy_param in proxy_params:
+                self.assertTrue(proxy_param.grad is None)
+
+
+def t_test_ddp_ignore_params_arg(self, DDP):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # broadcast_buffers is deprecated on torch 2.13
+        _test_ddp_ignore_params_arg(self, DDP, static_graph=False)
+        _test_ddp_ignore_params_arg(self, DDP, static_graph=True)
+
+
+def t_test_ddp_unused_params_rebuild_buckets_exception(self, DDP):
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net1 = nn.Linear(10, 10, bias=False)
+            self.net2 = nn.Linear(10, 10, bias=False)
+
+        def forward(self, x):
+            return self.net1(x)
+
+    ddp = DDP(ToyModel())
+    for i in range(2):
+        inp = torch.rand(1, 10)
+        if i > 0:
+            try:
+                ddp(inp).sum().backward()
+            except RuntimeError as e:
+                msg = str(e)
+                verify_ddp_error_logged(ddp, msg)
+                expected_strs = [ddp_prev_reduction_unfinished_str,
+                                 ddp_recommend_find_unused_params_str,
+                                 ddp_outputs_not_used_in_loss_str]
+                if dist.get_debug_level() == dist.DebugLevel.OFF:
+                    expected_strs.append(ddp_suggest_debug_mode_str)
+                else:
+                    expected_strs.append(f"did not receive grad for rank {self.rank}: net2.weight")
+                for s in expected_strs:
+                    self.assertTrue(s in msg, f"Expected {s} to be in {msg}")
+                self.assertFalse(ddp_find_unused_params_enabled_str in msg)
+            else:
+                self.fail("DDP unused parameters error not raised.")
+        else:
+            ddp(inp).sum().backward()
+    dist.barrier()
+
+
+def t_test_ddp_shared_grad_acc_unused_params(self, DDP):
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net1 = nn.Linear(10, 5, bias=False)
+            self.bias = nn.Parameter(torch.zeros(5))
+            self.net1.bias = self.bias
+            self.net2 = nn.Linear(10, 5)
+
+        def forward(self, x):
+            return self.net2(x).sum()
+
+    model = ToyModel()
+    for static in [True, False]:
+        ddp_model = DDP(copy.deepcopy(model), find_unused_parameters=True, static_graph=static)
+        inp = torch.randn(20, 10)
+        for _ in range(6):
+            loss = ddp_model(inp)
+            loss /= 10
+            loss.backward()
+
+
+TestNamedTupleInput_0 = collections.namedtuple("NamedTuple", ("a", "b"))
+
+
+class TestNamedTupleInput_1(NamedTuple):
+    a: torch.tensor
+    b: torch.tensor
+
+
+def t_test_ddp_namedtuple(self, DDP):
+    batch, dim = 5, 10
+    a = torch.rand(batch, dim)
+    b = torch.rand(batch, dim)
+    case = self
+
+    class NamedTupleModule(nn.Module):
+        def __init__(self_):
+            super().__init__()
+            self_.lin = nn.Linear(10, 1)
+
+        def forward(self_, input, expected_type):
+            case.assertTrue(isinstance(input, expected_type))
+            case.assertEqual(input._fields, ("a", "b"))
+            case.assertEqual(a, input.a)
+            case.assertEqual(b, input.b)
+            return self_.lin(torch.mul(input.a, input.b))
+
+    model = DDP(NamedTupleModule())
+    inp = TestNamedTupleInput_0(a, b)
+    model(inp, type(inp))
+    inp = TestNamedTupleInput_1(a, b)
+    model(inp, type(inp))
+
+
+def t_test_ddp_inference(self, DDP):
+    # torch's test also runs a SyncBatchNorm model, which needs a GPU: that half is left out
+    model = Net()
+    local_model = copy.deepcopy(model)
+    model = DDP(model)
+    inp = torch.randn(10, 2)
+    if self.rank == 0:
+        model.eval()
+        local_model.eval()
+        for _ in range(6):
+            self.assertEqual(model(inp), local_model(inp))
+    self._barrier()
+
+
+def t_test_ddp_static_graph_nested_types(self, DDP):
+    class NestedOutputModule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(100, 1, bias=False)
+
+        def forward(self, inp, output_type):
+            if output_type == "tuple":
+                return (self.lin(inp), (self.lin(inp), self.lin(inp)))
+            if output_type == "list":
+                return [self.lin(inp), [self.lin(inp), self.lin(inp)]]
+            return {"a": self.lin(inp), "b": {"c": self.lin(inp)}}
+
+    def get_loss(model_output):
+        loss = 0.0
+        if isinstance(model_output, torch.Tensor):
+            return model_output.sum()
+        if isinstance(model_output, dict):
+            for value in model_output.values():
+                loss += get_loss(value)
+        else:
+            for x in model_output:
+                loss += get_loss(x)
+        return loss
+
+    model = NestedOutputModule()
+    model = DDP(model)
+    # torch's test wraps the DDP model itself again, in a static-graph DDP
+    model_static_graph = DDP(model, static_graph=True)
+    inp = torch.randn(10, 100)
+    type_mapping = {"list": list, "tuple": tuple, "dict": dict}
+    for output_type in type_mapping:
+        for _ in range(6):
+            out = model(inp, output_type=output_type)
+            get_loss(out).backward()
+            self._model_step(model)
+            out_static = model_static_graph(inp, output_type=output_type)
+            self.assertTrue(isinstance(out_static, type_mapping[output_type]))
+            get_loss(out_static).backward()
+            self._model_step(model_static_graph)
+            for p, p_static in zip(model.parameters(), model_static_graph.parameters()):
+                self.assertEqual(p, p_static)
+
+
+def t_test_ddp_returns_tensor_with_no_grad(self, DDP):
+    class MyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
+
+        def forward(self, x):
+            x = self.fc2(F.relu(self.fc1(x)))
+            y = x.clone()
+            return (x.detach(), y)
+
+    model = MyModel()
+    inp = torch.randn(1, 10)
+    for find_unused, static_graph in itertools.product([True, False], [True, False]):
+        ddp = DDP(model, find_unused_parameters=find_unused, static_graph=static_graph)
+        for _ in range(6):
+            out = ddp(inp)
+            self.assertFalse(out[0].requires_grad)
+            (out[0] + out[1]).sum().backward()
+
+
+def _test_ddp_new_tensor_in_fwd(self, DDP, static_graph):
+    class MyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(10, 10, bias=False)
+            self.fc2 = nn.Linear(10, 10, bias=False)
+
+        def _init_opt(self):
+            return torch.randn(1, 10)
+
+        def forward(self, x, opt_1, opt_2, opt_nested):
+            x = self.fc2(F.relu(self.fc1(x)))
+            if opt_1 is None:
+                opt_1 = self._init_opt()
+            if opt_2 is None:
+                opt_2 = self._init_opt()
+            if opt_nested is None or not torch.is_tensor(opt_nested):
+                opt_nested = self._init_opt()
+            return x, opt_1, opt_2, {"tensor": opt_nested}
+
+    model = MyModel()
+    for find_unused in [True, False]:
+        ddp = DDP(model, forward_sync_buffers=False, find_unused_parameters=find_unused,
+                  static_graph=static_graph)
+        opt = [None for _ in range(3)]
+        for _ in range(2):
+            ddp.zero_grad()
+            x = torch.randn(1, 10)
+            out, opt[0], opt[1], opt[2] = ddp(x, opt_1=opt[0], opt_2=opt[1], opt_nested=opt[2])
+            for i in range(len(opt)):
+                if torch.is_tensor(opt[i]):
+                    self.assertEqual(opt[i].grad_fn, None)
+                else:
+                    self.assertEqual(opt[i]["tensor"].grad_fn, None)
+            out.mean().backward()
+
+
+def t_test_ddp_new_tensor_in_fwd(self, DDP):
+    _test_ddp_new_tensor_in_fwd(self, DDP, static_graph=False)
+
+
+def t_test_ddp_new_tensor_in_fwd_static_graph(self, DDP):
+    _test_ddp_new_tensor_in_fwd(self, DDP, static_graph=True)
+
+
+def t_test_static_graph_multi_forward(self, DDP):
+    class Net3(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(10, 10)
+            self.relu = nn.ReLU()
+
+        def forward(self, x):
+            return self.relu(self.lin(x))
+
+    torch.manual_seed(42 << 1337 % (self.rank + 1))
+    model = Net3()
+    local_model = copy.deepcopy(model)
+    model = DDP(model, static_graph=True)
+    inp = torch.ones(2, 10)
+    for _ in range(3):
+        model.zero_grad()
+        local_model.zero_grad()
+        a = model(inp)
+        b = model(inp)
+        (a.sum() + b.sum()).backward()
+        if self.rank == 0:
+            inp_clone = inp.clone()
+            iters = dist.get_world_size()
+            for _ in range(iters):
+                a = local_model(inp_clone)
+                b = local_model(inp_clone)
+                (a.sum() + b.sum()).backward()
+            for p in local_model.parameters():
+                p.grad.data = p.grad / iters
+            for p_ddp, p_local in zip(model.parameters(), local_model.parameters()):
+                self.assertTrue(torch.allclose(p_ddp.grad, p_local.grad))
+    dist.barrier()
+
+
+def t_test_detect_ddp_is_actually_static(self, DDP):
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net1 = nn.Linear(10, 10, bias=False)
+            self.net2 = nn.Linear(10, 10)
+
+        def forward(self, x, find_unused, dynamic):
+            if find_unused:
+                return self.net2(self.net1(x)) if dynamic else self.net2(x)
+            return self.net2(self.net1(x))
+
+    model = ToyModel()
+    for find_unused in [True, False]:
+        ddp = DDP(model, find_unused_parameters=find_unused)
+        inp = torch.randn(1, 10)
+        for _ in range(6):
+            ddp(inp, find_unused=find_unused, dynamic=False).sum().backward()
+            self.assertTrue(ddp.reducer._ddp_graph_static())
+    ddp = DDP(model, find_unused_parameters=True)
+    inp = torch.randn(1, 10)
+    for i in range(6):
+        ddp(inp, find_unused=True, dynamic=i % 2 == 0).sum().backward()
+    self.assertFalse(ddp.reducer._ddp_graph_static())
+
+
+def t_test_ddp_broadcast_buffer(self, DDP):
+    torch.manual_seed(self.rank)
+
+    class NetWithBuffers2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(10, 10, bias=False)
+            self.b = nn.Linear(10, 1, bias=False)
+            self.register_buffer("buffer", torch.randn(1, 2))
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model_ddp = DDP(NetWithBuffers2())
+    inp = torch.randn(2, 10)
+    for _ in range(2):
+        if self.rank == 0:
+            model_ddp.module.buffer = model_ddp.module.buffer + 1
+        model_ddp(inp).sum().backward()
+        bufs = [torch.empty_like(model_ddp.module.buffer) for _ in range(dist.get_world_size())]
+        dist.all_gather(bufs, model_ddp.module.buffer)
+        for buf in bufs[1:]:
+            self.assertEqual(bufs[0], buf)
+
+
+class RankLocalBuffers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(10, 10, bias=False)
+        self.register_buffer("rank_local", torch.randn(10))
+
+    def forward(self, x):
+        return self.fc(x) + self.rank_local
+
+
+def t_test_ddp_join_respects_forward_sync_buffers_false(self, DDP):
+    torch.manual_seed(self.rank + 42)
+    ddp = DDP(RankLocalBuffers(), forward_sync_buffers=False)
+    buf_before = ddp.module.rank_local.detach().clone()
+    with ddp.join():
+        for _ in range(self.rank + 1):
+            ddp(torch.randn(2, 10)).sum().backward()
+    self.assertEqual(buf_before, ddp.module.rank_local.detach().clone())
+
+
+def t_test_ddp_init_sync_buffers_with_forward_sync_buffers_false(self, DDP):
+    torch.manual_seed(self.rank)
+    model_ddp = DDP(RankLocalBuffers(), forward_sync_buffers=False)
+    self.assertFalse(model_ddp.forward_sync_buffers)
+    bufs = [torch.empty_like(model_ddp.module.rank_local) for _ in range(dist.get_world_size())]
+    dist.all_gather(bufs, model_ddp.module.rank_local)
+    for buf in bufs[1:]:
+        self.assertEqual(bufs[0], buf)
+    if self.rank == 0:
+        model_ddp.module.rank_local += 1
+    model_ddp(torch.randn(2, 10)).sum().backward()
+    dist.all_gather(bufs, model_ddp.module.rank_local)
+    self.assertNotEqual(bufs[0], bufs[1])
+
+
+def t_test_ddp_broadcast_buffers_deprecation_warning(self, DDP):
+    def count(caught):
+        return len([w for w in caught if issubclass(w.category, FutureWarning)
+                    and "broadcast_buffers" in str(w.message)])
+
+    for val in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DDP(nn.Linear(10, 10), broadcast_buffers=val)
+        self.assertGreater(count(caught), 0)
+    for bb, fsb in ((False, True), (True, False)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = DDP(nn.Linear(10, 10), broadcast_buffers=bb, forward_sync_buffers=fsb)
+        self.assertGreater(count(caught), 0)
+        self.assertEqual(ddp.forward_sync_buffers, fsb)
+    for kwargs in ({}, {"forward_sync_buffers": False}):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            DDP(nn.Linear(10, 10), **kwargs)
+        self.assertEqual(count(caught), 0)
+
+
 # ----- running them -----
 
 #: miniddp cannot pass these, and the README's "Known differences" says why.
@@ -856,7 +1263,13 @@ KNOWN_DIFFERENCES: dict[str, str] = {}
 CASES = sorted(name[2:] for name in dir() if name.startswith("t_test_"))
 
 #: torch releases that lack what a case uses: {case: (torch version, reason)}
-NEEDS = {"test_ddp_bucket_cap_mb_list": ((2, 13), "bucket_cap_mb_list is new in torch 2.13")}
+_FORWARD_SYNC = ((2, 13), "forward_sync_buffers is new in torch 2.13")
+NEEDS = {"test_ddp_bucket_cap_mb_list": ((2, 13), "bucket_cap_mb_list is new in torch 2.13"),
+         "test_ddp_new_tensor_in_fwd": _FORWARD_SYNC,
+         "test_ddp_new_tensor_in_fwd_static_graph": _FORWARD_SYNC,
+         "test_ddp_join_respects_forward_sync_buffers_false": _FORWARD_SYNC,
+         "test_ddp_init_sync_buffers_with_forward_sync_buffers_false": _FORWARD_SYNC,
+         "test_ddp_broadcast_buffers_deprecation_warning": _FORWARD_SYNC}
 
 
 def run_case(name: str, impl: str):

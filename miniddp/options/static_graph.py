@@ -117,12 +117,14 @@ class StaticGraph:
         parameter's gradient being ready (its last firing of the backward)."""
         if self.counting:
             if not expect_hooks:
+                reducer = self._reducer()
+                if reducer.forwards == reducer.synced_forwards:  # no forward of this DDP in
+                    return True  # no_sync: a backward that bypassed it (e.g. an inner DDP)
                 raise RuntimeError(
                     "with static_graph=True the first backward must follow a synchronized "
                     "forward: it counts how often each parameter's gradient arrives, and a "
-                    "forward inside no_sync() (or one that bypassed the DDP module) does not "
-                    "count. Run the first iteration outside no_sync(). (torch's DDP stops "
-                    "with an internal assertion here.)")
+                    "forward inside no_sync() does not count. Run the first iteration outside "
+                    "no_sync(). (torch's DDP stops with an internal assertion here.)")
             self.firings[index] += 1
             if self.params[index].grad is not None:
                 self.locally_used[index] = 1

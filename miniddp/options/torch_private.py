@@ -21,7 +21,8 @@ Each has the meaning it has in torch, in miniddp's terms:
 * ``_get_ddp_logging_data()`` and ``_set_ddp_runtime_logging_sample_rate(n)``
   (:mod:`miniddp.options.logging_data`);
 * on the reducer, ``_get_local_used_map()``: per parameter, how many ranks used it in the last
-  synchronized backward (with ``find_unused_parameters`` or ``static_graph``).
+  synchronized backward (with ``find_unused_parameters`` or ``static_graph``), and
+  ``_ddp_graph_static()``: whether the unused parameters have been the same every step.
 """
 
 from __future__ import annotations
@@ -158,3 +159,8 @@ class TorchPrivateReducer:
         if self.static_graph is not None and self.static_graph._used_everywhere is not None:
             return self.static_graph._used_everywhere
         return torch.zeros(len(self.params), dtype=torch.int32)
+
+    def _ddp_graph_static(self) -> bool:
+        """With ``find_unused_parameters``: False once the set of unused parameters has
+        changed between two steps (torch logs it, to suggest ``static_graph``)."""
+        return self.unused is None or self.unused.graph_static

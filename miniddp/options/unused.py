@@ -42,12 +42,17 @@ class UnusedParameters:
         self.skip_unused_buckets = False  # skip_all_reduce_unused_params
         self.used_everywhere = self.work = None
         self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
+        self.graph_static = True  # the same parameters unused every step so far (torch's
+        self._previous_unreached: list[int] | None = None  # reducer._ddp_graph_static())
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
         with torch.autograd.profiler.record_function("search_unused_parameters"):  # torch's
             self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
         self.unreached_this_step = set(self.unreached)
+        if self._previous_unreached is not None and self._previous_unreached != self.unreached:
+            self.graph_static = False
+        self._previous_unreached = list(self.unreached)
         return watch_outputs(outputs, self.clone_outputs)
 
     def note_use(self, index: int) -> None:
