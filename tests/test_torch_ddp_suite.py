@@ -15,11 +15,13 @@ fail with miniddp's class: if one starts passing, the list is out of date.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import itertools
 import os
 import unittest
 import warnings
+from datetime import timedelta
 from typing import NamedTuple
 
 import pytest
@@ -1255,6 +1257,288 @@ def t_test_ddp_broadcast_buffers_deprecation_warning(self, DDP):
         self.assertEqual(count(caught), 0)
 
 
+def t_test_grads_same_across_ranks_with_no_sync(self, DDP):
+    class SimpleConditionalModel(nn.Module):
+        def __init__(self, rank):
+            super().__init__()
+            self.rank = rank
+            self.nn1, self.nn2 = nn.Linear(1, 1), nn.Linear(1, 1)
+            self.nn3, self.nn4 = nn.Linear(1, 1), nn.Linear(1, 1)
+            self.state = 0
+
+        def forward(self, input):
+            if self.state == 0:
+                self.state = 1
+                return self.nn1(input) if self.rank == 0 else self.nn3(input)
+            self.state = 0
+            return self.nn2(input) if self.rank == 0 else self.nn4(input)
+
+    rank, world_size = self.rank, dist.get_world_size()
+    model = DDP(SimpleConditionalModel(rank), find_unused_parameters=True)
+    mse_loss = nn.MSELoss()
+    for microbatch_idx in range(2):
+        context = model.no_sync if microbatch_idx < 1 else contextlib.nullcontext
+        with context():
+            output = model.forward(torch.rand((1,)))
+            mse_loss(output, torch.rand((1,))).backward()
+    self.assertTrue(not any(p.grad is None for p in model.parameters()))
+    grads = torch.cat([p.grad.view(-1) for p in model.parameters()])
+    gathered_grads = [torch.zeros_like(grads) for _ in range(world_size)] if rank == 0 else []
+    dist.gather(grads, gather_list=gathered_grads, dst=0)
+    if rank == 0:
+        for g in gathered_grads[1:]:
+            self.assertTrue(torch.allclose(gathered_grads[0], g))
+
+
+def _run_test_ddp_model_with_diff_params(self, DDP, net, ddp_group, group_gloo):
+    caught = 0
+    try:
+        DDP(net, process_group=ddp_group)
+    except Exception:
+        caught = 1
+    t = torch.Tensor([caught])
+    dist.all_reduce(t, group=group_gloo)
+    self.assertGreater(t, 0)
+
+
+def t_test_ddp_model_diff_shape_across_ranks(self, DDP):
+    group_gloo = dist.new_group(timeout=timedelta(seconds=60), backend=dist.Backend.GLOO)
+    group_to_use = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=10))
+    _run_test_ddp_model_with_diff_params(self, DDP, EmbeddingNetDifferentParams(self.rank),
+                                         group_to_use, group_gloo)
+
+
+def t_test_ddp_model_diff_num_params_across_ranks(self, DDP):
+    group_gloo = dist.new_group(timeout=timedelta(seconds=60), backend=dist.Backend.GLOO)
+    group_to_use = dist.new_group(backend=dist.get_backend(), timeout=timedelta(seconds=10))
+    net = EmbeddingNetDifferentParams(self.rank, diff_num_params=(self.rank == 1))
+    _run_test_ddp_model_with_diff_params(self, DDP, net, group_to_use, group_gloo)
+
+
+class UnusedParamTwoLinLayerNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=False)
+        self.b = nn.Linear(10, 10, bias=False)
+        self.c = nn.Linear(5, 5, bias=False)
+
+    def forward(self, x):
+        return (self.a(x), self.b(x))
+
+
+class DictOutputModule(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.module = UnusedParamTwoLinLayerNet()
+
+    def forward(self, x):
+        predictions = self.module(x)
+        loss = (predictions[0] + predictions[1]).sum()
+        return {"predictions": predictions, "loss": loss}
+
+
+def _test_output_unused_in_loss(self, DDP, module_cls, gradient_as_bucket_view):
+    # torch's body passes gradient_as_bucket_view to nothing: kept as it is
+    model = module_cls()
+    local_net = copy.deepcopy(model)
+    net = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    inp = torch.randn(10, 10)
+    dict_out = module_cls == DictOutputModule
+
+    def run(m):
+        return m(inp)["predictions"] if dict_out else m(inp)
+
+    def a_of(m):
+        return m.module.a if dict_out else m.a
+
+    a, b = run(local_net)
+    a_dist, b_dist = run(net)
+    b_dist.sum().backward()
+    self.assertTrue(a_of(net.module).weight.grad is None)
+    self.assertEqual(a_of(net.module).weight.grad, a_of(local_net).weight.grad)
+    saved_a_local_grad = saved_a_dist_grad = None
+    net.zero_grad()
+    local_net.zero_grad()
+    for i in range(6):
+        a, b = run(local_net)
+        a_dist, b_dist = run(net)
+        if i < 2:
+            loss, loss_dist = (a @ b).sum(), (a_dist @ b_dist).sum()
+        else:
+            loss, loss_dist = b.sum(), b_dist.sum()
+        loss.backward()
+        loss_dist.backward()
+        if i == 1:
+            saved_a_local_grad = a_of(local_net).weight.grad
+            saved_a_dist_grad = a_of(net.module).weight.grad
+            self.assertEqual(saved_a_local_grad, saved_a_dist_grad)
+        elif i >= 2:
+            self.assertEqual(a_of(net.module).weight.grad, saved_a_dist_grad)
+            self.assertEqual(a_of(local_net).weight.grad, saved_a_local_grad)
+        for local_param, dist_param in zip(local_net.parameters(), net.parameters()):
+            self.assertEqual(local_param.grad, dist_param.grad)
+    dist.barrier()
+
+
+def t_test_output_unused_in_loss_tuple_module(self, DDP):
+    for grad_as_bucket_view in [True, False]:
+        _test_output_unused_in_loss(self, DDP, UnusedParamTwoLinLayerNet, grad_as_bucket_view)
+
+
+def t_test_output_unused_in_loss_dict_module(self, DDP):
+    for grad_as_bucket_view in [True, False]:
+        _test_output_unused_in_loss(self, DDP, DictOutputModule, grad_as_bucket_view)
+
+
+def t_test_undefined_grad_parity_unused_parameters(self, DDP):
+    x = torch.ones(1, 2)
+    net = Net()
+    local_net = copy.deepcopy(net)
+    net = DDP(net, find_unused_parameters=True)
+    out = net(x).sum()
+    local_out = local_net(x).sum()
+    torch._C._functions.UndefinedGrad()(out).backward()
+    torch._C._functions.UndefinedGrad()(local_out).backward()
+    for (name, dist_param), (_, local_param) in zip(net.named_parameters(),
+                                                    local_net.named_parameters()):
+        self.assertEqual(dist_param.grad, local_param.grad, name)
+
+
+def _test_different_graph_across_ranks(self, DDP, find_unused_parameters=False,
+                                       static_graph=False):
+    rank = self.rank
+
+    class ToyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin1 = nn.Linear(10, 10, bias=False)
+            self.lin2 = nn.Linear(10, 10, bias=False)
+
+        def forward(self, x):
+            if rank == 0:
+                return self.lin2(F.relu(self.lin1(x)))
+            return F.relu(self.lin1(x))
+
+    torch.manual_seed(31415)
+    ddp_model = DDP(ToyModel(), find_unused_parameters=find_unused_parameters,
+                    gradient_as_bucket_view=True, static_graph=static_graph)
+    random_input = torch.randn(20, 10)
+    for _ in range(10):
+        ddp_model(random_input).sum().backward()
+    return ddp_model
+
+
+def t_test_different_graph_across_ranks(self, DDP):
+    base_model = _test_different_graph_across_ranks(self, DDP, find_unused_parameters=True)
+    self.assertFalse(base_model._get_ddp_logging_data().get("has_rebuilt_buckets", 0))
+    static_model = _test_different_graph_across_ranks(self, DDP, static_graph=True)
+    self.assertTrue(static_model._get_ddp_logging_data().get("has_rebuilt_buckets", 0))
+    for i, j in zip(base_model.parameters(), static_model.parameters()):
+        self.assertEqual(i, j)
+
+
+def _test_skip_all_reduce_unused_parameters(self, DDP, find_unused_parameters=False,
+                                            static_graph=False,
+                                            skip_all_reduce_unused_params=False):
+    class LargeNet2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc1 = nn.Linear(100, 5000, bias=False)
+            self.fc2 = nn.Linear(100, 100, bias=False)
+
+        def forward(self, x):
+            return self.fc1(x)
+
+    torch.manual_seed(31415)
+    ddp_model = DDP(LargeNet2(), find_unused_parameters=find_unused_parameters,
+                    static_graph=static_graph, bucket_cap_mb=1.5,
+                    skip_all_reduce_unused_params=skip_all_reduce_unused_params)
+    random_input = torch.randn(20, 100)
+    for _ in range(10):
+        ddp_model(random_input).sum().backward()
+    return ddp_model
+
+
+def t_test_skip_all_reduce_unused_parameters(self, DDP):
+    base_model = _test_skip_all_reduce_unused_parameters(self, DDP, find_unused_parameters=True)
+    test_model_1 = _test_skip_all_reduce_unused_parameters(
+        self, DDP, find_unused_parameters=True, skip_all_reduce_unused_params=True)
+    self.assertEqual(base_model._get_ddp_logging_data().get("num_buckets_reduced"), 2)
+    self.assertEqual(test_model_1._get_ddp_logging_data().get("num_buckets_reduced"), 1)
+    for i, j in zip(base_model.parameters(), test_model_1.parameters()):
+        self.assertEqual(i, j)
+
+
+def t_test_stateless_api_with_ddp(self, DDP):
+    class MockModule(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1 = nn.Linear(1, 1)
+            self.register_buffer("buffer", torch.ones(1))
+
+        def forward(self, x):
+            return self.l1(x) + self.buffer
+
+    module = DDP(MockModule())
+    x = torch.rand((1, 1))
+    weight = torch.tensor([[1.0]], requires_grad=True)
+    bias = torch.tensor([0.0], requires_grad=True)
+    buffer = torch.tensor([0.0])
+    parameters = {"module.l1.weight": weight, "module.l1.bias": bias, "module.buffer": buffer}
+    prev_weight = module.module.l1.weight.clone()
+    prev_buffer = module.module.buffer.clone()
+    res = torch.func.functional_call(module, parameters, x)
+    self.assertEqual(x, res)
+    self.assertEqual(module.module.l1.weight, prev_weight)
+    self.assertEqual(module.module.buffer, prev_buffer)
+    res.backward()
+    self.assertIsNotNone(weight.grad)
+    self.assertIsNotNone(bias.grad)
+    self.assertIsNone(buffer.grad)
+    self.assertIsNone(module.module.l1.weight.grad)
+    self.assertIsNone(module.module.l1.bias.grad)
+    self.assertIsNone(module.module.buffer.grad)
+
+
+def t_test_ddp_forward_backward_hook(self, DDP):
+    class DummyTestModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.fc = nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.fc(x)
+
+    def relu_hook(module, input):
+        return nn.functional.relu(input[0])
+
+    def gelu_hook(module, _input, output):
+        return nn.functional.gelu(output)
+
+    def celu_hook(module, _input, output):
+        return (nn.functional.celu(output[0]),)
+
+    local_model = DummyTestModel()
+    ddp_model = DummyTestModel()
+    for m in (local_model, ddp_model):
+        m.fc.register_forward_pre_hook(relu_hook)
+        m.fc.register_forward_hook(gelu_hook)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # register_backward_hook is deprecated
+            m.fc.register_backward_hook(celu_hook)
+    ddp_model = DDP(ddp_model)
+    input_data = torch.rand(5, 2)
+    output_local = local_model(input_data)
+    output_ddp = ddp_model(input_data)
+    self.assertEqual(output_local, output_ddp)
+    output_local.sum().backward()
+    output_ddp.sum().backward()
+    ddp_grads = [p.grad for p in ddp_model.parameters()]
+    self.assertEqual(ddp_grads[0], local_model.fc.weight.grad)
+    self.assertEqual(ddp_grads[1], local_model.fc.bias.grad)
+
+
 # ----- running them -----
 
 #: miniddp cannot pass these, and the README's "Known differences" says why.
@@ -1269,7 +1553,9 @@ NEEDS = {"test_ddp_bucket_cap_mb_list": ((2, 13), "bucket_cap_mb_list is new in 
          "test_ddp_new_tensor_in_fwd_static_graph": _FORWARD_SYNC,
          "test_ddp_join_respects_forward_sync_buffers_false": _FORWARD_SYNC,
          "test_ddp_init_sync_buffers_with_forward_sync_buffers_false": _FORWARD_SYNC,
-         "test_ddp_broadcast_buffers_deprecation_warning": _FORWARD_SYNC}
+         "test_ddp_broadcast_buffers_deprecation_warning": _FORWARD_SYNC,
+         "test_skip_all_reduce_unused_parameters": (
+             (2, 13), "skip_all_reduce_unused_params is new in torch 2.13")}
 
 
 def run_case(name: str, impl: str):
