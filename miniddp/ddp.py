@@ -26,7 +26,6 @@ from torch.distributed.algorithms.join import Joinable
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
 from miniddp.options import arguments, comm_hooks, pickling
 from miniddp.options.batched_copy import BatchedGradCopy
-from miniddp.options.logging_data import DDPLogging
 from miniddp.options.join import (
     DDPJoinHook,
     announce_backward_sync,
@@ -34,6 +33,7 @@ from miniddp.options.join import (
     join_context,
     notify_still_training,
 )
+from miniddp.options.logging_data import DDPLogging
 from miniddp.options.static_graph import StaticGraph
 from miniddp.options.torch_private import BufferCommHookLocation, TorchPrivateDDP
 from miniddp.reducer import Reducer

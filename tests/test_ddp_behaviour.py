@@ -323,13 +323,18 @@ def backward_with_create_graph():
     higher-order graph is not synchronized); miniddp does the same, with the same bits."""
     import warnings
 
+    class Cube(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.tensor(1.0 + dist.get_rank()))
+
+        def forward(self):
+            return self.p.pow(3)
+
     grads, messages = {}, []
     for cls in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
-        torch.manual_seed(0)
-        p = nn.Parameter(torch.tensor(1.0 + dist.get_rank()))
-        module = nn.Module()
-        module.p = p
-        module.forward = lambda: module.p.pow(3)
+        module = Cube()
+        p = module.p
         ddp = cls(module)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

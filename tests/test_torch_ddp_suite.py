@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
+from miniddp.launch import RankError
 
 # ----- torch's helpers (distributed_test.py), unchanged but for the device -----
 
@@ -1707,10 +1708,11 @@ def t_test_ddp_uneven_input_exception(self, DDP):
 
 # ----- running them -----
 
-#: miniddp cannot pass these, and the README's "Known differences" says why.
+#: miniddp cannot pass these, and the README's "Known differences" says why: {case: what
+#: miniddp's error says}.
 KNOWN_DIFFERENCES: dict[str, str] = {
     "test_ddp_native_mixed_precision_ignored_params":
-        "miniddp refuses mixed_precision (torch's experimental _MixedPrecision)",
+        "miniddp does not implement mixed_precision",  # torch's experimental _MixedPrecision
 }
 
 CASES = sorted(name[2:] for name in dir() if name.startswith("t_test_"))
@@ -1729,7 +1731,8 @@ NEEDS = {"test_ddp_bucket_cap_mb_list": ((2, 13), "bucket_cap_mb_list is new in 
 
 def run_case(name: str, impl: str):
     """On each rank: run the ported body ``name`` with torch's or miniddp's class."""
-    DDP = nn.parallel.DistributedDataParallel if impl == "torch" else miniddp.DistributedDataParallel
+    DDP = (nn.parallel.DistributedDataParallel if impl == "torch"
+           else miniddp.DistributedDataParallel)
     torch.manual_seed(1234)
     globals()["t_" + name](Case(), DDP)
     return True
@@ -1744,8 +1747,8 @@ def torch_at_least(version) -> bool:
 def test_torch_ddp_suite(ranks, name, impl):
     if name in NEEDS and not torch_at_least(NEEDS[name][0]):
         pytest.skip(NEEDS[name][1])
-    if impl == "miniddp" and name in KNOWN_DIFFERENCES:
-        with pytest.raises(Exception):
+    if impl == "miniddp" and name in KNOWN_DIFFERENCES:  # fails, and for the reason given
+        with pytest.raises(RankError, match=KNOWN_DIFFERENCES[name]):
             ranks(2).run(run_case, name, impl, timeout=60)
         return
     assert ranks(2).run(run_case, name, impl, timeout=60) == [True, True]

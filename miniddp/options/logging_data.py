@@ -101,7 +101,8 @@ class DDPLogging:
             broadcast_buffers=int(ddp.forward_sync_buffers), bucket_cap_bytes=ddp.bucket_bytes_cap,
             find_unused_parameters=int(ddp.find_unused_parameters),
             gradient_as_bucket_view=int(ddp.gradient_as_bucket_view), static_graph=0,
-            has_sync_bn=int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
+            has_sync_bn=int(any(isinstance(m, torch.nn.SyncBatchNorm)
+                                for m in ddp.module.modules())),
             is_multi_device_module=int(len({p.device for p in params}) > 1),
             backend_name=str(dist.get_backend(group)),
             dtypes=", ".join(sorted({dtype_name(p.dtype) for p in params})),
