@@ -1752,3 +1752,30 @@ def test_torch_ddp_suite(ranks, name, impl):
             ranks(2).run(run_case, name, impl, timeout=60)
         return
     assert ranks(2).run(run_case, name, impl, timeout=60) == [True, True]
+
+
+# ----- miniddp's own checks of what the ported tests read -----
+
+def logging_keys(impl: str, options: dict) -> list[str]:
+    """The keys ``_get_ddp_logging_data()`` holds after 12 steps of a small model."""
+    DDP = (nn.parallel.DistributedDataParallel if impl == "torch"
+           else miniddp.DistributedDataParallel)
+    torch.manual_seed(0)
+    unused = options.get("find_unused_parameters", False)
+    ddp = DDP(UnusedParamTwoLinLayerNet() if unused else TwoLinLayerNet(), **options)
+    if unused:
+        ddp.register_comm_hook(None, miniddp.options.comm_hooks.allreduce)
+    for _ in range(12):
+        a, b = ddp(torch.randn(4, 10))
+        (a.sum() + b.sum()).backward()
+    return sorted(ddp._get_ddp_logging_data())
+
+
+@pytest.mark.parametrize("options", [{}, {"find_unused_parameters": True},
+                                     {"static_graph": True}], ids=["plain", "unused", "static"])
+def test_logging_data_has_torchs_keys(ranks, options):
+    """Every key torch's DDP fills on the CPU, miniddp fills too (and no other)."""
+    theirs = ranks(2).run(logging_keys, "torch", options)[0]
+    ours = ranks(2).run(logging_keys, "miniddp", options)[0]
+    assert set(theirs) - set(ours) == set(), "keys torch has and miniddp lacks"
+    assert set(ours) - set(theirs) == set(), "keys miniddp has and torch lacks"

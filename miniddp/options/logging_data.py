@@ -7,9 +7,10 @@ work unchanged:
 
 * at construction: ``world_size``, ``rank``, ``module_name``, ``device_ids``, ``output_device``,
   ``broadcast_buffers``, ``bucket_cap_bytes``, ``find_unused_parameters``,
-  ``gradient_as_bucket_view``, ``static_graph``, ``backend_name``, ``dtypes`` (torch's C++ names,
-  e.g. ``"float"``), ``num_parameter_tensors``, ``total_parameter_size_bytes``, ``bucket_sizes``
-  (iteration 0's buckets, in bytes) and the environment variables torch reports;
+  ``gradient_as_bucket_view``, ``backend_name``, ``dtypes`` (torch's C++ names, e.g.
+  ``"float"``), ``num_parameter_tensors``, ``total_parameter_size_bytes``, ``bucket_sizes``
+  (iteration 0's buckets, in bytes) and the environment variables torch reports; ``static_graph``
+  once it is set;
 * ``comm_hook``: the registered communication hook's ``__qualname__`` (or the built-in type);
 * ``has_error`` / ``error``: the last error DDP raised (``miniddp.errors.logged``);
 * runtime statistics, in nanoseconds, as torch samples them: the first ten synchronized
@@ -100,7 +101,7 @@ class DDPLogging:
             output_device=-1 if ddp.output_device is None else ddp.output_device,
             broadcast_buffers=int(ddp.forward_sync_buffers), bucket_cap_bytes=ddp.bucket_bytes_cap,
             find_unused_parameters=int(ddp.find_unused_parameters),
-            gradient_as_bucket_view=int(ddp.gradient_as_bucket_view), static_graph=0,
+            gradient_as_bucket_view=int(ddp.gradient_as_bucket_view),
             has_sync_bn=int(any(isinstance(m, torch.nn.SyncBatchNorm)
                                 for m in ddp.module.modules())),
             is_multi_device_module=int(len({p.device for p in params}) > 1),
