@@ -51,8 +51,13 @@ class TorchPrivateDDP:
     buffer_hook = None  # set by _register_buffer_comm_hook
     _ddp_sink_clone = True
 
-    _get_data_parallel_params = staticmethod(
-        nn.parallel.DistributedDataParallel._get_data_parallel_params)
+    @staticmethod
+    def _get_data_parallel_params(module, named_params: bool = False):
+        """The parameters of ``module`` DDP manages: those not marked ignored by
+        ``_set_params_and_buffers_to_ignore_for_model`` (a generator, as torch's)."""
+        for param in module.named_parameters() if named_params else module.parameters():
+            if not hasattr(param, "_ddp_ignored"):
+                yield param
 
     @property
     def parameters_to_ignore(self) -> set[str]:

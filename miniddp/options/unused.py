@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+#: Whether a profiler is recording (torch's private check; assumed on where a torch lacks it).
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
 
 class UnusedParameters:
     """The reducer's side of ``find_unused_parameters=True``. See the module docstring."""
@@ -47,7 +50,7 @@ class UnusedParameters:
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
-        if torch.autograd._profiler_enabled():  # torch's label, for the profiler to show
+        if _profiler_enabled():  # torch's label, for the profiler to show
             with torch.autograd.profiler.record_function("search_unused_parameters"):
                 self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
         else:  # (a record_function costs ~20 us even with no profiler running)
