@@ -1718,6 +1718,50 @@ def t_test_ddp_uneven_input_exception(self, DDP):
             net(torch.ones(1)).sum().backward()
 
 
+def _perform_a_train_step(optimizer, net, loss_fn, input, target):
+    optimizer.zero_grad()
+    loss_fn(net(input), target).backward()
+    optimizer.step()
+
+
+def _test_post_localSGD_optimizer_parity(self, DDP, grad_is_view):
+    from torch.distributed.algorithms.model_averaging import averagers
+    from torch.distributed.optim import post_localSGD_optimizer
+
+    def create_averager():
+        return averagers.PeriodicModelAverager(period=4, warmup_steps=10)
+
+    learning_rate = 0.03
+    DDP_NET = Net()
+    net = DDP(copy.deepcopy(DDP_NET), gradient_as_bucket_view=grad_is_view)
+    averager = create_averager()
+    opt = torch.optim.SGD(net.parameters(), lr=learning_rate)
+    net_using_post_localSGD_opt = DDP(copy.deepcopy(DDP_NET), gradient_as_bucket_view=grad_is_view)
+    averager2 = create_averager()
+    post_localSGD_opt = post_localSGD_optimizer.PostLocalSGDOptimizer(
+        optim=torch.optim.SGD(net_using_post_localSGD_opt.parameters(), lr=learning_rate),
+        averager=averager2)
+    input = torch.randn(dist.get_world_size() * 2, 2)
+    target = torch.randn(dist.get_world_size() * 2, 4)
+    loss_fn = nn.MSELoss()
+    for _ in range(20):
+        _perform_a_train_step(opt, net, loss_fn, input, target)
+        averager.average_parameters(net.parameters())
+        _perform_a_train_step(post_localSGD_opt, net_using_post_localSGD_opt, loss_fn, input,
+                              target)
+        for p1, p2 in zip(net.parameters(), net_using_post_localSGD_opt.parameters()):
+            self.assertEqual(p1.data, p2.data)
+    self.assertEqual(averager.step, averager2.step)
+
+
+def t_test_post_localSGD_optimizer_parity(self, DDP):
+    _test_post_localSGD_optimizer_parity(self, DDP, grad_is_view=False)
+
+
+def t_test_post_localSGD_optimizer_parity_grad_is_view(self, DDP):
+    _test_post_localSGD_optimizer_parity(self, DDP, grad_is_view=True)
+
+
 # ----- running them -----
 
 #: miniddp cannot pass these, and the README's "Known differences" says why: {case: what
