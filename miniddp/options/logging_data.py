@@ -115,7 +115,7 @@ class DDPLogging:
         if data["backend_name"] == "gloo":
             for key, var in _GLOO_ENV.items():
                 data[key] = os.environ.get(var, "N/A")
-            data["gloo_num_threads"] = int(os.environ.get("TORCH_GLOO_NUM_THREADS", 2))
+            data["gloo_num_threads"] = _gloo_threads(group)
 
     # ----- what DDP reports -----
 
@@ -198,6 +198,15 @@ class DDPLogging:
         if hook is not None:
             data["comm_hook"] = hook.name
         return data
+
+
+def _gloo_threads(group) -> int:
+    """The gloo backend's thread count (torch reads the same option; 2 unless changed)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return int(group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError):  # an older torch, or no such option
+        return 2
 
 
 def _bucket_sizes(reducer) -> str:
