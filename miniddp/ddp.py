@@ -72,7 +72,9 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
     Parameters and buffers named by torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)`` are
     neither broadcast nor averaged. ``copy.deepcopy`` and pickling work as torch's
-    (``miniddp.options.pickling``).
+    (``miniddp.options.pickling``). torch's private attributes and methods that torch's tests,
+    compiler and libraries read (``_get_ddp_logging_data()``, buffer hooks, ...) come from
+    ``miniddp.options.torch_private``.
 
     Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
     layout) or ``overlap`` (launch during backward, or only after it); see

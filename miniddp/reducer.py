@@ -229,7 +229,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             else:
                 view.copy_(param.grad)
         except RuntimeError:
-            if param.grad is None or not param.grad.requires_grad or self.views is not None:
+            if (param.grad is None or not param.grad.requires_grad or self.views is not None
+                    or not torch.is_grad_enabled()):
                 raise
             # backward(create_graph=True): as torch, warn, and reduce the gradient's value (the
             # higher-order graph is not synchronized); errors.higher_order_gradient if it fails
