@@ -7,7 +7,9 @@
 * ``static_graph``: ``static_graph=True`` / ``_set_static_graph()``;
 * ``comm_hooks``: ``register_comm_hook``, and miniddp's own hooks written out;
 * ``join``: uneven inputs, ``ddp.join()`` and torch's ``Join``;
-* ``pickling``: ``copy.deepcopy`` and pickling, as torch's.
+* ``pickling``: ``copy.deepcopy`` and pickling, as torch's;
+* ``torch_private``: torch's private attributes and methods, for the code that reads them;
+* ``logging_data``: ``_get_ddp_logging_data()``, torch's record of a run.
 
 They import the engine's bucket rules at most; the engine imports them where it attaches them.
 """
