@@ -33,7 +33,9 @@ from miniddp.options.join import (
     join_context,
     notify_still_training,
 )
+from miniddp.options.logging_data import DDPLogging
 from miniddp.options.static_graph import StaticGraph
+from miniddp.options.torch_private import BufferCommHookLocation, TorchPrivateDDP
 from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from, broadcast_from_rank0, verify_same_shapes
 
@@ -50,7 +52,7 @@ def _move_to(obj, device):
     return obj
 
 
-class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.options.join
+class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see miniddp.options
     """Data parallelism across processes: every rank trains a replica on its own data, and
     gradients are averaged during backward, so every replica takes the same optimizer step.
 
@@ -70,7 +72,9 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
     Parameters and buffers named by torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)`` are
     neither broadcast nor averaged. ``copy.deepcopy`` and pickling work as torch's
-    (``miniddp.options.pickling``).
+    (``miniddp.options.pickling``). torch's private attributes and methods that torch's tests,
+    compiler and libraries read (``_get_ddp_logging_data()``, buffer hooks, ...) come from
+    ``miniddp.options.torch_private``.
 
     Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
     layout) or ``overlap`` (launch during backward, or only after it); see
@@ -118,7 +122,9 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         self.bucket_caps = bucket_limits_list(bucket_cap_mb_list)  # miniddp.buckets
         process_group = arguments.group_of(process_group, device_mesh)  # miniddp.options.arguments
         self.module = module
-        self.process_group = process_group
+        # the group object itself, as torch keeps it (torch's utilities take it from here)
+        self.process_group = dist.group.WORLD if process_group is None else process_group
+        self.device_mesh = device_mesh
         self.forward_sync_buffers, sync_buffers_at_init = arguments.buffer_sync_flags(
             broadcast_buffers, forward_sync_buffers)  # miniddp.options.arguments
         self.bucket_cap_mb = bucket_cap_mb
@@ -134,9 +140,10 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         all_params = [(name, p) for name, p in module.named_parameters()  # shared ones once
                       if name not in self.ignored]
         trainable = [(name, p) for name, p in all_params if p.requires_grad]
-        if not trainable:
-            raise ValueError(
-                "DistributedDataParallel got a module with no parameter that requires grad: "
+        if not trainable:  # torch's words first: code matches on them
+            raise RuntimeError(
+                "DistributedDataParallel is not needed when a module doesn't have any parameter "
+                "that requires a gradient: this module has no parameter that requires grad, so "
                 "there is nothing to synchronize. Train it without DDP, or unfreeze a "
                 "parameter.")
         sparse = [name for name, m in module.named_modules()
@@ -167,6 +174,7 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
                 broadcast_from_rank0(buffers, process_group)
 
         self.reducer = self._make_reducer()
+        self.logger = DDPLogging(self)  # _get_ddp_logging_data() (miniddp.options.logging_data)
         self.static_graph = False
         if static_graph:  # miniddp.options.static_graph
             self._set_static_graph(initial_buckets=True)
@@ -257,8 +265,13 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         if self.static_graph:
             warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
             return
-        StaticGraph.attach(self.reducer, initial_buckets)
+        try:
+            StaticGraph.attach(self.reducer, initial_buckets)
+        except RuntimeError as error:
+            self.logger.set_error(error)  # _get_ddp_logging_data()["error"], as torch
+            raise
         self.static_graph = True
+        self.logger.set_static_graph()
         if self.find_unused_parameters:
             warnings.warn("find_unused_parameters=True is not needed with static_graph=True: "
                           "unused parameters are found in the first iteration (and must stay "
@@ -338,11 +351,14 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         notify_still_training(self)  # miniddp.options.join: joined ranks shadow this step
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:
+            if self.require_backward_grad_sync:  # times the step when sampled
+                self.logger.at_synced_forward(self.reducer)  # (miniddp.options.logging_data)
             self.reducer.begin_forward()
         checks = self.reducer.consistency  # miniddp.checks
         if grad_enabled and checks is not None:
             checks.at_forward(self.require_backward_grad_sync)
-        if self.require_forward_param_sync and self.forward_sync_buffers:
+        sync_buffers = self.require_forward_param_sync and self.forward_sync_buffers
+        if sync_buffers and not self._run_buffer_hook(BufferCommHookLocation.PRE_FORWARD):
             buffers = self._buffers_to_sync()
             if buffers:  # from rank 0, or under join the last rank training (miniddp.options.join)
                 if checks is not None:
@@ -355,8 +371,11 @@ class DistributedDataParallel(nn.Module, Joinable):  # Joinable: see miniddp.opt
         return inputs, kwargs
 
     def _post_forward(self, output):
-        """After the module ran: when a synced backward will follow, prepare the reducer."""
+        """After the module ran: a buffer hook registered to run now (torch_private); when a
+        synced backward will follow, prepare the reducer."""
         grad_enabled = torch.is_grad_enabled()
+        if self.require_forward_param_sync and self.forward_sync_buffers:
+            self._run_buffer_hook(BufferCommHookLocation.POST_FORWARD)
         sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
         if sync:

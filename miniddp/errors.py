@@ -6,26 +6,59 @@ returns the exception for the reducer to raise.
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 
 
+def logged(owner, error: BaseException) -> BaseException:
+    """Record ``error`` where ``_get_ddp_logging_data()`` reports it (``has_error``, ``error``),
+    as torch's DDP does; ``owner`` is the DDP module or its reducer."""
+    logger = getattr(owner, "logger", None)
+    if logger is not None:
+        logger.set_error(error)
+    return error
+
+
+#: torch's own words for a static graph that lost a parameter (code and tests match on them).
+STATIC_GRAPH_UNFINISHED = (
+    "Expected to have finished reduction in the prior iteration before starting a new one. "
+    "This error indicates that your training graph has changed in this iteration, e.g., one "
+    "parameter is used in first iteration, but then got unused in the second iteration. this "
+    "is not compatible with static_graph set to True.")
+
+
 def unfinished_reduction(reducer) -> RuntimeError:
-    """A forward began while the last synchronized backward never reduced every parameter."""
-    missing = [reducer.names[i] for i in range(len(reducer.params)) if i not in reducer.ready]
+    """A forward began while the last synchronized backward never reduced every parameter.
+
+    miniddp's sentence names the parameters; torch's phrases follow (its advice, and the
+    "Parameter indices which did not receive grad for rank N: ..." line), so that code written
+    against torch's message still finds them.
+    """
+    missing = [i for i in range(len(reducer.params)) if i not in reducer.ready]
+    rank = dist.get_rank()
+    names = ", ".join(reducer.names[i] for i in missing)
     if reducer.static_graph is not None:
-        advice = reducer.static_graph.changed_graph_advice
+        advice = (f"{reducer.static_graph.changed_graph_advice}\nIn torch's words: "
+                  f"{STATIC_GRAPH_UNFINISHED}")
     elif reducer.find_unused:
-        advice = ("find_unused_parameters=True is set, so probably not every output of "
-                  "forward was used to compute the loss: use them all, or return only "
-                  "what the loss needs.")
+        advice = ("Since `find_unused_parameters=True` is enabled, this likely means that not "
+                  "all `forward` outputs participate in computing loss: use them all, or return "
+                  "only what the loss needs.")
     else:
-        advice = ("If some parameters legitimately take no part in the loss, pass "
-                  "find_unused_parameters=True to DistributedDataParallel; otherwise make "
-                  "sure every output of forward contributes to the loss.")
+        advice = ("If some parameters legitimately take no part in the loss, enable unused "
+                  "parameter detection by passing the keyword argument "
+                  "`find_unused_parameters=True` to DistributedDataParallel; otherwise make "
+                  "sure all `forward` function outputs participate in calculating loss.")
     return RuntimeError(
         "Expected to have finished reduction in the prior iteration before starting a new "
-        f"one: rank {dist.get_rank()} got no gradient in the last backward for these "
-        f"parameters: {', '.join(missing)}. {advice}")
+        f"one: rank {rank} got no gradient in the last backward for these parameters: "
+        f"{names}. {advice}\n"
+        f"Parameter indices which did not receive grad for rank {rank}: "
+        f"{' '.join(map(str, missing))}\n"
+        f"Parameters which did not receive grad for rank {rank}: {names} (torch's DDP lists "
+        "them only if you set the environment variable TORCH_DISTRIBUTED_DEBUG to either INFO "
+        "or DETAIL; miniddp always does).")
 
 
 def marked_ready_twice(name: str) -> RuntimeError:
@@ -36,9 +69,20 @@ def marked_ready_twice(name: str) -> RuntimeError:
         "static_graph=True.")
 
 
-def higher_order_gradient(name: str) -> RuntimeError:
+def warn_create_graph() -> None:
+    """``backward(create_graph=True)`` through DDP: torch's warning, in torch's words."""
+    warnings.warn(
+        "Using DistributedDataParallel with create_graph=True is not well-supported. The "
+        "higher-order gradient will not be synchronized across ranks, and backpropagation "
+        "through all_reduce operations will not occur. For a gradient penalty, take the inner "
+        "gradient with torch.autograd.grad(..., create_graph=True) and call loss.backward() "
+        "plainly.", stacklevel=2)
+
+
+def higher_order_gradient(name: str, error: BaseException) -> RuntimeError:
     return RuntimeError(
-        f"the gradient of {name!r} requires grad: backward(create_graph=True) is not "
-        "supported (torch's DDP fails here too; it never synchronizes higher-order "
-        "gradients). For a gradient penalty, take the inner gradient with "
+        f"the gradient of {name!r} requires grad, and writing the average back into it failed "
+        f"({error}): backward(create_graph=True) works through DDP only where the gradient "
+        "can be overwritten in place (torch's DDP fails here too; it never synchronizes "
+        "higher-order gradients). For a gradient penalty, take the inner gradient with "
         "torch.autograd.grad(..., create_graph=True) and call loss.backward() plainly.")

@@ -54,10 +54,11 @@ from miniddp.buckets import (
     rebuilt_assignment,
 )
 from miniddp.options.gradient_views import GradientsAsBucketViews
+from miniddp.options.torch_private import TorchPrivateReducer
 from miniddp.options.unused import UnusedParameters
 
 
-class Reducer:
+class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.torch_private
     """Owns the buckets and the hooks of one DDP module. See the module docstring."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
@@ -84,6 +85,7 @@ class Reducer:
         self.consistency = None  # checks across ranks, when on (miniddp.checks)
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.timeline: list[tuple] | None = None
+        self.timer = self.logger = None  # a sampled step's times (miniddp.options.logging_data)
         # Where this step stands.
         self.expect_hooks = False  # True between a synced forward and the end of its backward
         self.reduced = False  # this forward's backward has been reduced
@@ -151,6 +153,8 @@ class Reducer:
         """End of a synced forward: expect hooks; return the outputs to use."""
         self.expect_hooks = True
         self.synced_forwards += 1  # miniddp.checks.consistency
+        if self.timer is not None:  # miniddp.options.logging_data
+            self.timer.note("forward_end")
         self.ready.clear()
         self.next_bucket = 0
         for bucket in self.buckets:
@@ -239,10 +243,14 @@ class Reducer:
             else:
                 view.copy_(param.grad)
         except RuntimeError:
-            if param.grad is not None and param.grad.requires_grad:
-                name = next(n for p, n in zip(self.params, self.names) if p is param)
-                raise errors.higher_order_gradient(name) from None
-            raise
+            if (param.grad is None or not param.grad.requires_grad or self.views is not None
+                    or not torch.is_grad_enabled()):
+                raise
+            # backward(create_graph=True): as torch, warn, and reduce the gradient's value (the
+            # higher-order graph is not synchronized); errors.higher_order_gradient if it fails
+            errors.warn_create_graph()
+            with torch.no_grad():
+                self._copy_into_bucket(param, view)
 
     def _reciprocal(self, dtype: torch.dtype):
         """``1 / divisor`` as torch's reducer multiplies by it. For float32, a 0-dim float32
@@ -316,6 +324,11 @@ class Reducer:
             self.views.write_back(param, index, view)
         elif param.grad is None:
             param.grad = view.clone(memory_format=torch.preserve_format)
+        elif param.grad.requires_grad:  # create_graph=True: copied as torch, into the graph
+            try:
+                param.grad.copy_(view)
+            except RuntimeError as error:
+                raise errors.higher_order_gradient(self.names[index], error) from None
         else:
             copies[0].append(param.grad)
             copies[1].append(view)
@@ -327,11 +340,13 @@ class Reducer:
         as torch does: waiting for the launched buckets could hang, since a rank missing a
         different parameter never launched some of them."""
         if self.require_finalize:
-            raise errors.unfinished_reduction(self)
+            raise errors.logged(self, errors.unfinished_reduction(self))
 
     def _record(self, event: str, ident: int) -> None:
         if self.timeline is not None:
             self.timeline.append((event, ident, time.perf_counter()))
+        if self.timer is not None:  # a sampled step (miniddp.options.logging_data)
+            self.timer.note(event, ident)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

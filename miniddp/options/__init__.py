@@ -9,6 +9,8 @@
 * ``join``: uneven inputs, ``ddp.join()`` and torch's ``Join``;
 * ``pickling``: ``copy.deepcopy`` and pickling, as torch's;
 * ``compiled``: ``torch.compile``, where torch's compiler looks for the DDP module.
+* ``torch_private``: torch's private attributes and methods, for the code that reads them;
+* ``logging_data``: ``_get_ddp_logging_data()``, torch's record of a run.
 
 They import the engine's bucket rules at most; the engine imports them where it attaches them.
 """

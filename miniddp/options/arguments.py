@@ -107,11 +107,12 @@ def group_of(process_group, device_mesh):
     if device_mesh is None:
         return process_group
     if process_group is not None:
-        raise RuntimeError("pass process_group or device_mesh to DistributedDataParallel, "
-                           "not both.")
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments. Pass "
+                           "one of them to DistributedDataParallel, not both.")
     if device_mesh.ndim != 1:
-        raise RuntimeError(f"DistributedDataParallel takes a 1-D device mesh, got {device_mesh}: "
-                           "pass the data-parallel dimension (mesh['dp']).")
+        raise RuntimeError(f"Only 1D device mesh is supported, got {device_mesh}: "
+                           "pass DistributedDataParallel the data-parallel dimension "
+                           "(mesh['dp']).")
     root = getattr(device_mesh, "_get_root_mesh", lambda: device_mesh)()
     if root != device_mesh:
         raise NotImplementedError(

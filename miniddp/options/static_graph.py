@@ -42,6 +42,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from miniddp import errors
+
+#: torch's message for a parameter that starts being used (code and tests match on it).
+GRAPH_CHANGED = (
+    "Your training graph has changed in this iteration, e.g., one parameter is unused in first "
+    "iteration, but then got used in the second iteration. this is not compatible with "
+    "static_graph set to True.")
+
 
 class StaticGraph:
     """The reducer's side of ``static_graph=True``. See the module docstring."""
@@ -66,6 +74,7 @@ class StaticGraph:
         self._unmarked: list[int] = []
         self._first_backward_queued = False
         self._work = self._used_everywhere = None
+        self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
 
     @classmethod
     def attach(cls, reducer, initial_buckets: bool) -> StaticGraph:
@@ -80,7 +89,9 @@ class StaticGraph:
             raise RuntimeError(
                 "static_graph can only be turned on before the first forward: pass "
                 "static_graph=True to DistributedDataParallel, or call _set_static_graph() "
-                "right after constructing it.")
+                "right after constructing it. (torch's DDP says: set_static_graph() should be "
+                "called before training loop starts and after DistributedDataParallel is "
+                "constructed.)")
         if reducer.find_unused:
             reducer.find_unused, reducer.unused = False, None
             if initial_buckets:
@@ -98,7 +109,7 @@ class StaticGraph:
         self.remaining = list(self.firings)
         self._unmarked = list(self.unused)
         if self.counting and not self._first_backward_queued:
-            outputs = _watch(outputs, self._queue_delay_all_reduce)
+            outputs = _watch(outputs, self._queue_delay_all_reduce, self.clone_outputs)
         return outputs
 
     def final_firing(self, index: int, expect_hooks: bool) -> bool:
@@ -106,26 +117,29 @@ class StaticGraph:
         parameter's gradient being ready (its last firing of the backward)."""
         if self.counting:
             if not expect_hooks:
+                reducer = self._reducer()
+                if reducer.forwards == reducer.synced_forwards:  # no forward of this DDP in
+                    return True  # no_sync: a backward that bypassed it (e.g. an inner DDP)
                 raise RuntimeError(
                     "with static_graph=True the first backward must follow a synchronized "
                     "forward: it counts how often each parameter's gradient arrives, and a "
-                    "forward inside no_sync() (or one that bypassed the DDP module) does not "
-                    "count. Run the first iteration outside no_sync(). (torch's DDP stops "
-                    "with an internal assertion here.)")
+                    "forward inside no_sync() does not count. Run the first iteration outside "
+                    "no_sync(). (torch's DDP stops with an internal assertion here.)")
             self.firings[index] += 1
             if self.params[index].grad is not None:
                 self.locally_used[index] = 1
             return False
         if not expect_hooks:  # inside no_sync: the reducer ignores it
             return True
-        if self.remaining[index] == 0:
-            raise RuntimeError(
+        if self.remaining[index] == 0:  # as torch's, the next forward reports the step unfinished
+            self._reducer().require_finalize = True
+            raise errors.logged(self._reducer(), RuntimeError(
                 f"the gradient of {self.names[index]!r} arrived more often in this backward "
                 f"than in the first, where it arrived {self.firings[index]} time(s): the "
                 "training graph has changed, which static_graph=True does not allow (e.g. a "
                 "parameter unused in the first iteration is used now). Make every iteration "
                 "use the same parameters the same number of times, or leave "
-                "static_graph=False.")
+                f"static_graph=False.\nIn torch's words: {GRAPH_CHANGED}"))
         self.remaining[index] -= 1
         return self.remaining[index] == 0
 
@@ -173,14 +187,14 @@ class StaticGraph:
                 reducer._mark_ready(index)
 
 
-def _watch(outputs, on_backward):
+def _watch(outputs, on_backward, clone: bool = True):
     """``outputs`` with every tensor that has a grad_fn passed through :class:`_FirstBackward`."""
     leaves, spec = tree_flatten(outputs)
     tracked = [k for k, t in enumerate(leaves)
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not tracked:
         return outputs
-    watched = _FirstBackward.apply(on_backward, *(leaves[k] for k in tracked))
+    watched = _FirstBackward.apply(on_backward, clone, *(leaves[k] for k in tracked))
     for k, t in zip(tracked, watched):
         leaves[k] = t
     return tree_unflatten(leaves, spec)
@@ -192,12 +206,12 @@ class _FirstBackward(torch.autograd.Function):
     ``_DDPSink``, so parameters behind ignored outputs still fire (without a gradient)."""
 
     @staticmethod
-    def forward(ctx, on_backward, *outputs):
+    def forward(ctx, on_backward, clone, *outputs):
         ctx.set_materialize_grads(False)
         ctx.on_backward = on_backward
-        return tuple(t.clone() for t in outputs)
+        return tuple(t.clone() for t in outputs) if clone else outputs
 
     @staticmethod
     def backward(ctx, *grads):
         ctx.on_backward()
-        return (None, *grads)
+        return (None, None, *grads)

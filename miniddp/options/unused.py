@@ -30,6 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+#: Whether a profiler is recording (torch's private check; assumed on where a torch lacks it).
+_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+
 
 class UnusedParameters:
     """The reducer's side of ``find_unused_parameters=True``. See the module docstring."""
@@ -41,12 +44,22 @@ class UnusedParameters:
         self.unreached_this_step: set[int] = set()
         self.skip_unused_buckets = False  # skip_all_reduce_unused_params
         self.used_everywhere = self.work = None
+        self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
+        self.graph_static = True  # the same parameters unused every step so far (torch's
+        self._previous_unreached: list[int] | None = None  # reducer._ddp_graph_static())
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
-        self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
+        if _profiler_enabled():  # torch's label, for the profiler to show
+            with torch.autograd.profiler.record_function("search_unused_parameters"):
+                self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
+        else:  # (a record_function costs ~20 us even with no profiler running)
+            self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
         self.unreached_this_step = set(self.unreached)
-        return watch_outputs(outputs)
+        if self._previous_unreached is not None and self._previous_unreached != self.unreached:
+            self.graph_static = False
+        self._previous_unreached = list(self.unreached)
+        return watch_outputs(outputs, self.clone_outputs)
 
     def watch(self, outputs):
         """A ``no_sync`` forward's outputs, through the same watch (``Reducer``'s
@@ -109,7 +122,7 @@ def output_grad_fns(obj) -> list:
     return []
 
 
-def watch_outputs(outputs):
+def watch_outputs(outputs, clone: bool = True):
     """``outputs`` with every tensor that has a grad_fn passed through :class:`_WatchOutputs`.
 
     The structure is taken apart with torch's pytree (as torch's DDP does): tensors inside
@@ -120,7 +133,7 @@ def watch_outputs(outputs):
                if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     if not tracked:
         return outputs
-    watched = _WatchOutputs.apply(*(leaves[k] for k in tracked))
+    watched = _WatchOutputs.apply(clone, *(leaves[k] for k in tracked))
     for k, t in zip(tracked, watched):
         leaves[k] = t
     return tree_unflatten(leaves, spec)
@@ -131,10 +144,10 @@ class _WatchOutputs(torch.autograd.Function):
     (not materialized as zeros) on its way to the parameters behind it."""
 
     @staticmethod
-    def forward(ctx, *outputs):
+    def forward(ctx, clone, *outputs):
         ctx.set_materialize_grads(False)
-        return tuple(t.clone() for t in outputs)
+        return tuple(t.clone() for t in outputs) if clone else outputs
 
     @staticmethod
     def backward(ctx, *grads):
-        return grads
+        return (None, *grads)

@@ -1,0 +1,213 @@
+"""``ddp._get_ddp_logging_data()``: torch's record of a DDP run, with torch's keys.
+
+torch documents this dictionary as the way to inspect a DDP job (its constructor arguments, the
+bucket layout, errors, and how long forward, backward and communication took), and its own tests
+read it. miniddp fills the same keys with the same meanings, so scripts and tests that read them
+work unchanged:
+
+* at construction: ``world_size``, ``rank``, ``module_name``, ``device_ids``, ``output_device``,
+  ``broadcast_buffers``, ``bucket_cap_bytes``, ``find_unused_parameters``,
+  ``gradient_as_bucket_view``, ``backend_name``, ``dtypes`` (torch's C++ names, e.g.
+  ``"float"``), ``num_parameter_tensors``, ``total_parameter_size_bytes``, ``bucket_sizes``
+  (iteration 0's buckets, in bytes) and the environment variables torch reports; ``static_graph``
+  once it is set;
+* ``comm_hook``: the registered communication hook's ``__qualname__`` (or the built-in type);
+* ``has_error`` / ``error``: the last error DDP raised (``miniddp.errors.logged``);
+* runtime statistics, in nanoseconds, as torch samples them: the first ten synchronized
+  iterations, then one in every ``sample_rate`` (``_set_ddp_runtime_logging_sample_rate``,
+  default 100). At the start of each synchronized forward the previous iteration's times are
+  taken, if that iteration was sampled, and ``iteration`` becomes its number. The times are host
+  clock readings at five points of a step (:class:`StepTimer`): forward start, the end of forward
+  (backward compute start), the first bucket launched (comm start), every gradient ready
+  (compute end) and every bucket waited for (comm end); ``backward_compute_comm_overlap_time`` is
+  how long communication ran while gradients were still being computed. ``avg_*`` are running
+  means over the sampled iterations. Also ``unused_parameter_size`` (bytes of parameters unused
+  on this rank), ``prev_iteration_grad_ready_order_indices`` and, once the buckets have been
+  rebuilt, ``has_rebuilt_buckets``, ``rebuilt_bucket_sizes`` and
+  ``rebuilt_per_bucket_param_indices``.
+
+The reducer pays nothing on iterations that are not sampled: its ``timer`` is ``None`` then.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+#: torch's default: after the first ten iterations, sample one in this many.
+DEFAULT_SAMPLE_RATE = 100
+
+#: The names torch's C++ logger gives dtypes (caffe2's TypeMeta names).
+_DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
+                torch.bfloat16: "c10::BFloat16", torch.int64: "long int", torch.int32: "int"}
+
+_ENV = {"master_port": "MASTER_PORT", "master_addr": "MASTER_ADDR",
+        "torch_distributed_debug": "TORCH_DISTRIBUTED_DEBUG",
+        "cuda_visible_devices": "CUDA_VISIBLE_DEVICES"}
+_GLOO_ENV = {"gloo_socket_ifname": "GLOO_SOCKET_IFNAME",
+             "gloo_device_transport": "GLOO_DEVICE_TRANSPORT"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
+
+
+class StepTimer:
+    """Host clock readings (ns) of one sampled step, taken by the reducer where it says
+    ``timer``; also the order in which gradients became ready."""
+
+    def __init__(self):
+        self.times: dict[str, int] = {}
+        self.ready_order: list[int] = []
+        self.buckets_launched = 0
+
+    def note(self, event: str, ident: int = -1) -> None:
+        now = time.time_ns()
+        if event == "ready":
+            self.ready_order.append(ident)
+        elif event == "launch":
+            self.buckets_launched += 1
+            self.times.setdefault("backward_comm_time_start", now)
+        elif event == "forward_end":
+            self.times["backward_compute_time_start"] = now
+        elif event == "backward_end":
+            self.times["backward_compute_time_end"] = now
+        elif event == "finalized":
+            self.times["backward_comm_time_end"] = now
+
+
+class DDPLogging:
+    """What ``ddp.logger`` holds: the dictionary ``_get_ddp_logging_data()`` returns."""
+
+    def __init__(self, ddp):
+        self.data: dict[str, object] = {}
+        self.sample_rate = DEFAULT_SAMPLE_RATE
+        self.iterations = 0  # synchronized forwards begun, torch's num_iterations_
+        self.sampled = 0  # iterations whose statistics were taken
+        self.timer: StepTimer | None = None
+        self._construction(ddp)
+
+    def _construction(self, ddp) -> None:
+        group = ddp.process_group
+        params = ddp.reducer.params
+        data = self.data
+        data.update(
+            world_size=dist.get_world_size(group), rank=dist.get_rank(group),
+            module_name=type(ddp.module).__name__,
+            device_ids=", ".join(map(str, ddp.device_ids or [])),
+            output_device=-1 if ddp.output_device is None else ddp.output_device,
+            broadcast_buffers=int(ddp.forward_sync_buffers), bucket_cap_bytes=ddp.bucket_bytes_cap,
+            find_unused_parameters=int(ddp.find_unused_parameters),
+            gradient_as_bucket_view=int(ddp.gradient_as_bucket_view),
+            has_sync_bn=int(any(isinstance(m, torch.nn.SyncBatchNorm)
+                                for m in ddp.module.modules())),
+            is_multi_device_module=int(len({p.device for p in params}) > 1),
+            backend_name=str(dist.get_backend(group)),
+            dtypes=", ".join(sorted({dtype_name(p.dtype) for p in params})),
+            num_parameter_tensors=len(params),
+            total_parameter_size_bytes=sum(p.numel() * p.element_size() for p in params),
+            bucket_sizes=_bucket_sizes(ddp.reducer), iteration=0)
+        for key, var in _ENV.items():
+            data[key] = os.environ.get(var, "N/A")
+        if data["backend_name"] == "gloo":
+            for key, var in _GLOO_ENV.items():
+                data[key] = os.environ.get(var, "N/A")
+            data["gloo_num_threads"] = _gloo_threads(group)
+
+    # ----- what DDP reports -----
+
+    def set_error(self, error: BaseException) -> None:
+        self.data["has_error"] = 1
+        self.data["error"] = str(error)
+
+    def set_static_graph(self) -> None:
+        self.data["static_graph"] = 1
+
+    def set_sample_rate(self, sample_rate: int) -> None:
+        if sample_rate < 1:
+            raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
+        self.sample_rate = sample_rate
+
+    def is_sampled(self, iteration: int) -> bool:
+        """torch's rule: the first ten iterations, then one in every ``sample_rate``."""
+        return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
+
+    def at_synced_forward(self, reducer) -> None:
+        """Start of a synchronized forward: take the last step's times if it was sampled;
+        time this step if it is."""
+        if self.is_sampled(self.iterations):
+            self._take_stats(reducer)
+        self.iterations += 1
+        reducer.logger = self
+        self.timer = reducer.timer = StepTimer() if self.is_sampled(self.iterations) else None
+        if self.timer is not None:
+            self.timer.times["forward_compute_time_start"] = time.time_ns()
+
+    def _take_stats(self, reducer) -> None:
+        data = self.data
+        self.sampled += 1
+        data["iteration"] = self.iterations
+        if reducer.unused is not None:
+            unused = reducer.unused.unreached_this_step
+        elif reducer.static_graph is not None:
+            unused = reducer.static_graph.unused
+        else:
+            unused = ()
+        data["unused_parameter_size"] = sum(reducer.params[i].numel()
+                                            * reducer.params[i].element_size() for i in unused)
+        if reducer.has_rebuilt:
+            data["has_rebuilt_buckets"] = 1
+            data["rebuilt_bucket_sizes"] = _bucket_sizes(reducer)
+            data["rebuilt_per_bucket_param_indices"] = ", ".join(
+                " ".join(map(str, b.param_indices)) for b in reducer.buckets)
+        else:
+            data.setdefault("has_rebuilt_buckets", 0)
+        timer = self.timer
+        if timer is None:
+            return
+        data["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, timer.ready_order))
+        data["num_buckets_reduced"] = timer.buckets_launched
+        times = timer.times
+        needed = ("forward_compute_time_start", "backward_compute_time_start",
+                  "backward_compute_time_end", "backward_comm_time_start",
+                  "backward_comm_time_end")
+        if not all(k in times for k in needed):
+            return  # a step without a full backward (e.g. an error): nothing to average
+        data.update((k, times[k]) for k in needed)
+        spans = {
+            "forward_compute_time": times["backward_compute_time_start"]
+            - times["forward_compute_time_start"],
+            "backward_compute_time": times["backward_compute_time_end"]
+            - times["backward_compute_time_start"],
+            "backward_comm_time": times["backward_comm_time_end"]
+            - times["backward_comm_time_start"],
+            "backward_compute_comm_overlap_time": times["backward_compute_time_end"]
+            - times["backward_comm_time_start"],
+        }
+        for key, span in spans.items():
+            data[key] = span
+            average = data.get("avg_" + key, 0)
+            data["avg_" + key] = (average * (self.sampled - 1) + span) // self.sampled
+
+    def snapshot(self, ddp) -> dict:
+        data = dict(self.data)
+        hook = ddp.reducer.comm_hook
+        if hook is not None:
+            data["comm_hook"] = hook.name
+        return data
+
+
+def _gloo_threads(group) -> int:
+    """The gloo backend's thread count (torch reads the same option; 2 unless changed)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        return int(group._get_backend(torch.device("cpu")).options._threads)
+    except (AttributeError, RuntimeError):  # an older torch, or no such option
+        return 2
+
+
+def _bucket_sizes(reducer) -> str:
+    return ", ".join(str(b.buffer.numel() * b.buffer.element_size()) for b in reducer.buckets)
