@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp import train
-from miniddp.launch import launch
+from miniddp.launch import launch, start_methods
 
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -312,10 +312,12 @@ def run_like_torchrun(script: Path, argv: list[str], workdir: Path, world_size: 
         common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(to_host.recv()),
                   "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+        # forked, unless a forked child could not run autograd (miniddp.launch.start_methods)
+        rank_ctx = start_methods.context(start_methods.choose_start_method())
         for rank in range(world_size):
             errors.append(workdir / f"rank{rank}.err")
             env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(ctx.Process(target=_script_rank, daemon=True,
+            procs.append(rank_ctx.Process(target=_script_rank, daemon=True,
                                      args=(str(script), argv, env, str(errors[-1]))))
             procs[-1].start()
         deadline = time.monotonic() + timeout
