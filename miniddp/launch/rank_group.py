@@ -74,9 +74,11 @@ def _send(conn, message) -> None:
 
 
 def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads,
-               stderr: Connection, parent_faulthandler: bool):
+               stdout: Connection, stderr: Connection, parent_faulthandler: bool):
     """The life of one rank: join the group, run tasks until told to stop."""
     die_with_parent()
+    os.dup2(stdout.fileno(), 1)  # the parent's stdout now (a forkserver's is from its start)
+    stdout.close()
     os.dup2(stderr.fileno(), 2)  # the parent shows it, and keeps the tail in case this rank dies
     stderr.close()
     if parent_faulthandler:  # (pytest enables it on a copy of fd 2): into the tail too
@@ -158,12 +160,15 @@ class RankGroup:
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             stderr_read, stderr_write = os.pipe()
-            stderr_end = Connection(stderr_write, readable=False)  # travels to any start method
+            # Connections travel to a rank under any start method (fds are passed along)
+            stdout_end = Connection(os.dup(1), readable=False)
+            stderr_end = Connection(stderr_write, readable=False)
             stack_path = os.path.join(self._dir, f"stack-{rank}.txt")
             proc = ctx.Process(
                 target=_rank_main, name=f"miniddp-rank{rank}", daemon=True,
                 args=(rank, world_size, child_end, os.path.join(self._dir, "store"), backend,
-                      pg_timeout, stack_path, threads, stderr_end, faulthandler.is_enabled()))
+                      pg_timeout, stack_path, threads, stdout_end, stderr_end,
+                      faulthandler.is_enabled()))
             try:
                 proc.start()
             except BaseException as error:
@@ -175,6 +180,7 @@ class RankGroup:
                                    f"({error!r}). {FORKSERVER_ADVICE}") from error
             finally:
                 child_end.close()
+                stdout_end.close()
                 stderr_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
