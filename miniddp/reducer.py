@@ -205,11 +205,12 @@ class Reducer:
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
-        grad = self.params[index].grad
+        later = bucket.copy_later  # a list when the bucket is copied in at once, when complete
+        grad = None if later is None else self.params[index].grad
         if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
-        elif bucket.copy_later is not None and grad is not None and not grad.requires_grad:
-            bucket.copy_later.append((grad, bucket.views[slot]))  # copied when it is complete
+        elif grad is not None and not grad.requires_grad:
+            later.append((grad, bucket.views[slot]))
         else:
             self._copy_into_bucket(self.params[index], bucket.views[slot])
         bucket.pending -= 1
