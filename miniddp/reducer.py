@@ -308,7 +308,8 @@ class Reducer:
                 self.comm_hook.take_result(bucket)
             if bucket.recorded is not None:
                 bucket.recorded.wait()
-            self._record("waited", bucket.index)
+            if self.timeline is not None:
+                self._record("waited", bucket.index)
             for slot, i in enumerate(bucket.param_indices):
                 if used is None or used[i]:  # unused on every rank: .grad stays as it was
                     self._write_back(i, bucket.views[slot], copies)
