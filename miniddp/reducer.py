@@ -11,9 +11,12 @@ The life of one synchronized step:
    it reduces the gradient those hooks leave), and it also fires when the gradient that arrives
    is undefined (how parameters behind outputs the loss ignored are found). It copies
    ``grad * (1 / world_size)`` into the parameter's slot of its bucket (multiplying by the
-   reciprocal before a SUM is exactly what torch does, and what makes the bits match). When a
-   bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets strictly in
-   order, so every rank issues the same collectives in the same order.
+   reciprocal before a SUM is exactly what torch does, and what makes the bits match). On a GPU
+   the copy waits for the bucket's last gradient: then one call copies them all and one
+   multiplies the whole bucket by the same reciprocal (the same bits; two kernel launches per
+   bucket instead of one per parameter). When a bucket's last slot is filled, its
+   ``all_reduce(async_op=True)`` starts, buckets strictly in order, so every rank issues the
+   same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
    the last gradient is computed, waits for every bucket, and writes the averages back into
    ``.grad``. So when ``loss.backward()`` returns, gradients are synchronized.
@@ -97,6 +100,11 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
         self.has_rebuilt = False
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
+        # Copy a bucket's gradients in when it is complete, in one call (see copy_and_scale)?
+        # On a GPU each copy is a kernel launched from this thread, which also launches the
+        # backward's kernels; on the CPU each is a pass over memory, and a copy followed by a
+        # scaling of the whole bucket costs one pass more than scaling on the way in.
+        self.copy_complete_buckets = params[0].device.type != "cpu" if params else False
         self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
         # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
         # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
@@ -157,8 +165,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             self.timer.note("forward_end")
         self.ready.clear()
         self.next_bucket = 0
+        at_once = self.copy_complete_buckets and self.views is None
         for bucket in self.buckets:
             bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
+            bucket.copy_later = [] if at_once and bucket.pending > 1 else None  # (grad, view)s
         if self.unused is not None:  # find the parameters no output reaches; watch outputs
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # firings to expect; the first backward waits
@@ -194,7 +204,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 self.unused.note_use(index)  # gradients just accumulate
 
     def _gradient_ready(self, index: int) -> None:
-        self._record("ready", index)
+        if self.timeline is not None:
+            self._record("ready", index)
         if self.unused is not None:  # the unreached ones are ready too, with zeros
             self.unused.note_use(index)
             for unreached in self.unused.take_unreached():
@@ -212,14 +223,23 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
+        later = bucket.copy_later  # a list when the bucket is copied in at once, when complete
+        grad = None if later is None else self.params[index].grad
         if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
+        elif grad is not None and not grad.requires_grad:
+            later.append((grad, bucket.views[slot]))
         else:
             self._copy_into_bucket(self.params[index], bucket.views[slot])
         bucket.pending -= 1
         if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
             if self.batched_copy is not None:
                 self.batched_copy.flush(bucket)
+            elif bucket.copy_later:
+                grads, views = zip(*bucket.copy_later)
+                copy_and_scale(views, grads, bucket.buffer,
+                               self._reciprocal(bucket.buffer.dtype) if self.comm_hook is None
+                               else None)
             if self.overlap:
                 self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
@@ -272,7 +292,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
     def _launch(self, bucket: Bucket) -> None:
         if self.unused is not None and self.unused.skips(bucket):  # miniddp.options.unused
             return
-        self._record("launch", bucket.index)
+        if self.timeline is not None:
+            self._record("launch", bucket.index)
         if self.consistency is not None:  # miniddp.checks
             self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
         if self.comm_hook is None:
@@ -309,7 +330,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 self.comm_hook.take_result(bucket)
             if bucket.recorded is not None:
                 bucket.recorded.wait()
-            self._record("waited", bucket.index)
+            if self.timeline is not None:
+                self._record("waited", bucket.index)
             for slot, i in enumerate(bucket.param_indices):
                 if used is None or used[i]:  # unused on every rank: .grad stays as it was
                     self._write_back(i, bucket.views[slot], copies)
@@ -355,6 +377,20 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
 
     def __del__(self):
         self.remove_hooks()
+
+
+def copy_and_scale(views, grads, buffer: torch.Tensor, reciprocal) -> None:
+    """Copy ``grads`` into their ``views`` of ``buffer`` in one call, then multiply the whole
+    buffer by ``reciprocal`` (``None``: leave it unscaled, for a comm hook that scales).
+
+    Every element is multiplied by the same operand as ``torch.mul(grad, reciprocal)`` would
+    multiply it on the way in, so the bits are the same (dividing the bucket, as torch's
+    ``batched_grad_copy`` does, is another operation and gives other bits). The slots of the
+    buffer that no gradient fills were zeroed, and stay zero.
+    """
+    torch._foreach_copy_(list(views), list(grads))
+    if reciprocal is not None:
+        buffer.mul_(reciprocal)
 
 
 def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch._dynamo  # noqa: F401  (see the module docstring)
 
-from miniddp.launch import RankGroup
+from miniddp.launch import RankGroup, start_methods
 
 torch.set_num_threads(1)
 
@@ -43,3 +43,15 @@ def ranks():
     yield get
     for pool in pools.values():
         pool.close()
+
+
+@pytest.fixture
+def ranks_see_monkeypatches():
+    """For a test that patches this process and counts on forked ranks inheriting the patch.
+
+    Where ranks start from a forkserver instead (this process already ran a backward on a
+    machine with a GPU: ``miniddp.launch.start_methods``) they would not see it: skipped there.
+    """
+    if not start_methods.fork_is_safe():
+        pytest.skip("the ranks start from a forkserver here (a backward already ran in this "
+                    "process on a machine with a GPU), so they do not inherit this test's patch")

@@ -24,6 +24,7 @@ import time
 import traceback
 from collections import defaultdict
 from datetime import timedelta
+from multiprocessing.connection import Connection
 from multiprocessing.connection import wait as mp_wait
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from miniddp import train
-from miniddp.launch import launch
+from miniddp.launch import launch, start_methods
 
 REPO = Path(__file__).resolve().parents[1]
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
@@ -259,8 +260,12 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _script_rank(script: str, argv: list[str], env: dict[str, str], error_file: str) -> None:
+def _script_rank(script: str, argv: list[str], env: dict[str, str], error_file: str,
+                 stdout: Connection, stderr: Connection) -> None:
     _die_with_parent()
+    for fd, end in ((1, stdout), (2, stderr)):  # the test's own, also from a forkserver
+        os.dup2(end.fileno(), fd)
+        end.close()
     os.environ.update(env)
     sys.argv = [script, *argv]
     with open(error_file + ".stack", "w") as stacks:
@@ -312,12 +317,18 @@ def run_like_torchrun(script: Path, argv: list[str], workdir: Path, world_size: 
         common = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(to_host.recv()),
                   "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                   "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0"}
+        # forked, unless a forked child could not run autograd (miniddp.launch.start_methods)
+        rank_ctx = start_methods.context(start_methods.choose_start_method())
         for rank in range(world_size):
             errors.append(workdir / f"rank{rank}.err")
             env = {**common, "RANK": str(rank), "LOCAL_RANK": str(rank)}
-            procs.append(ctx.Process(target=_script_rank, daemon=True,
-                                     args=(str(script), argv, env, str(errors[-1]))))
+            outputs = [Connection(os.dup(fd), readable=False) for fd in (1, 2)]
+            procs.append(rank_ctx.Process(target=_script_rank, daemon=True,
+                                          args=(str(script), argv, env, str(errors[-1]),
+                                                *outputs)))
             procs[-1].start()
+            for end in outputs:
+                end.close()
         deadline = time.monotonic() + timeout
         while any(p.is_alive() for p in procs):
             failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]

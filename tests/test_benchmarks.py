@@ -197,6 +197,7 @@ def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
         assert len(floor[name]["times_ms"]) == result["setup"]["pairs"]
 
 
+@pytest.mark.usefixtures("ranks_see_monkeypatches")
 def test_a_wrong_miniddp_is_refused_before_any_number_is_reported(tmp_path, monkeypatch):
     """Negative control: gradients scaled by 0.49 instead of 0.5 must fail the bit check."""
     from miniddp.reducer import Reducer

@@ -29,7 +29,9 @@ def trained_model_and_optimizer(seed=0):
 
 
 def same_tensors(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    """Same keys and values, wherever each tensor lives: on a machine with a GPU,
+    ``nn.DataParallel`` moves its module to the first GPU (torch.equal refuses two devices)."""
+    return a.keys() == b.keys() and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in a)
 
 
 def draws():

@@ -262,3 +262,176 @@ def test_under_torchrun_a_peer_that_vanished_is_looked_for_in_torchruns_logs():
     assert "the test's barrier did not complete: another rank left the group" in str(info.value)
     assert "--log-dir DIR --redirects 2 in DIR/<run id>_*/attempt_<n>/<local rank>/stderr.log" \
         in str(info.value)
+
+
+# --- ranks where a forked child cannot run autograd (a parent that ran a backward on a GPU) ---
+
+def backward_on_every_rank():
+    x = torch.ones(2, requires_grad=True)
+    (x * (dist.get_rank() + 1)).sum().backward()
+    return x.grad.tolist()
+
+
+@pytest.fixture
+def fork_pretends_unsafe(monkeypatch):
+    """As on a machine with a GPU after a backward here: a forked child's backward would fail."""
+    from miniddp.launch import start_methods
+    monkeypatch.setattr(start_methods, "_fork_known_unsafe", False)
+    monkeypatch.setattr(start_methods, "_forked_backward_works", lambda timeout: False)
+
+
+def test_ranks_start_from_a_forkserver_when_a_forked_child_could_not_run_autograd(
+        fork_pretends_unsafe):
+    from lesson_modules import load_lesson
+    lesson_01 = load_lesson("01")  # loaded by path: a forkserver's rank cannot import it by name
+    with RankGroup(3) as group:
+        assert group.start_method == "forkserver"
+        pids = group.run(my_pid)
+        assert os.getpid() not in pids and all(os.getppid() != p for p in pids)
+        assert group.run(backward_on_every_rank) == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+        assert [r[2] for r in group.run(rank_sum, 1)] == [6.0] * 3  # a test module's function
+        assert group.run(lesson_01.summation_order) == [3, 3, 3]    # a lesson's function
+
+
+def test_a_forkserver_group_keeps_rank_named_errors_and_leaves_no_orphans(fork_pretends_unsafe):
+    group = RankGroup(2)
+    assert group.start_method == "forkserver"
+    pids = group.run(my_pid)
+    with pytest.raises(RankError) as info:
+        group.run(rank1_raises, timeout=30)
+    assert info.value.rank == 1 and "rank one is unhappy" in str(info.value)
+    _assert_all_dead(pids)
+    group = RankGroup(2, pg_timeout=2)
+    pids = group.run(my_pid)
+    with pytest.raises(RankError, match=r"did not finish within 2 s") as info:
+        group.run(rank1_sleeps, timeout=2)
+    assert "--- rank 1 stack ---" in str(info.value) and "rank1_sleeps" in str(info.value)
+    _assert_all_dead(pids)
+
+
+def _group_in_a_forked_child(conn):
+    try:
+        with RankGroup(2, start_method="forkserver") as group:
+            conn.send([r[2] for r in group.run(rank_sum, 0)])
+    except BaseException as error:
+        conn.send(repr(error))
+
+
+def test_a_process_forked_after_its_parent_started_a_forkserver_starts_its_own(
+        fork_pretends_unsafe):
+    """multiprocessing's handle on a forkserver works only in the process that started it; the
+    tests fork launchers (tests/jobs.py), whose ranks must start too."""
+    import multiprocessing
+    with RankGroup(2) as group:
+        assert group.start_method == "forkserver" and group.run(my_pid)
+    ctx = multiprocessing.get_context("fork")
+    reader, writer = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_group_in_a_forked_child, args=(writer,))  # a daemon could not
+    child.start()
+    try:
+        assert reader.poll(120), "the forked launcher did not answer within 120 s"
+        assert reader.recv() == [1.0, 1.0]
+    finally:
+        child.kill()
+        child.join()
+
+
+def test_an_unknown_start_method_is_refused():
+    with pytest.raises(ValueError, match="start_method must be None, 'fork' or 'forkserver'"):
+        RankGroup(2, start_method="spawn")
+
+
+def test_advice_names_what_to_do_for_each_way_a_start_method_fails():
+    from miniddp.launch.rank_group import FORK_ADVICE, FORKSERVER_ADVICE, _root_cause
+    from miniddp.launch.start_methods import AUTOGRAD_FORK_ERROR
+    autograd = f"Traceback ...\nRuntimeError: {AUTOGRAD_FORK_ERROR}. See https://..."
+    assert FORK_ADVICE in str(_root_cause({0: ("raised", autograd)}, 2))
+    missing = "AttributeError: Can't get attribute 'train' on <module '__main__'>"
+    assert FORKSERVER_ADVICE in str(_root_cause({0: ("raised", missing)}, 2, "forkserver"))
+    assert FORKSERVER_ADVICE not in str(_root_cause({0: ("raised", missing)}, 2, "fork"))
+    assert "miniddp" not in str(_root_cause({0: ("raised", "ValueError: bad shapes")}, 2))
+
+
+# The real condition, on the CPU: torch's Python-registered PrivateUse1 device counts as a device
+# beside the CPU, so the first backward starts autograd's device threads, as CUDA's does.
+PRETEND_A_GPU = """
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+_setup_privateuseone_for_python_backend()  # a device beside the CPU, as a GPU is
+torch.ones(1, requires_grad=True).sum().backward()  # starts autograd's device threads
+"""
+
+SCRIPT = """
+import json, os, signal, sys
+import torch
+import torch.distributed as dist
+from miniddp.launch import RankError, RankGroup, start_methods
+
+def backward_on_every_rank():  # defined in __main__, as the lessons' functions are
+    x = torch.ones(2, requires_grad=True)
+    (x * (dist.get_rank() + 1)).sum().backward()
+    return x.grad.tolist(), os.getpid()
+
+if __name__ == "__main__":
+    out = {"safe_before": start_methods.fork_is_safe()}
+    PRETEND_A_GPU
+    out["safe_after"] = start_methods.fork_is_safe()
+    try:
+        RankGroup(2, start_method="fork").run(backward_on_every_rank)
+    except RankError as error:
+        out["forked"] = str(error)
+    group = RankGroup(2)
+    out["method"] = group.start_method
+    results = group.run(backward_on_every_rank)
+    out["grads"], out["pids"] = [r[0] for r in results], [r[1] for r in results]
+    print(json.dumps(out), flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no cleanup: the ranks must die all the same
+""".replace("PRETEND_A_GPU", PRETEND_A_GPU.strip().replace("\n", "\n    "))
+
+
+def _can_pretend_a_gpu():
+    from torch.utils import backend_registration
+    return hasattr(backend_registration, "_setup_privateuseone_for_python_backend")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_pretend_a_gpu(), reason="needs torch's Python PrivateUse1 backend")
+def test_after_a_backward_with_a_device_beside_the_cpu_ranks_still_run_autograd(tmp_path):
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "pretend_gpu.py"
+    script.write_text(SCRIPT)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert proc.returncode == -9, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["safe_before"] and not out["safe_after"]
+    from miniddp.launch.rank_group import FORK_ADVICE
+    assert "Unable to handle autograd's threading" in out["forked"], "the condition is real"
+    assert FORK_ADVICE in out["forked"]
+    assert out["method"] == "forkserver"
+    assert out["grads"] == [[1.0, 1.0], [2.0, 2.0]]
+    _assert_all_dead(out["pids"])
+
+
+@pytest.mark.slow
+@pytest.mark.lesson
+@pytest.mark.skipif(not _can_pretend_a_gpu(), reason="needs torch's Python PrivateUse1 backend")
+def test_a_lesson_runs_in_a_process_that_ran_a_backward_with_a_device_beside_the_cpu(tmp_path):
+    """``python lessons/03_*.py`` as a user runs it, after a backward at start-up (a
+    sitecustomize that only the lesson's own process runs): its ranks start from a forkserver,
+    which imports the lesson again and finds the functions defined in it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nif os.environ.pop('MINIDDP_PRETEND_A_GPU', None):\n"
+        + "".join(f"    {line}\n" for line in PRETEND_A_GPU.strip().splitlines()))
+    lesson = next((Path(__file__).resolve().parents[1] / "lessons").glob("03_*.py"))
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}",
+           "MINIDDP_PRETEND_A_GPU": "1"}
+    proc = subprocess.run([sys.executable, str(lesson)], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("OK")

@@ -83,6 +83,7 @@ def test_save_every_counts_epochs(tmp_path):
     assert (snap["epoch"], snap["step"]) == (2, 32)
 
 
+@pytest.mark.usefixtures("ranks_see_monkeypatches")
 def test_without_its_random_state_a_resume_diverges(tmp_path, reference, monkeypatch):
     """The negative control: the snapshot's RNG state is what keeps the noise the same."""
     monkeypatch.setattr(checkpoint, "set_rng_state", lambda state: None)
@@ -104,6 +105,7 @@ def epoch_positions(world_size: int, epoch: int) -> list[int]:
     return sorted(i for sampler in samplers for i in sampler)
 
 
+@pytest.mark.usefixtures("ranks_see_monkeypatches")
 @pytest.mark.parametrize("old, new, fault", [(2, 3, "exit:1:22"), (3, 2, "exit:1:17"),
                                              (2, 1, "exit:1:22")])
 def test_resumed_at_another_world_size_every_sample_of_the_epoch_is_trained_once(
@@ -161,6 +163,7 @@ def test_a_missing_output_directory_is_created(tmp_path):
     make_model().load_state_dict(weights(tmp_path / "new" / "dir" / "final.pt"))
 
 
+@pytest.mark.usefixtures("ranks_see_monkeypatches")
 def test_when_the_final_write_fails_the_model_is_written_beside_the_snapshot(
         tmp_path, monkeypatch, capfd):
     from miniddp.train import job_files

@@ -4,6 +4,8 @@
   benchmark and the reference job use; joining torchrun's group; signals; collectives with a
   deadline.
 * ``rank_group``: forked ranks with timeouts, rank-named errors and no orphans.
+* ``start_methods``: fork, or a forkserver once a forked child could not run autograd
+  (a backward already ran here on a machine with a GPU).
 * ``rank_files``: the per-group files ranks leave behind (stderr tails, stack dumps).
 * ``torchrun_agents``: torchrun's elastic agents run in-process, for tests of many "machines".
 

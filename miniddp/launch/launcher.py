@@ -172,7 +172,10 @@ def launch(fn, world_size: int = 2, args=(), backend: str | None = None,
     """Run ``fn(*args)`` on every rank, whoever starts the ranks.
 
     Under torchrun this process is one rank: it joins the group from torchrun's environment,
-    runs ``fn`` and returns ``[its result]``. Started plainly, it forks ``world_size`` ranks.
+    runs ``fn`` and returns ``[its result]``. Started plainly, it forks ``world_size`` ranks, or,
+    once this process has run a backward on a machine with a GPU (after which torch forbids
+    autograd in a forked child), starts them from a forkserver, which imports the script again:
+    keep its top-level code under ``if __name__ == "__main__":`` (``miniddp.launch.start_methods``).
     ``backend=None`` picks NCCL when every rank on this machine gets a GPU, gloo otherwise.
     """
     if not launched_by_torchrun():

@@ -2,11 +2,14 @@
 
 Every lesson, test and benchmark needs N processes that form one process group. Starting
 them with ``spawn`` costs seconds of ``import torch`` per rank; ``fork`` costs tens of
-milliseconds, so ranks here are forked (explicitly: Python 3.14 changes the default).
+milliseconds, so ranks here are forked (explicitly: Python 3.14 changes the default), unless
+this process has done something after which a forked child cannot run autograd (a backward on a
+machine with a GPU): then they start from a forkserver (``miniddp.launch.start_methods``).
 
 The rules that keep a failing run from hanging or leaving orphans:
 
-* each rank dies with its parent (``PR_SET_PDEATHSIG``), so a killed test leaves nothing behind;
+* each rank dies with its parent (``PR_SET_PDEATHSIG``), so a killed test leaves nothing behind
+  (a forkserver's ranks die with the server, which exits when this process does);
 * the process group has a short timeout, shorter than the parent's, so a collective that one
   rank skipped fails inside the ranks with torch's own message first;
 * the first rank that raises sends its traceback to the parent, which kills every rank and
@@ -25,11 +28,9 @@ Functions and arguments travel by pickle, so functions must be importable at mod
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import gc
 import math
-import multiprocessing as mp
 import os
 import pickle
 import shutil
@@ -39,12 +40,20 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
 
 import torch
 import torch.distributed as dist
 
 from miniddp.launch.rank_files import StderrTail, remove_stale_group_dirs
+from miniddp.launch.start_methods import (
+    AUTOGRAD_FORK_ERROR,
+    choose_start_method,
+    context,
+    die_with_parent,
+    dumps_task,
+    loads_task,
+)
 from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL
 
 
@@ -56,12 +65,6 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} of {world_size} {what}:\n{details}")
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _send(conn, message) -> None:
     try:
         payload = pickle.dumps(message)
@@ -71,12 +74,14 @@ def _send(conn, message) -> None:
 
 
 def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_path, threads,
-               stderr_fd):
-    """The life of one forked rank: join the group, run tasks until told to stop."""
-    _die_with_parent()
-    os.dup2(stderr_fd, 2)  # the parent shows it, and keeps the tail in case this rank dies
-    os.close(stderr_fd)
-    if faulthandler.is_enabled():  # (pytest enables it on a copy of fd 2): into the tail too
+               stdout: Connection, stderr: Connection, parent_faulthandler: bool):
+    """The life of one rank: join the group, run tasks until told to stop."""
+    die_with_parent()
+    os.dup2(stdout.fileno(), 1)  # the parent's stdout now (a forkserver's is from its start)
+    stdout.close()
+    os.dup2(stderr.fileno(), 2)  # the parent shows it, and keeps the tail in case this rank dies
+    stderr.close()
+    if parent_faulthandler:  # (pytest enables it on a copy of fd 2): into the tail too
         faulthandler.enable(file=sys.stderr, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it kills us
     for name in ("SIGTERM", "SIGHUP"):  # whatever handler the parent had: die as by default
@@ -95,8 +100,8 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
             os._exit(1)
         while True:
             try:
-                task = pickle.loads(conn.recv_bytes())  # a function defined after the fork
-                if task is None:                         # fails here: report it too
+                task = loads_task(conn.recv_bytes())  # a function defined after the fork
+                if task is None:                       # fails here: report it too
                     break
                 fn, args, kwargs = task
                 _send(conn, ("ok", fn(*args, **kwargs)))
@@ -123,9 +128,12 @@ def leave_group() -> None:
 
 
 class RankGroup:
-    """``world_size`` forked ranks in one process group, kept alive between :meth:`run` calls.
+    """``world_size`` ranks in one process group, kept alive between :meth:`run` calls.
 
-    After any failure the group is closed (its state is unknowable); create a new one.
+    ``start_method``: ``None`` forks them where a forked child can run autograd and starts them
+    from a forkserver where it cannot (:func:`miniddp.launch.start_methods.choose_start_method`);
+    ``"fork"`` or ``"forkserver"`` insists. After any failure the group is closed (its state is
+    unknowable); create a new one.
     """
 
     #: After the first failure, how long to wait for the other ranks' reports. A rank that
@@ -134,28 +142,46 @@ class RankGroup:
     GRACE_S = 1.0
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", pg_timeout: float = 30.0,
-                 threads: int = 1):
+                 threads: int = 1, start_method: str | None = None):
         if world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {world_size}")
+        if start_method not in (None, "fork", "forkserver"):
+            raise ValueError(f"start_method must be None, 'fork' or 'forkserver', got "
+                             f"{start_method!r}")
         self.world_size, self.backend = world_size, backend
+        self.start_method = start_method or choose_start_method()
         # torch imports torch._dynamo lazily (DDP construction, optimizers): seconds of CPU in
         # every rank unless it is imported once here, before the fork.
         import torch._dynamo  # noqa: F401
         remove_stale_group_dirs()
         self._dir = tempfile.mkdtemp(prefix=f"miniddp-{os.getpid()}-")
-        ctx = mp.get_context("fork")
+        ctx = context(self.start_method)
         self._procs, self._conns, self._stderr = [], [], []
         for rank in range(world_size):
             parent_end, child_end = ctx.Pipe()
             stderr_read, stderr_write = os.pipe()
+            # Connections travel to a rank under any start method (fds are passed along)
+            stdout_end = Connection(os.dup(1), readable=False)
+            stderr_end = Connection(stderr_write, readable=False)
             stack_path = os.path.join(self._dir, f"stack-{rank}.txt")
             proc = ctx.Process(
                 target=_rank_main, name=f"miniddp-rank{rank}", daemon=True,
                 args=(rank, world_size, child_end, os.path.join(self._dir, "store"), backend,
-                      pg_timeout, stack_path, threads, stderr_write))
-            proc.start()
-            child_end.close()
-            os.close(stderr_write)
+                      pg_timeout, stack_path, threads, stdout_end, stderr_end,
+                      faulthandler.is_enabled()))
+            try:
+                proc.start()
+            except BaseException as error:
+                os.close(stderr_read)
+                self.close(kill=True)
+                if self.start_method == "fork" or not isinstance(error, (EOFError, OSError)):
+                    raise
+                raise RuntimeError(f"could not start rank {rank} from a forkserver "
+                                   f"({error!r}). {FORKSERVER_ADVICE}") from error
+            finally:
+                child_end.close()
+                stdout_end.close()
+                stderr_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
             self._stderr.append(StderrTail(stderr_read))
@@ -175,7 +201,7 @@ class RankGroup:
             if not self.alive:  # a rank died before this call, e.g. joining the group: say why
                 self._collect(self.GRACE_S)
                 raise RuntimeError("a rank of this RankGroup exited before the call")
-            task = pickle.dumps((fn, args, kwargs))
+            task = dumps_task((fn, args, kwargs), self.start_method)
             for conn in self._conns:
                 conn.send_bytes(task)
             return self._collect(math.inf if timeout is None else timeout)
@@ -234,7 +260,7 @@ class RankGroup:
                 raise RankError(silent[0], self.world_size,
                                 "stopped taking part (the others' collectives failed waiting)",
                                 f"{self._stacks(silent)}\n{waited}")
-            raise _root_cause(failures, self.world_size)
+            raise _root_cause(failures, self.world_size, self.start_method)
         return [results[r] for r in range(self.world_size)]
 
     def _death(self, rank: int) -> str:
@@ -268,7 +294,7 @@ class RankGroup:
             for conn, proc in zip(self._conns, self._procs):
                 if proc.is_alive():
                     try:
-                        conn.send_bytes(pickle.dumps(None))
+                        conn.send_bytes(dumps_task(None, "fork"))
                     except OSError:
                         pass
             for proc in self._procs:
@@ -307,7 +333,8 @@ def _headline(what: str, details: str) -> str:
     return lines[0] if what == "died without reporting" else lines[-1]
 
 
-def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankError:
+def _root_cause(failures: dict[int, tuple[str, str]], world_size: int,
+                start_method: str = "fork") -> RankError:
     """The failure most likely to be the cause: a death, then an error of the rank's own."""
     def rank_key(rank):
         what, details = failures[rank]
@@ -319,4 +346,29 @@ def _root_cause(failures: dict[int, tuple[str, str]], world_size: int) -> RankEr
               for r in sorted(failures) if r != culprit]
     if others:
         details += "\n(then " + "; ".join(others) + ")"
-    return RankError(culprit, world_size, what, details)
+    return RankError(culprit, world_size, what, details + _advice(what, details, start_method))
+
+
+FORK_ADVICE = (
+    "miniddp: this rank was forked from a process that had already run a backward on a machine "
+    "with a GPU; torch forbids autograd in such a fork. Leave RankGroup's start_method unset "
+    "(miniddp.launch then starts ranks from a forkserver when it must), launch the ranks "
+    "before the first backward, or start them with torchrun.")
+FORKSERVER_ADVICE = (
+    "miniddp started these ranks from a forkserver, because a child forked from this process "
+    "could not run autograd (it had run a backward on a machine with a GPU, or initialized "
+    "CUDA). A forkserver imports the main script again: put its top-level code under "
+    "`if __name__ == \"__main__\":` and define the functions sent to ranks at the top level of "
+    "a file (not in `python -c`, a notebook or an interactive session). Or launch the ranks "
+    "before the first backward, or start them with torchrun.")
+_NOT_FOUND_IN_RANK = ("Can't get attribute", "No module named", "ModuleNotFoundError")
+
+
+def _advice(what: str, details: str, start_method: str) -> str:
+    """What to do, for the two failures that come from how the ranks were started."""
+    if AUTOGRAD_FORK_ERROR in details:
+        return "\n" + FORK_ADVICE
+    if start_method != "fork" and (what == "died without reporting"
+                                   or any(s in details for s in _NOT_FOUND_IN_RANK)):
+        return "\n" + FORKSERVER_ADVICE
+    return ""
