@@ -204,8 +204,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 self.unused.note_use(index)  # gradients just accumulate
 
     def _gradient_ready(self, index: int) -> None:
-        if self.timeline is not None:
-            self._record("ready", index)
+        self._record("ready", index)  # the trace, and logging data
         if self.unused is not None:  # the unreached ones are ready too, with zeros
             self.unused.note_use(index)
             for unreached in self.unused.take_unreached():
@@ -227,7 +226,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         grad = None if later is None else self.params[index].grad
         if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
-        elif grad is not None and not grad.requires_grad:
+        elif grad is not None:  # copied in with the bucket's others once it is complete
+            if grad.requires_grad:  # backward(create_graph=True): as torch, warn; reduce its value
+                errors.warn_create_graph()
+                grad = grad.detach()
             later.append((grad, bucket.views[slot]))
         else:
             self._copy_into_bucket(self.params[index], bucket.views[slot])
@@ -292,8 +294,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
     def _launch(self, bucket: Bucket) -> None:
         if self.unused is not None and self.unused.skips(bucket):  # miniddp.options.unused
             return
-        if self.timeline is not None:
-            self._record("launch", bucket.index)
+        self._record("launch", bucket.index)
         if self.consistency is not None:  # miniddp.checks
             self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
         if self.comm_hook is None:
@@ -330,8 +331,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 self.comm_hook.take_result(bucket)
             if bucket.recorded is not None:
                 bucket.recorded.wait()
-            if self.timeline is not None:
-                self._record("waited", bucket.index)
+            self._record("waited", bucket.index)
             for slot, i in enumerate(bucket.param_indices):
                 if used is None or used[i]:  # unused on every rank: .grad stays as it was
                     self._write_back(i, bucket.views[slot], copies)

@@ -319,37 +319,56 @@ def test_unfinished_reduction_raises_at_once_on_every_rank():
     assert all(seconds < 5 for _, seconds in results), "must not wait for the other rank"
 
 
-def backward_with_create_graph():
+def backward_with_create_graph(complete_buckets_at_once=False):
     """``backward(create_graph=True)``: torch's DDP warns and reduces the gradients' values (the
-    higher-order graph is not synchronized); miniddp does the same, with the same bits."""
+    higher-order graph is not synchronized); miniddp does the same, with the same bits.
+
+    ``complete_buckets_at_once``: the reducer's path on a GPU (forced here), with two parameters
+    in one bucket, copied in when it is complete. torch's DDP raises there ("a leaf Variable
+    that requires grad is being used in an in-place operation"), so miniddp runs alone and the
+    answer is worked out by hand: each gradient scaled once, not twice. The second parameter's
+    gradient is a constant (``d(5 q)/dq``), which does not require grad: the bucket holds both
+    kinds, one that needs the graph-aware copy and one that the at-once copy takes."""
     import warnings
 
-    class Cube(nn.Module):
-        def __init__(self):
+    class Cubes(nn.Module):
+        def __init__(self, n):
             super().__init__()
-            self.p = nn.Parameter(torch.tensor(1.0 + dist.get_rank()))
+            self.ps = nn.ParameterList(nn.Parameter(torch.tensor(1.0 + i + dist.get_rank()))
+                                       for i in range(n))
 
         def forward(self):
-            return self.p.pow(3)
+            return self.ps[0].pow(3) + sum(5 * p for p in self.ps[1:])
 
     grads, messages = {}, []
-    for cls in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
-        module = Cube()
-        p = module.p
+    classes = [miniddp.DistributedDataParallel]
+    if not complete_buckets_at_once:
+        classes.append(nn.parallel.DistributedDataParallel)
+    for cls in classes:
+        module = Cubes(2 if complete_buckets_at_once else 1)
         ddp = cls(module)
+        if cls is miniddp.DistributedDataParallel:
+            ddp.reducer.copy_complete_buckets = complete_buckets_at_once
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):
                 ddp().backward(create_graph=True)
-        grads[cls.__module__.split(".")[0]] = p.grad.detach().clone()
+        grads[cls.__module__.split(".")[0]] = [p.grad.detach().clone() for p in module.ps]
         messages += [str(w.message) for w in caught]
     return grads, messages
 
 
 def test_backward_with_create_graph_warns_and_runs_as_torch(ranks):
     for grads, messages in ranks(2).run(backward_with_create_graph):
-        assert torch.equal(grads["miniddp"], grads["torch"]), grads
-        assert grads["torch"].item() == 2 * 3.0  # p is rank 0's 1.0 after the broadcast
+        assert torch.equal(grads["miniddp"][0], grads["torch"][0]), grads
+        assert grads["torch"][0].item() == 2 * 3.0  # p is rank 0's 1.0 after the broadcast
+        assert any("create_graph=True is not well-supported" in m for m in messages), messages
+
+
+def test_backward_with_create_graph_scales_once_when_buckets_are_copied_in_at_once(ranks):
+    for grads, messages in ranks(2).run(backward_with_create_graph, True):
+        # p is rank 0's 1.0 after the broadcast: two backwards of 3 p^2 and of 5
+        assert [g.item() for g in grads["miniddp"]] == [2 * 3.0, 2 * 5.0], grads
         assert any("create_graph=True is not well-supported" in m for m in messages), messages
 
 
