@@ -15,7 +15,6 @@ from miniddp.baselines.data_parallel import DataParallel
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.ddp import DistributedDataParallel
 from miniddp.launch import RankError, RankGroup, launch, spawn
-from miniddp.optim import ZeroRedundancyOptimizer
 from miniddp.run import install, installed, uninstall
 from miniddp.sampler import DistributedSampler
 
@@ -34,3 +33,14 @@ __all__ = [
     "spawn",
     "uninstall",
 ]
+
+
+def __getattr__(name: str):
+    """``miniddp.ZeroRedundancyOptimizer``, imported on first use: it reads torch's own
+    (``torch.distributed.optim``, ~0.6 s of imports), which every process importing miniddp
+    would pay otherwise (every lesson, rank and torchrun worker)."""
+    if name == "ZeroRedundancyOptimizer":
+        from miniddp.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer
+    raise AttributeError(f"module 'miniddp' has no attribute {name!r}")

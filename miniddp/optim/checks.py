@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim.utils import functional_optim_map
 from torch.optim import Optimizer
 
 
@@ -71,6 +70,10 @@ def same_dense_type(params: list[torch.Tensor]) -> None:
 def optimizer_class(cls: Any, overlap_with_ddp: bool):
     """What builds the local optimizer: ``cls``, or with ``overlap_with_ddp`` its functional
     version."""
+    # imported here: torch.distributed.optim costs ~0.6 s, paid by every process importing
+    # miniddp otherwise (torch's functional optimizers matter only with overlap_with_ddp)
+    from torch.distributed.optim.utils import functional_optim_map
+
     functional = set(functional_optim_map.values())
     if isinstance(cls, Optimizer) or not callable(cls):
         raise TypeError(
