@@ -324,7 +324,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import miniddp
 
-print("name", __name__, "argv", sys.argv[1:], "miniddp", DDP is miniddp.DistributedDataParallel)
+# one write per line: two workers share the pipe, and print writes each piece on its own
+sys.stdout.write(f"name {__name__} argv {sys.argv[1:]} miniddp "
+                 f"{DDP is miniddp.DistributedDataParallel}\\n")
 if "--train" in sys.argv:
     dist.init_process_group("gloo")
     torch.manual_seed(dist.get_rank())  # different on each rank: DDP broadcasts rank 0's
@@ -333,8 +335,9 @@ if "--train" in sys.argv:
     grad = model.module.weight.grad
     everyone = [torch.empty_like(grad) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, grad)
-    print(f"rank {dist.get_rank()}", type(model).__module__,
-          "agree", all(torch.equal(everyone[0], g) for g in everyone))
+    sys.stdout.write(f"rank {dist.get_rank()} {type(model).__module__} agree "
+                     f"{all(torch.equal(everyone[0], g) for g in everyone)}\\n")
+    sys.stdout.flush()
     dist.destroy_process_group()
 """
 

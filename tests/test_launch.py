@@ -248,6 +248,9 @@ def test_a_group_dir_left_by_a_killed_parent_is_removed_by_the_next_group(tmp_pa
 def rank1_dies_during_a_collective_under_torchruns_variables():
     rank = dist.get_rank()
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
+    # both ranks past gloo's connections first: a rank that dies while the other is still
+    # connecting fails that rank's set-up, not the barrier this test is about
+    dist.barrier()
     if rank == 1:
         os._exit(5)
     from miniddp.launch import collective
