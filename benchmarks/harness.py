@@ -48,6 +48,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from miniddp.ddp import _move_to as move_to  # noqa: E402  (what DDP does to inputs)
 from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
 from miniddp.train.report import print0, save_figure  # noqa: E402
 
@@ -228,16 +229,6 @@ class Batches(list):
         self.loss = loss
 
 
-def to_device(obj, device: torch.device):
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(to_device(x, device) for x in obj)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    return obj
-
-
 def make_batches(setup: Setup, device: torch.device, rank: int, count: int = 4,
                  size: int | None = None) -> Batches:
     """``count`` fixed (x, y) batches for ``rank``: a pure function of the rank. ``size``
@@ -245,7 +236,7 @@ def make_batches(setup: Setup, device: torch.device, rank: int, count: int = 4,
     g = torch.Generator().manual_seed(1000 + rank)
     if outside.is_outside(setup.model):
         made = outside.built(setup.model, setup.quick)
-        return Batches([to_device(made.make_batch(g), device) for _ in range(count)], made.loss)
+        return Batches([move_to(made.make_batch(g), device) for _ in range(count)], made.loss)
     n, d = size or BATCH[setup.size], input_features(setup)
     return Batches([(torch.randn(n, d, generator=g).to(device),
                      torch.randn(n, OUT_FEATURES, generator=g).to(device))
