@@ -79,6 +79,25 @@ def test_the_copy_comparison_catches_a_copy_that_keeps_the_rebuilt_buckets(ranks
     assert all(problems for problems, _ in results)
 
 
+def copies_process_groups(how):
+    """The process group of a copy of each DDP: torch's copy takes the default group's."""
+    module = nn.Linear(2, 2)
+    found = {}
+    for name, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        ddp_copy = duplicate(cls(copy.deepcopy(module)), how)
+        found[name] = ddp_copy.process_group
+    return (found["miniddp"] is found["torch"], found["torch"] is dist.group.WORLD,
+            repr(found["miniddp"]))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_keeps_the_default_process_group_as_torchs_copy_does(ranks, how):
+    for same_as_torch, torch_keeps_world, mine in ranks(2).run(copies_process_groups, how):
+        assert torch_keeps_world, "torch's copy no longer takes the default group: look again"
+        assert same_as_torch, f"miniddp's copy has process_group {mine}, torch's the default group"
+
+
 def ema_of_a_copy():
     """The usual EMA: a deep copy, never trained, following the model after each step."""
     torch.manual_seed(0)

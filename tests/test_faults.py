@@ -240,8 +240,9 @@ def test_help_says_how_to_resume_at_another_world_size(capsys):
 
 
 @pytest.mark.parametrize("flag, value, says", [
-    ("--bucket-cap-mb", "inf", "must be a size in MB above 0"),
-    ("--bucket-cap-mb", "0", "must be a size in MB above 0"),
+    ("--bucket-cap-mb", "inf", "must be a size in MB, 0 or more"),
+    ("--bucket-cap-mb", "-1", "must be a size in MB, 0 or more"),
+    ("--bucket-cap-mb", "-0.001", "must be a size in MB, 0 or more"),
     ("--save-every-steps", "-1", "must be 0 (never) or more"),
     ("--timeout", "0", "must be a number of seconds above 0"),
     ("--timeout", "nan", "must be a number of seconds above 0"),
@@ -252,6 +253,18 @@ def test_impossible_numbers_are_refused_when_the_flags_are_read(capsys, flag, va
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {flag}: {says}" in err and err.rstrip().endswith(f"not {value}"), err
+
+
+def test_a_bucket_cap_that_is_not_a_number_is_refused_saying_so(capsys):
+    with pytest.raises(SystemExit) as info:
+        train.parse_args(["--bucket-cap-mb", "big"])
+    assert info.value.code == 2
+    assert "argument --bucket-cap-mb: invalid float value: 'big'" in capsys.readouterr().err
+
+
+def test_bucket_cap_mb_0_is_accepted_as_in_torch():
+    """torch's DDP takes bucket_cap_mb=0 (each parameter its own bucket); so does the job."""
+    assert train.parse_args(["--bucket-cap-mb", "0"]).bucket_cap_mb == 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() > 0, reason="needs a machine without a GPU")

@@ -1,6 +1,7 @@
 """lessons/grade.py: shipped exercises fail saying what to write, solutions pass, and a wrong
 solution fails the check that names its mistake."""
 
+import ast
 import os
 import re
 import subprocess
@@ -33,6 +34,32 @@ def solution_lines(number: str) -> list[str]:
     solution = next(SOLUTIONS.glob(f"{number}_*.py")).read_text()
     return [line.strip() for line in solution.splitlines()
             if len(line.strip()) > 12 and line not in exercise and line.strip()[0] not in "\"#"]
+
+
+def docstrings(path) -> dict[str, str | None]:
+    """A file's docstrings: the module's (key ``""``) and each class's and function's, by its
+    dotted name (``Reducer._on_ready``)."""
+    found = {}
+
+    def visit(node, prefix):
+        found[prefix.rstrip(".") if prefix else ""] = ast.get_docstring(node, clean=False)
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                visit(child, f"{prefix}{child.name}.")
+
+    visit(ast.parse(path.read_text()), "")
+    return found
+
+
+@pytest.mark.parametrize("number", NUMBERS)
+def test_each_solution_says_what_its_exercise_says(number):
+    """The learner reads the exercise; its solution must carry the same text, word for word
+    (the module's docstring and those of every class and function the exercise has)."""
+    exercise = docstrings(next((LESSONS_DIR / "exercises").glob(f"{number}_*.py")))
+    solution = docstrings(next(SOLUTIONS.glob(f"{number}_*.py")))
+    differ = [name or "the module" for name, text in exercise.items()
+              if solution.get(name, "(missing)") != text]
+    assert differ == [], f"exercise {number}'s solution says otherwise in: {differ}"
 
 
 @pytest.mark.slow

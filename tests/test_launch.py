@@ -79,6 +79,50 @@ def test_dead_rank_is_named_with_its_exit_code():
     _assert_all_dead(pids)
 
 
+class ResetPipe:
+    """A rank's pipe that fails as a reset socket does: ``recv_bytes`` (or ``send_bytes``)
+    raises the error; everything else (``fileno`` for ``wait``, ``close``) is the real pipe's."""
+
+    def __init__(self, conn, fails_on: str, error: OSError):
+        self._conn, self._fails_on, self._error = conn, fails_on, error
+
+    def __getattr__(self, name):
+        if name == self._fails_on:
+            def fail(*args, **kwargs):
+                raise self._error
+            return fail
+        return getattr(self._conn, name)
+
+
+def test_a_rank_whose_pipe_is_reset_is_named_not_a_bare_connection_error():
+    """A rank dying mid-send can surface as ConnectionResetError (or BrokenPipeError), not
+    EOFError: it is the same death, and must name the rank, keeping the pipe's error as the
+    cause."""
+    group = RankGroup(2)
+    pids = group.run(my_pid)
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    group._conns[1] = ResetPipe(group._conns[1], "recv_bytes", reset)
+    with pytest.raises(RankError, match="rank 1 of 2 died without reporting") as info:
+        group.run(rank1_dies, timeout=30)
+    assert info.value.rank == 1 and info.value.__cause__ is reset
+    assert "ConnectionResetError" in str(info.value) and "exit code 7" in str(info.value)
+    _assert_all_dead(pids)
+    assert not group.alive
+
+
+def test_a_rank_that_cannot_be_sent_its_task_is_named_not_a_bare_broken_pipe():
+    group = RankGroup(2)
+    pids = group.run(my_pid)
+    broken = BrokenPipeError(32, "Broken pipe")
+    group._conns[1] = ResetPipe(group._conns[1], "send_bytes", broken)
+    with pytest.raises(RankError, match="rank 1 of 2 died without reporting") as info:
+        group.run(rank_sum, 0, timeout=30)
+    assert info.value.rank == 1 and info.value.__cause__ is broken
+    assert "BrokenPipeError" in str(info.value)
+    _assert_all_dead(pids)
+    assert not group.alive
+
+
 def rank1_sleeps():
     if dist.get_rank() == 1:
         time.sleep(60)

@@ -52,6 +52,19 @@ def test_job_learns_and_reports_progress(tmp_path, capfd):
     make_model().load_state_dict(weights(tmp_path / "final.pt"))  # plain names, no prefix
 
 
+def test_a_job_with_bucket_cap_mb_0_trains_to_the_same_weights_as_with_the_default(tmp_path):
+    """--bucket-cap-mb 0 (each parameter its own bucket, valid in torch's DDP) runs; at 2 ranks
+    a sum of two gradients is the same in any bucket, so the weights match bit for bit."""
+    short = ["--epochs", "1", "--dataset-size", "128", "--batch-size", "16"]
+    finals = {}
+    for cap in ("0", None):
+        out = tmp_path / f"cap-{cap}.pt"
+        results = run_job([*short, "--out", str(out), *(["--bucket-cap-mb", cap] if cap else [])])
+        assert [r["steps"] for r in results] == [4, 4]
+        finals[cap] = weights(out)
+    assert same_weights(finals["0"], finals[None])
+
+
 def test_killed_mid_epoch_and_resumed_ends_with_the_same_weights_bit_for_bit(
         tmp_path, reference, capfd):
     # Step 21 is the 6th step of epoch 1; the last snapshot before it is step 20, 4 steps in.

@@ -202,8 +202,13 @@ class RankGroup:
                 self._collect(self.GRACE_S)
                 raise RuntimeError("a rank of this RankGroup exited before the call")
             task = dumps_task((fn, args, kwargs), self.start_method)
-            for conn in self._conns:
-                conn.send_bytes(task)
+            for rank, conn in enumerate(self._conns):
+                try:
+                    conn.send_bytes(task)
+                except OSError as error:  # BrokenPipeError, ConnectionResetError: it is gone
+                    raise RankError(rank, self.world_size, "died without reporting",
+                                    self._broken_pipe(rank, "sending it the task", error)
+                                    ) from error
             return self._collect(math.inf if timeout is None else timeout)
         except BaseException:
             self.close(kill=True)
@@ -212,6 +217,7 @@ class RankGroup:
     def _collect(self, timeout: float) -> list:
         results: dict[int, object] = {}
         failures: dict[int, tuple[str, str]] = {}  # rank -> (what happened, details)
+        causes: dict[int, OSError] = {}  # rank -> the error its pipe raised, if it raised one
         deadline = time.monotonic() + timeout
         by_conn = {conn: r for r, conn in enumerate(self._conns)}
         by_sentinel = {p.sentinel: r for r, p in enumerate(self._procs)}
@@ -243,6 +249,9 @@ class RankGroup:
                 except EOFError:  # its end of the pipe closed: the process is gone
                     self._procs[rank].join(1)
                     status, value = "died", self._death(rank)
+                except OSError as error:  # reset or broken mid-message: gone too, or as good as
+                    causes[rank] = error
+                    status, value = "died", self._broken_pipe(rank, "reading its report", error)
                 if status == "ok":
                     results[rank] = value
                 else:
@@ -260,7 +269,10 @@ class RankGroup:
                 raise RankError(silent[0], self.world_size,
                                 "stopped taking part (the others' collectives failed waiting)",
                                 f"{self._stacks(silent)}\n{waited}")
-            raise _root_cause(failures, self.world_size, self.start_method)
+            error = _root_cause(failures, self.world_size, self.start_method)
+            if error.rank in causes:  # the pipe's own error stays visible, as the cause
+                raise error from causes[error.rank]
+            raise error
         return [results[r] for r in range(self.world_size)]
 
     def _death(self, rank: int) -> str:
@@ -275,6 +287,18 @@ class RankGroup:
         else:
             text += f"\n(rank {rank} wrote nothing to stderr)"
         return text
+
+    def _broken_pipe(self, rank: int, doing: str, error: OSError) -> str:
+        """The details of a rank whose pipe failed (reset, broken) rather than closing cleanly.
+
+        A rank that dies part way through a message, or whose socket is reset, surfaces here as
+        an OSError rather than an EOFError; it is the same news, and must name the rank too.
+        """
+        self._procs[rank].join(1)
+        if self._procs[rank].exitcode is None:  # alive, but unreachable: close() will kill it
+            return (f"its pipe to the parent failed while {doing} ({error!r}), although it was "
+                    f"still running; it is killed with the group")
+        return f"its pipe to the parent failed while {doing} ({error!r}); {self._death(rank)}"
 
     def _stacks(self, ranks) -> str:
         """Ask hung ranks for their Python stacks, so a timeout says where each one was."""

@@ -1,15 +1,18 @@
 """Copying and pickling a DDP model: ``copy.deepcopy(ddp)`` (an EMA model), ``pickle``.
 
 A process group cannot be pickled, and a reducer's hooks belong to the parameters it was built
-for. So, as torch's DDP does, a copy leaves out the process group and the reducer, and builds a
-fresh reducer for its own parameters when it is restored: iteration 0's buckets, rebuilt after
-the copy's first synchronized backward, like a new DDP's. Nothing is broadcast: on each rank the
-copy is what the original was. Only a DDP on the default process group can be copied (torch's
-rule too): a restored copy could not know which group it belonged to.
+for. So, as torch's DDP does, a copy leaves out the process group and the reducer; when it is
+restored it takes the default process group of the process it is restored in (its
+``process_group``, as torch's copy's, is that group, never ``None``) and builds a fresh reducer
+for its own parameters: iteration 0's buckets, rebuilt after the copy's first synchronized
+backward, like a new DDP's. Nothing is broadcast: on each rank the copy is what the original
+was. Only a DDP on the default process group can be copied (torch's rule too): a restored copy
+could not know which group it belonged to.
 """
 
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
 from miniddp.options.arguments import is_default_group
@@ -25,11 +28,12 @@ def state_to_copy(ddp) -> dict:
             "its own DistributedDataParallel.")
     state = dict(ddp.__dict__)
     del state["reducer"]
-    state["process_group"] = None  # the default group, wherever the copy is restored
+    del state["process_group"]  # the default group, wherever the copy is restored
     return state
 
 
 def restore_copy(ddp, state: dict) -> None:
-    """``ddp.__setstate__``: the state back, and a new reducer for the copy's parameters."""
-    nn.Module.__setstate__(ddp, state)
+    """``ddp.__setstate__``: the state back, the default process group (as torch's copy takes
+    it), and a new reducer for the copy's parameters."""
+    nn.Module.__setstate__(ddp, {**state, "process_group": dist.group.WORLD})
     ddp.reducer = ddp._make_reducer()

@@ -99,11 +99,12 @@ NOISE = 0.05  # std of the noise each rank adds to its inputs: the job's use of 
 PEER_GRACE = 3.0  # seconds a rank whose peer vanished waits, so the peer's error is seen first
 
 
-def _number(convert, least: float, what: str):
-    """An argparse type: a finite number above ``least`` (``inf`` and ``nan`` are numbers too)."""
+def _number(convert, least: float, what: str, or_equal: bool = False):
+    """An argparse type: a finite number above ``least`` (or equal to it, with ``or_equal``;
+    ``inf`` and ``nan`` are numbers too)."""
     def parse(text: str):
         value = convert(text)
-        if not (math.isfinite(value) and value > least):
+        if not (math.isfinite(value) and (value >= least if or_equal else value > least)):
             raise argparse.ArgumentTypeError(f"must be {what}, not {text}")
         return value
     parse.__name__ = convert.__name__  # argparse's "invalid float value: 'x'"
@@ -139,7 +140,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="auto: NCCL when every rank gets a GPU of its own, else gloo")
     p.add_argument("--bucket-cap-mb", default=None, type=_number(
-        float, 0, "a size in MB above 0 (for a single bucket, one above the model's size)"))
+        float, 0, "a size in MB, 0 or more (0: each parameter its own bucket; for a single "
+                  "bucket, one above the model's size)", or_equal=True),
+        help="DDP's bucket_cap_mb (default: DDP's 25; 0: each parameter its own bucket)")
     p.add_argument("--nproc", type=int, default=2, help="ranks to start (without torchrun)")
     p.add_argument("--timeout", type=_number(float, 0, "a number of seconds above 0"),
                    default=60.0,

@@ -13,6 +13,9 @@ Write the two pieces that make DDP:
 * ``_finish`` (after backward computed every gradient): wait for every bucket in order and copy
   the averages back into ``.grad``; reset for the next backward.
 
+Try it before re-reading lesson 06's ``SmallReducer``: the reference solution is close to it.
+``python lessons/grade.py --hint 06`` prints the code-level steps if you are stuck.
+
 Graded by ``python lessons/grade.py 06``: ``_finish`` run by the autograd engine after every
 backward, every launched all_reduce waited for, the state reset; gradients equal torch's DDP's
 bit for bit at every step at 2 and 3 ranks (one bucket at step 0, torch's rebuilt buckets after,
