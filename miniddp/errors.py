@@ -6,8 +6,6 @@ returns the exception for the reducer to raise.
 
 from __future__ import annotations
 
-import warnings
-
 import torch.distributed as dist
 
 
@@ -67,22 +65,3 @@ def marked_ready_twice(name: str) -> RuntimeError:
         "forward, or in two reentrant backward passes (e.g. checkpointing the same layer "
         "twice)? For the latter, and if the graph is the same every iteration, pass "
         "static_graph=True.")
-
-
-def warn_create_graph() -> None:
-    """``backward(create_graph=True)`` through DDP: torch's warning, in torch's words."""
-    warnings.warn(
-        "Using DistributedDataParallel with create_graph=True is not well-supported. The "
-        "higher-order gradient will not be synchronized across ranks, and backpropagation "
-        "through all_reduce operations will not occur. For a gradient penalty, take the inner "
-        "gradient with torch.autograd.grad(..., create_graph=True) and call loss.backward() "
-        "plainly.", stacklevel=2)
-
-
-def higher_order_gradient(name: str, error: BaseException) -> RuntimeError:
-    return RuntimeError(
-        f"the gradient of {name!r} requires grad, and writing the average back into it failed "
-        f"({error}): backward(create_graph=True) works through DDP only where the gradient "
-        "can be overwritten in place (torch's DDP fails here too; it never synchronizes "
-        "higher-order gradients). For a gradient penalty, take the inner gradient with "
-        "torch.autograd.grad(..., create_graph=True) and call loss.backward() plainly.")

@@ -11,12 +11,12 @@ The life of one synchronized step:
    it reduces the gradient those hooks leave), and it also fires when the gradient that arrives
    is undefined (how parameters behind outputs the loss ignored are found). It copies
    ``grad * (1 / world_size)`` into the parameter's slot of its bucket (multiplying by the
-   reciprocal before a SUM is exactly what torch does, and what makes the bits match). On a GPU
-   the copy waits for the bucket's last gradient: then one call copies them all and one
-   multiplies the whole bucket by the same reciprocal (the same bits; two kernel launches per
-   bucket instead of one per parameter). When a bucket's last slot is filled, its
-   ``all_reduce(async_op=True)`` starts, buckets strictly in order, so every rank issues the
-   same collectives in the same order.
+   reciprocal before a SUM is exactly what torch does, and what makes the bits match). In a
+   bucket of small gradients (on a GPU, in every bucket) they wait for the last one instead:
+   then one call copies them all in and one multiplies the bucket by the same reciprocal (the
+   same bits, and two calls per bucket instead of one per parameter: see ``copy_buckets_at_end``).
+   When a bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets
+   strictly in order, so every rank issues the same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
    the last gradient is computed, waits for every bucket, and writes the averages back into
    ``.grad``. So when ``loss.backward()`` returns, gradients are synchronized.
@@ -27,7 +27,9 @@ That is all of this file. The options attach where it says so, each in its own m
 (``miniddp.options.comm_hooks``), ``static_graph`` (``miniddp.options.static_graph``: counts
 each parameter's hook firings in the first backward and delays its reduction to the end), and
 the bucket layout and its one rebuild (``miniddp.buckets``). ``batched_grad_copy``
-(``miniddp.options.batched_copy``) copies a bucket's gradients in at once. The checks and traces
+(``miniddp.options.batched_copy``) copies a bucket's gradients in at once, and
+``backward(create_graph=True)`` reduces the gradients' values (``miniddp.options.create_graph``).
+A hook that no option needs to see goes straight to its bucket. The checks and traces
 (``miniddp.checks``) are not imported here: they attach to ``self.watch`` (a second backward
 through one forward, a failed wait explained) and ``self.consistency`` (ranks compared, off by
 default), and are called at the points marked ``miniddp.checks``.
@@ -56,9 +58,14 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
+from miniddp.options import create_graph
 from miniddp.options.gradient_views import GradientsAsBucketViews
 from miniddp.options.torch_private import TorchPrivateReducer
 from miniddp.options.unused import UnusedParameters
+
+#: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
+#: its last one (``Reducer.copy_buckets_at_end``).
+COPY_AT_END_BYTES_CPU = 64 * 1024
 
 
 class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.torch_private
@@ -100,11 +107,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
         self.has_rebuilt = False
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
-        # Copy a bucket's gradients in when it is complete, in one call (see copy_and_scale)?
-        # On a GPU each copy is a kernel launched from this thread, which also launches the
-        # backward's kernels; on the CPU each is a pass over memory, and a copy followed by a
-        # scaling of the whole bucket costs one pass more than scaling on the way in.
-        self.copy_complete_buckets = params[0].device.type != "cpu" if params else False
+        self.plain = False  # no option needs to see each hook this backward (prepare_for_backward)
+        # A bucket of gradients of at most this many bytes each waits for its last one.
+        on_gpu = bool(params) and params[0].device.type != "cpu"
+        self.copy_at_end_bytes = float("inf") if on_gpu else COPY_AT_END_BYTES_CPU
         self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
         # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
         # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
@@ -137,6 +143,28 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 self.locate[i] = (bucket, slot)
         if self.views is not None:
             self.views.move_into(self.buckets, self.params)
+        self.copy_buckets_at_end(self.copy_at_end_bytes)
+
+    def copy_buckets_at_end(self, max_bytes: float) -> None:
+        """A bucket whose gradients are all of at most ``max_bytes`` has them wait for its
+        last one: then one call copies them all in, and one scales the whole bucket.
+
+        Every element is multiplied by the same operand as it would be on the way in, so the
+        bits are the same (dividing the bucket, as torch's ``batched_grad_copy`` does, is
+        another operation and gives other bits). The slots of parameters without a gradient
+        were zeroed, and stay zero.
+
+        Each copy on the way in is one call into torch from this thread: about 2 µs of
+        dispatch on a CPU, and on a GPU a kernel launched from the thread that also launches
+        the backward's kernels. Waiting trades those calls for one more pass over the bucket,
+        which on a CPU pays only where the gradients are small (benchmarks/README.md, "Many
+        small tensors"); on a GPU it always pays. ``float("inf")``: every bucket (a GPU's
+        default); -1: none.
+        """
+        self.copy_at_end_bytes = max_bytes
+        for bucket in self.buckets:
+            bucket.copy_at_end = len(bucket.views) > 1 and self.views is None and all(
+                view.numel() * view.element_size() <= max_bytes for view in bucket.views)
 
     def bucket_info(self) -> list[BucketInfo]:
         return [bucket.info(self.names) for bucket in self.buckets]
@@ -165,10 +193,14 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             self.timer.note("forward_end")
         self.ready.clear()
         self.next_bucket = 0
-        at_once = self.copy_complete_buckets and self.views is None
+        copy_later = self.batched_copy is None
         for bucket in self.buckets:
             bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
-            bucket.copy_later = [] if at_once and bucket.pending > 1 else None  # (grad, view)s
+            bucket.copy_later = [] if copy_later and bucket.copy_at_end else None  # (grad, view)s
+        # The options that see every hook first; without them a hook goes straight to its
+        # bucket (a trace's timeline is checked at each hook: it may start after the forward).
+        self.plain = (self.unused is None and self.static_graph is None and self.timer is None
+                      and not self.should_rebuild)
         if self.unused is not None:  # find the parameters no output reaches; watch outputs
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # firings to expect; the first backward waits
@@ -193,15 +225,23 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
 
     def _hook(self, index: int) -> None:
         with self._lock:
-            if self.static_graph is not None and not self.static_graph.final_firing(
-                    index, self.expect_hooks):
-                return  # static_graph: counted, not yet this parameter's last firing
-            if self.expect_hooks:
-                self._gradient_ready(index)
-            elif self.second_backward:  # through a reduced forward: warn, or raise
-                self.watch.late_gradient(index)  # (miniddp.checks)
-            elif self.unused is not None:  # no_sync, or a forward through ddp.module:
-                self.unused.note_use(index)  # gradients just accumulate
+            if self.plain and self.expect_hooks and self.timeline is None:
+                self._mark_ready(index)  # nothing else needs to see it: into its bucket
+            else:
+                self._hook_with_options(index)
+
+    def _hook_with_options(self, index: int) -> None:
+        """A hook that an option, a trace or the bucket rebuild needs to see first, or that
+        no synced backward expects."""
+        if self.static_graph is not None and not self.static_graph.final_firing(
+                index, self.expect_hooks):
+            return  # static_graph: counted, not yet this parameter's last firing
+        if self.expect_hooks:
+            self._gradient_ready(index)
+        elif self.second_backward:  # through a reduced forward: warn, or raise
+            self.watch.late_gradient(index)  # (miniddp.checks)
+        elif self.unused is not None:  # no_sync, or a forward through ddp.module:
+            self.unused.note_use(index)  # gradients just accumulate
 
     def _gradient_ready(self, index: int) -> None:
         self._record("ready", index)  # the trace, and logging data
@@ -222,26 +262,22 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]
-        later = bucket.copy_later  # a list when the bucket is copied in at once, when complete
-        grad = None if later is None else self.params[index].grad
-        if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
+        param = self.params[index]
+        if bucket.copy_later is not None and param.grad is not None:
+            bucket.copy_later.append((param.grad, bucket.views[slot]))  # with the bucket's last
+        elif self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
-        elif grad is not None:  # copied in with the bucket's others once it is complete
-            if grad.requires_grad:  # backward(create_graph=True): as torch, warn; reduce its value
-                errors.warn_create_graph()
-                grad = grad.detach()
-            later.append((grad, bucket.views[slot]))
         else:
-            self._copy_into_bucket(self.params[index], bucket.views[slot])
+            self._copy_into_bucket(param, bucket.views[slot])
         bucket.pending -= 1
         if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
             if self.batched_copy is not None:
                 self.batched_copy.flush(bucket)
             elif bucket.copy_later:
-                grads, views = zip(*bucket.copy_later)
-                copy_and_scale(views, grads, bucket.buffer,
-                               self._reciprocal(bucket.buffer.dtype) if self.comm_hook is None
-                               else None)
+                grads, views = zip(*bucket.copy_later)  # one call for all, then scale them all
+                torch._foreach_copy_(list(views), list(create_graph.values(grads)))
+                if self.comm_hook is None:  # (a comm hook does its own scaling)
+                    self._scale(bucket.buffer, bucket.buffer)
             if self.overlap:
                 self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
@@ -261,18 +297,16 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             elif param.grad is None:  # unused here: contribute zeros
                 view.zero_()
             elif scale:
-                torch.mul(param.grad, self._reciprocal(view.dtype), out=view)
+                self._scale(param.grad, view)
             else:
                 view.copy_(param.grad)
-        except RuntimeError:
-            if (param.grad is None or not param.grad.requires_grad or self.views is not None
-                    or not torch.is_grad_enabled()):
-                raise
-            # backward(create_graph=True): as torch, warn, and reduce the gradient's value (the
-            # higher-order graph is not synchronized); errors.higher_order_gradient if it fails
-            errors.warn_create_graph()
-            with torch.no_grad():
-                self._copy_into_bucket(param, view)
+        except RuntimeError as error:  # backward(create_graph=True)? miniddp.options.create_graph
+            create_graph.copy_value(self, param, view, error)
+
+    def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
+        place once its gradients are copied in (see ``copy_buckets_at_end``)."""
+        torch.mul(source, self._reciprocal(out.dtype), out=out)
 
     def _reciprocal(self, dtype: torch.dtype):
         """``1 / divisor`` as torch's reducer multiplies by it. For float32, a 0-dim float32
@@ -317,7 +351,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         used = self.unused.used_on_some_rank() if self.unused is not None else None
         if self.static_graph is not None:  # used by some rank in the first backward
             used = self.static_graph.end_backward()
-        copies = ([], [])  # (.grad, average) pairs, copied in one call rather than one each
+        grads, averages = [], []  # copied in one call at the end rather than one by one
         for bucket in self.buckets:
             if bucket.work is None:  # skip_all_reduce_unused_params (miniddp.options.unused)
                 continue
@@ -332,28 +366,29 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             if bucket.recorded is not None:
                 bucket.recorded.wait()
             self._record("waited", bucket.index)
-            for slot, i in enumerate(bucket.param_indices):
-                if used is None or used[i]:  # unused on every rank: .grad stays as it was
-                    self._write_back(i, bucket.views[slot], copies)
-        _copy_all(*copies)
+            for i, view in zip(bucket.param_indices, bucket.views):
+                if used is not None and not used[i]:  # unused on every rank: .grad stays
+                    continue
+                grad = self.params[i].grad
+                if grad is None or grad.requires_grad or self.views is not None:
+                    self._write_back(i, view)
+                else:
+                    grads.append(grad)
+                    averages.append(view)
+        _copy_all(grads, averages)
         self._record("finalized", -1)
         if self.consistency is not None:  # compare this step across ranks (miniddp.checks)
             self.consistency.after_backward()
 
-    def _write_back(self, index: int, view: torch.Tensor, copies) -> None:
+    def _write_back(self, index: int, view: torch.Tensor) -> None:
+        """The average into a ``.grad`` that is missing, a bucket view, or part of a graph."""
         param = self.params[index]
         if self.views is not None:
             self.views.write_back(param, index, view)
         elif param.grad is None:
             param.grad = view.clone(memory_format=torch.preserve_format)
-        elif param.grad.requires_grad:  # create_graph=True: copied as torch, into the graph
-            try:
-                param.grad.copy_(view)
-            except RuntimeError as error:
-                raise errors.higher_order_gradient(self.names[index], error) from None
-        else:
-            copies[0].append(param.grad)
-            copies[1].append(view)
+        else:  # create_graph=True (miniddp.options.create_graph)
+            create_graph.write_back(self.names[index], param.grad, view)
 
     # ----- records, clean-up -----
 
@@ -376,21 +411,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self._hooks = []
 
     def __del__(self):
-        self.remove_hooks()
-
-
-def copy_and_scale(views, grads, buffer: torch.Tensor, reciprocal) -> None:
-    """Copy ``grads`` into their ``views`` of ``buffer`` in one call, then multiply the whole
-    buffer by ``reciprocal`` (``None``: leave it unscaled, for a comm hook that scales).
-
-    Every element is multiplied by the same operand as ``torch.mul(grad, reciprocal)`` would
-    multiply it on the way in, so the bits are the same (dividing the bucket, as torch's
-    ``batched_grad_copy`` does, is another operation and gives other bits). The slots of the
-    buffer that no gradient fills were zeroed, and stay zero.
-    """
-    torch._foreach_copy_(list(views), list(grads))
-    if reciprocal is not None:
-        buffer.mul_(reciprocal)
+        if hasattr(self, "_hooks"):  # not when __init__ failed before registering them
+            self.remove_hooks()
 
 
 def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:

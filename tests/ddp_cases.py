@@ -185,7 +185,8 @@ def _diff(tag, step, name, a, b, problems):
 
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
-                       penalty=False, user_hook=False, nan=False, **ddp_kwargs) -> dict:
+                       penalty=False, user_hook=False, nan=False, copy_at_end=None,
+                       **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
     Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
@@ -197,6 +198,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     ``"layout"`` gives miniddp a different bucket cap from torch's; ``"nan_in_ours"`` puts a
     NaN into miniddp's first weight after wrapping. ``nan=True`` puts a NaN into that weight of
     the model both wrap (it spreads through every step on both sides: equal bits, no problem).
+    ``copy_at_end`` (bytes) overrides which buckets have their gradients copied in with the
+    last one (``Reducer.copy_buckets_at_end``; -1: none, ``math.inf``: all, as on a GPU).
     """
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
@@ -212,10 +215,12 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     with first_bucket_as_small_as(ddp_kwargs.get("bucket_cap_mb")):
         ours = miniddp.DistributedDataParallel(copy.deepcopy(module), **our_kwargs)
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
+    if copy_at_end is not None:
+        ours.reducer.copy_buckets_at_end(copy_at_end)
     if sabotage == "divide":
-        def divide_instead(param, view):
-            view.copy_(param.grad / dist.get_world_size())
-        ours.reducer._copy_into_bucket = divide_instead
+        def divide_instead(source, out):  # gradient by gradient, or a whole bucket at once
+            torch.div(source, dist.get_world_size(), out=out)
+        ours.reducer._scale = divide_instead
     if sabotage == "nan_in_ours":
         _put_nan(ours.module)
     both = [(ours, make_optimizer(optimizer, ours.parameters())),

@@ -202,10 +202,10 @@ def test_a_wrong_miniddp_is_refused_before_any_number_is_reported(tmp_path, monk
     """Negative control: gradients scaled by 0.49 instead of 0.5 must fail the bit check."""
     from miniddp.reducer import Reducer
 
-    def scale_wrongly(self, param, view):
-        torch.mul(param.grad, 0.49, out=view)
+    def scale_wrongly(self, source, out):
+        torch.mul(source, 0.49, out=out)
 
-    monkeypatch.setattr(Reducer, "_copy_into_bucket", scale_wrongly)  # inherited by the forks
+    monkeypatch.setattr(Reducer, "_scale", scale_wrongly)  # inherited by the forks
     with pytest.raises(RankError, match="correctness check failed"):
         no_sync.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("*.json"))

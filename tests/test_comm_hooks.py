@@ -103,6 +103,7 @@ def compare_hook(hook, steps=4, micro_batches=1, model_name="mlp", register_at_s
         scale = 1.0 / dist.get_world_size()
         ours.reducer._copy_into_bucket = lambda param, view: torch.mul(param.grad, scale,
                                                                        out=view)
+        ours.reducer.copy_buckets_at_end(-1)  # every gradient through the copy above
     (our_state, our_hook), (their_state, their_hook) = hooks_for(hook)
     both = [(ours, cases.make_optimizer("sgd", ours.parameters())),
             (theirs, cases.make_optimizer("sgd", theirs.parameters()))]

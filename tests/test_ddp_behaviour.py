@@ -348,7 +348,7 @@ def backward_with_create_graph(complete_buckets_at_once=False):
         module = Cubes(2 if complete_buckets_at_once else 1)
         ddp = cls(module)
         if cls is miniddp.DistributedDataParallel:
-            ddp.reducer.copy_complete_buckets = complete_buckets_at_once
+            ddp.reducer.copy_buckets_at_end(float("inf") if complete_buckets_at_once else -1)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for _ in range(2):

@@ -7,6 +7,8 @@ step (see ``ddp_cases``). World size 2 cannot tell a wrong bucket layout from a 
 its offset in the bucket.
 """
 
+import math
+
 import pytest
 import torch.distributed as dist
 from ddp_cases import compare_with_torch
@@ -51,6 +53,14 @@ CASES = {
                                                        "gradient_as_bucket_view": True},
     "no_sync_with_unused": {"model_name": "branchy", "find_unused_parameters": True,
                             "micro_batches": 3},
+    # the two ways a gradient enters its bucket (the CPU default picks by size)
+    "each_gradient_copied_as_it_arrives": {"copy_at_end": -1, "bucket_cap_mb": 0.002,
+                                           "micro_batches": 2},
+    "buckets_copied_in_with_their_last_gradient": {"copy_at_end": math.inf, "model_name": "big",
+                                                   "steps": 3},
+    "buckets_copied_in_with_their_last_gradient_unused": {
+        "copy_at_end": math.inf, "model_name": "branchy", "find_unused_parameters": True,
+        "steps": 6},
 }
 
 EXPECTED_BUCKETS = {"one_bucket": 1, "two_buckets": 2}
@@ -88,10 +98,14 @@ def test_default_cap_uses_small_first_bucket_then_rebuilds(ranks):
     assert layouts[-1] == [[9, 8, 7, 6], [5, 4, 3, 2, 1, 0]]
 
 
+@pytest.mark.parametrize("copy_at_end", [None, -1, math.inf], ids=["default", "one_by_one",
+                                                                 "with_the_last"])
 @pytest.mark.parametrize("sabotage", ["divide", "layout"])
-def test_comparison_catches_a_wrong_reducer(ranks, sabotage):
-    """Negative control: a subtly wrong miniddp must be caught at world size 3."""
-    results = ranks(3).run(compare_with_torch, model_name="big", steps=2, sabotage=sabotage)
+def test_comparison_catches_a_wrong_reducer(ranks, sabotage, copy_at_end):
+    """Negative control: a subtly wrong miniddp must be caught at world size 3, whichever way
+    its gradients enter their buckets."""
+    results = ranks(3).run(compare_with_torch, model_name="big", steps=2, sabotage=sabotage,
+                           copy_at_end=copy_at_end)
     assert any(r["problems"] for r in results), f"sabotage {sabotage!r} went unnoticed"
 
 
@@ -100,13 +114,13 @@ def test_comparison_catches_a_wrong_reducer(ranks, sabotage):
        depth=st.integers(1, 4),
        cap_bytes=st.one_of(st.none(), st.integers(64, 20_000)),
        optimizer=st.sampled_from(["sgd", "adam"]),
-       as_view=st.booleans())
+       as_view=st.booleans(), copy_at_end=st.sampled_from([None, -1, math.inf]))
 def test_property_random_models_match_torch(ranks, world_size, width, depth, cap_bytes,
-                                            optimizer, as_view):
+                                            optimizer, as_view, copy_at_end):
     cap = None if cap_bytes is None else cap_bytes / 2**20
     results = ranks(world_size).run(compare_with_torch, width=width, depth=depth, steps=3,
                                     optimizer=optimizer, bucket_cap_mb=cap,
-                                    gradient_as_bucket_view=as_view)
+                                    gradient_as_bucket_view=as_view, copy_at_end=copy_at_end)
     check(results)
 
 

@@ -2,9 +2,10 @@
 
 miniddp multiplies float32 gradients by a cached 0-dim float32 tensor instead (cheaper from
 Python); the kernel reads either as the same float32, so the products must be equal bit for bit,
-for every divisor and every value, including subnormals, infinities and NaN. On a GPU it copies
-a complete bucket's gradients in at once and then multiplies the whole bucket by that same
-reciprocal: the same operand for every element, so again the same bits.
+for every divisor and every value, including subnormals, infinities and NaN. A bucket whose
+gradients wait for its last one (on a GPU every bucket, on a CPU one of small gradients) has
+them copied in together and is then multiplied by that same reciprocal: the same operand for
+every element, so again the same bits.
 """
 
 import pytest
@@ -13,16 +14,24 @@ from bits import same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miniddp.reducer import Reducer, copy_and_scale
+from miniddp.reducer import Reducer
 
 FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)
 
 
 class _Divisor:
-    """Just what ``Reducer._reciprocal`` reads."""
+    """Just what ``Reducer._reciprocal`` and ``Reducer._scale`` read."""
+
+    _reciprocal, _scale = Reducer._reciprocal, Reducer._scale
 
     def __init__(self, divisor):
         self.divisor, self._reciprocals = divisor, {}
+
+
+def copy_then_scale(views, grads, buffer, divisor):
+    """What the reducer does with a bucket whose gradients waited for its last one."""
+    torch._foreach_copy_(views, grads)
+    _Divisor(divisor)._scale(buffer, buffer)
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)
@@ -45,7 +54,7 @@ def test_a_reciprocal_rounded_to_the_gradients_dtype_first_would_be_caught():
     assert not same_bits(ours, torchs)
 
 
-# --- a complete bucket copied in at once, then scaled (the reducer's path on a GPU) ---
+# --- a bucket's gradients copied in with its last one, then scaled (copy_buckets_at_end) ---
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
@@ -56,7 +65,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
        values=st.lists(FLOAT32, min_size=240, max_size=240), empty_slot=st.booleans())
 def test_copying_a_bucket_then_scaling_it_gives_the_per_parameter_products(
         divisor, dtype, sizes, values, empty_slot):
-    """``copy_and_scale`` against ``torch.mul(grad, 1 / world_size)`` per gradient (torch's own
+    """``copy_then_scale`` against ``torch.mul(grad, 1 / world_size)`` per gradient (torch's own
     scaling): equal bits for every value (subnormals, infinities and NaN included; see
     ``same_numbers``), with a slot that no gradient filled (zeroed) staying zero."""
     pool = torch.tensor(values, dtype=torch.float32).to(dtype)
@@ -67,8 +76,7 @@ def test_copying_a_bucket_then_scaling_it_gives_the_per_parameter_products(
     buffer = torch.full((offset + 3 * empty_slot,), 7.0, dtype=dtype)
     views = list(buffer[:offset].split(sizes))
     buffer[offset:].zero_()  # the reducer zeroes the slot of a parameter without a gradient
-    reciprocal = Reducer._reciprocal(_Divisor(divisor), dtype)
-    copy_and_scale(views, grads, buffer, reciprocal)
+    copy_then_scale(views, grads, buffer, divisor)
     expected = torch.cat([torch.mul(g, 1.0 / divisor) for g in grads] +
                          [torch.zeros(3 * empty_slot, dtype=dtype)])
     assert same_numbers(buffer, expected)
@@ -88,44 +96,38 @@ def test_dividing_the_bucket_instead_would_be_caught():
     """Control: ``bucket / 3`` (torch's batched_grad_copy) is another operation: other bits."""
     grad = torch.randn(10000)
     buffer = torch.empty(10000)
-    copy_and_scale([buffer], [grad], buffer, None)
+    buffer.copy_(grad)
     assert not same_numbers(buffer.div_(3), torch.mul(grad, 1 / 3))
 
 
 def train_with_complete_buckets_copied_at_once(dtype_name, sabotage=False):
-    """miniddp with the GPU's copy path forced on, beside torch's DDP: every parameter's bits
-    after three steps, for a model in ``dtype_name`` with several parameters per bucket."""
+    """miniddp with every bucket waiting for its last gradient (a GPU's path), beside
+    torch's DDP: every parameter's bits after three steps, for a model in ``dtype_name`` with
+    several parameters per bucket."""
     import copy
 
     import torch.distributed as dist
     from torch import nn
 
     import miniddp
-    from miniddp import reducer as reducer_module
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(),
                           nn.Linear(24, 4)).to(dtype)
     ours = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.002)
     theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.002)
-    ours.reducer.copy_complete_buckets = True
+    ours.reducer.copy_buckets_at_end(float("inf"))  # every bucket waits for its last gradient
     if sabotage:  # negative control: divide the bucket, as torch's batched_grad_copy does
-        def divide(views, grads, buffer, reciprocal):
-            torch._foreach_copy_(list(views), list(grads))
-            buffer.div_(round(1 / float(reciprocal)))
-        real, reducer_module.copy_and_scale = reducer_module.copy_and_scale, divide
-    try:
-        optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
-        g = torch.Generator().manual_seed(dist.get_rank())
-        for _ in range(3):
-            x = torch.randn(8, 16, generator=g).to(dtype)
-            for m, opt in zip((ours, theirs), optimizers):
-                opt.zero_grad()
-                m(x).float().pow(2).mean().backward()
-                opt.step()
-    finally:
-        if sabotage:
-            reducer_module.copy_and_scale = real
+        ours.reducer._scale = lambda source, out: torch.div(source, dist.get_world_size(),
+                                                            out=out)
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ours, theirs)]
+    g = torch.Generator().manual_seed(dist.get_rank())
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=g).to(dtype)
+        for m, opt in zip((ours, theirs), optimizers):
+            opt.zero_grad()
+            m(x).float().pow(2).mean().backward()
+            opt.step()
     multi = sum(len(b.param_indices) > 1 for b in ours.reducer.buckets)
     same = all(same_numbers(a.detach(), b.detach())
                for a, b in zip(ours.module.parameters(), theirs.module.parameters()))

@@ -63,12 +63,11 @@ def no_sync_outputs_unwatched(module):
 def divide_instead_of_multiply(module):
     """Lesson 08: the reducer divides by the world size instead of multiplying by its inverse
     (equal at 2 ranks, where halving is exact; not at 3)."""
-    def copy_into_bucket(self, param, view):
-        if param.grad is None:
-            view.zero_()
-        else:
-            view.copy_(param.grad).div_(getattr(self, "divisor", self.world_size))
-    _patch(module.Reducer, "_copy_into_bucket", lambda original: copy_into_bucket)
+    import torch
+
+    def scale(self, source, out):  # gradient by gradient, or a whole bucket at once
+        torch.div(source, getattr(self, "divisor", self.world_size), out=out)
+    _patch(module.Reducer, "_scale", lambda original: scale)
 
 
 def write_not_atomic(module):

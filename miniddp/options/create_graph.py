@@ -1,0 +1,65 @@
+"""``loss.backward(create_graph=True)`` through DDP: reduce the gradient's value, warn.
+
+Where a gradient penalty or a second-order method builds a graph of the gradient itself, each
+``.grad`` that reaches the reducer requires grad. torch's DDP warns that the higher-order
+gradient is not synchronized, averages the gradient's *value* like any other (the bucket holds
+no graph), and writes the average back into ``.grad`` in place, so the graph built on it stays
+attached. miniddp does the same, in the three places where a gradient meets a bucket:
+
+* copied in one by one: ``torch.mul(grad, r, out=view)`` refuses a gradient that requires
+  grad while grad mode is on, so the reducer's copy calls :func:`copy_value` when it fails;
+* copied in with the rest of a complete bucket: :func:`values` detaches them first;
+* written back at the end of backward: :func:`write_back`, an in-place copy into the graph.
+
+The reducer pays nothing for this on a plain backward: the first path costs a ``try``, the
+second a flag read per gradient in a bucket copied at once, the third the flag it reads anyway.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+
+def warn() -> None:
+    """torch's warning, in torch's words."""
+    warnings.warn(
+        "Using DistributedDataParallel with create_graph=True is not well-supported. The "
+        "higher-order gradient will not be synchronized across ranks, and backpropagation "
+        "through all_reduce operations will not occur. For a gradient penalty, take the inner "
+        "gradient with torch.autograd.grad(..., create_graph=True) and call loss.backward() "
+        "plainly.", stacklevel=2)
+
+
+def copy_value(reducer, param: torch.Tensor, view: torch.Tensor, error: RuntimeError) -> None:
+    """The reducer's copy of ``param.grad`` into ``view`` raised ``error``: if that is because
+    the gradient requires grad, warn and copy its value; otherwise raise ``error`` again."""
+    if (param.grad is None or not param.grad.requires_grad or reducer.views is not None
+            or not torch.is_grad_enabled()):
+        raise error
+    warn()
+    with torch.no_grad():
+        reducer._copy_into_bucket(param, view)
+
+
+def values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``grads`` to copy into a bucket in one call, detached where they require grad."""
+    if not any(g.requires_grad for g in grads):
+        return grads
+    warn()
+    return [g.detach() for g in grads]
+
+
+def write_back(name: str, grad: torch.Tensor, average: torch.Tensor) -> None:
+    """Copy the average into a gradient that requires grad, in place, as torch does."""
+    try:
+        grad.copy_(average)
+    except RuntimeError as error:
+        raise RuntimeError(
+            f"the gradient of {name!r} requires grad, and writing the average back into it "
+            f"failed ({error}): backward(create_graph=True) works through DDP only where the "
+            "gradient can be overwritten in place (torch's DDP fails here too; it never "
+            "synchronizes higher-order gradients). For a gradient penalty, take the inner "
+            "gradient with torch.autograd.grad(..., create_graph=True) and call "
+            "loss.backward() plainly.") from None
