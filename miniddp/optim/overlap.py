@@ -35,10 +35,11 @@ interleaved one). torch's interleaved hook chains each bucket's step to its all_
 (``future.then``). With NCCL that future counts as done as soon as the all_reduce is queued on
 its CUDA stream, so the step and its broadcast are issued at once, on the autograd thread, in
 bucket order. With gloo the chained step runs later, on a gloo worker thread, when the
-all_reduce has finished, and its broadcasts can then reach gloo in another order on each rank.
-Here every wait and every collective is issued by the autograd thread that called the hook, in
-torch's NCCL order, so gloo is allowed. On CPU that wait holds the backward until the bucket is
-reduced; on a GPU it only makes the stream wait, as torch's does.
+all_reduce has finished, and issues its broadcasts from there, beside the autograd thread's
+all_reduces (tried with the check bypassed: it timed out or failed every time). Here every wait
+and every collective is issued by the autograd thread that called the hook, in torch's NCCL
+order, so gloo is allowed. With gloo the wait holds the backward until the bucket is reduced;
+with NCCL, waiting on a future only makes the current CUDA stream wait, as torch's does.
 """
 
 
