@@ -496,12 +496,15 @@ def test_overlap_with_sharded_buckets(ranks):
           "shard_buckets")
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("kind", ["miniddp", "torch_hook_on_miniddp"])
-def test_overlap_with_a_static_graph(ranks, kind):
+def test_overlap_with_a_static_graph(ranks, kind, interleaved):
     """With static_graph DDP rebuilds its buckets one iteration later, so the first three
     backwards do not update (two without): miniddp's DDP says so at torch's iteration."""
-    results = ranks(2).run(overlap_beside_torch, kind, "sgd", steps=6, static_graph=True)
-    check(results, ("static_graph", kind))
+    results = ranks(2).run(overlap_beside_torch, kind, "sgd", steps=6, interleaved=interleaved,
+                           static_graph=True)
+    check(results, ("static_graph", kind, interleaved))
+    check_step_times(results, ("static_graph", kind, interleaved))
     assert results[0]["moved"]
 
 
