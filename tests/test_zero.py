@@ -13,6 +13,15 @@ reference for miniddp's DDP with miniddp's hook and optimizer, torch's hook and 
 miniddp's DDP, and miniddp's hook and optimizer on torch's DDP. torch's hook refuses gloo by
 name (pytorch issue 62300, a hang seen with its interleaved variant); the tests build it with
 that one check answered "nccl" (:func:`gloo_allowed`), and it runs unchanged on both DDPs.
+
+``hook_with_zero_step_interleaved`` is compared the same way with torch's interleaved hook, and
+with miniddp's other hook. torch's chains each bucket's step to the all_reduce's future; on gloo
+that step runs on a gloo thread whenever the all_reduce ends, and sends its broadcasts from there
+(tried with the check answered: every case timed out in gloo or lost a broadcast handle). The
+reference is therefore given an all_reduce hook whose future is already done (:func:`waited`):
+torch's step then runs at once on the autograd thread, in the order it has with NCCL. Each case
+also compares when the steps run (each rank's sequence of bucket hooks and local steps), which
+the bits alone would not show.
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_h
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import miniddp
-from miniddp.optim import hook_with_zero_step
+from miniddp.optim import hook_with_zero_step, hook_with_zero_step_interleaved
 from miniddp.options import comm_hooks
 
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
@@ -80,6 +89,17 @@ def owners(zero, params) -> list[list[int]]:
 def skip_my_share(zero) -> None:
     """Sabotage: this rank does not step its share (and sends the old values)."""
     zero._local_step = lambda *args, **kwargs: None
+
+
+def skip_one_bucket_step(zero) -> None:
+    """Sabotage (overlap_with_ddp, one local step per bucket): skip the next bucket's step only."""
+    step, calls = zero._local_step, []
+
+    def all_but_the_first(*args, **kwargs):
+        calls.append(None)
+        return None if len(calls) == 1 else step(*args, **kwargs)
+
+    zero._local_step = all_but_the_first
 
 
 def keep_my_share(zero) -> None:
@@ -342,25 +362,55 @@ def gloo_allowed():
         dist.get_backend = real
 
 
-def overlapped(kind: str, module, cls, kwargs, shard_buckets: bool, **ddp_kwargs):
+def waited(hook):
+    """``hook``, returning its future only once it is done (see the module docstring)."""
+    def waited_hook(state, bucket):
+        future = hook(state, bucket)
+        future.wait()
+        return future
+    return waited_hook
+
+
+def logged(hook, zero, events: list):
+    """``hook``, noting in ``events`` each bucket it is called for and each local step."""
+    step = zero._local_step
+
+    def logged_step(*args, **kwargs):
+        events.append("step")
+        return step(*args, **kwargs)
+
+    def logged_hook(state, bucket):
+        events.append(f"bucket {bucket.index()}")
+        return hook(state, bucket)
+
+    zero._local_step = logged_step
+    return logged_hook
+
+
+def overlapped(kind: str, module, cls, kwargs, shard_buckets: bool, interleaved: bool,
+               events: list, **ddp_kwargs):
     """A DDP whose backward steps a ZeRO: torch's everything, torch's hook and optimizer on
-    miniddp's DDP, or miniddp's everything."""
+    miniddp's DDP, or miniddp's hook and optimizer on either DDP."""
     if kind in ("miniddp", "miniddp_hook_on_torch_ddp"):
         wrapper = DDPS["miniddp" if kind == "miniddp" else "torch"]
         ddp = wrapper(module, **MANY_BUCKETS, **ddp_kwargs)
         zero = miniddp.ZeroRedundancyOptimizer(ddp.parameters(), cls, overlap_with_ddp=True,
                                                **kwargs)
         hook = comm_hooks.allreduce if kind == "miniddp" else torch_hooks.allreduce_hook
-        ddp.register_comm_hook(None, hook_with_zero_step(hook, ddp, zero,
-                                                         shard_buckets=shard_buckets))
+        with_step = hook_with_zero_step_interleaved if interleaved else hook_with_zero_step
+        ddp.register_comm_hook(None, with_step(logged(hook, zero, events), ddp, zero,
+                                               shard_buckets=shard_buckets))
         return ddp, zero
     wrapper = nn.parallel.DistributedDataParallel if kind == "torch" else \
         miniddp.DistributedDataParallel
     ddp = wrapper(module, **MANY_BUCKETS, **ddp_kwargs)
     zero = TorchZero(ddp.parameters(), cls, overlap_with_ddp=True, **kwargs)
+    hook = logged(torch_hooks.allreduce_hook, zero, events)
+    with_step = ddp_zero_hook.hook_with_zero_step
+    if interleaved:
+        hook, with_step = waited(hook), ddp_zero_hook.hook_with_zero_step_interleaved
     with gloo_allowed():
-        hook = ddp_zero_hook.hook_with_zero_step(torch_hooks.allreduce_hook, ddp, zero,
-                                                 shard_buckets=shard_buckets)
+        hook = with_step(hook, ddp, zero, shard_buckets=shard_buckets)
     ddp.register_comm_hook(None, hook)
     return ddp, zero
 
@@ -377,23 +427,30 @@ def assignments(zero) -> list[dict]:
 
 
 def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_buckets=False,
-                         sabotage=False, **ddp_kwargs) -> dict:
+                         sabotage=None, interleaved=False, reference=None, **ddp_kwargs) -> dict:
+    """Train ``kind`` (see :func:`overlapped`) beside ``reference``, a (kind, interleaved) pair:
+    by default torch's everything, with the same hook variant. ``sabotage(zero)`` is applied to
+    the last rank's ``kind`` before its first updating backward."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)
     module = cases.MLP()
     cls, kwargs = OPTIMIZERS[optimizer]
+    reference = reference or ("torch", interleaved)
+    events = {"ours": [], "reference": []}  # the last backward's, on this rank
     with cases.first_bucket_as_small_as(MANY_BUCKETS["bucket_cap_mb"]):
-        reference, ref_zero = overlapped("torch", copy.deepcopy(module), cls, kwargs,
-                                         shard_buckets, **ddp_kwargs)
+        reference, ref_zero = overlapped(reference[0], copy.deepcopy(module), cls, kwargs,
+                                         shard_buckets, reference[1], events["reference"],
+                                         **ddp_kwargs)
         ours, zero = overlapped(kind, copy.deepcopy(module), cls, kwargs, shard_buckets,
-                                **ddp_kwargs)
+                                interleaved, events["ours"], **ddp_kwargs)
     start = [p.detach().clone() for p in reference.parameters()]
     problems = []
     for step in range(steps):
-        if sabotage and step == 2 and rank == world_size - 1:
-            zero._local_step = lambda *args, **kwargs: None
+        if sabotage is not None and step == 2 and rank == world_size - 1:
+            sabotage(zero)
         args, _, y = cases.batch("mlp", step, 0, rank)
-        for ddp, opt in ((reference, ref_zero), (ours, zero)):
+        for (ddp, opt), name in (((reference, ref_zero), "reference"), ((ours, zero), "ours")):
+            events[name].clear()
             opt.zero_grad()
             cases.loss_of("mlp", ddp(*args), y).backward()
             opt.step()  # does nothing (with torch's warning): the hook stepped
@@ -412,7 +469,14 @@ def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_bucket
             problems.append("the consolidated state lacks parameters")
     buckets = len(ours.reducer._get_zeros_like_grad_buckets()) if isinstance(
         ours, nn.parallel.DistributedDataParallel) else len(ours.reducer.buckets)
-    return {"problems": problems[:10], "moved": moved, "buckets": buckets}
+    return {"problems": problems[:10], "moved": moved, "buckets": buckets, "events": events}
+
+
+def check_step_times(results, case):
+    """On each rank, the local steps came between the same bucket hooks as the reference's."""
+    for rank, result in enumerate(results):
+        ours, theirs = result["events"]["ours"], result["events"]["reference"]
+        assert ours == theirs, f"{case}: rank {rank} steps at other times: {ours} != {theirs}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -422,6 +486,7 @@ def overlap_beside_torch(kind="miniddp", optimizer="adam", steps=5, shard_bucket
 def test_overlap_with_ddp_bit_identical(ranks, world_size, optimizer, kind):
     results = ranks(world_size).run(overlap_beside_torch, kind, optimizer)
     check(results, (kind, optimizer))
+    check_step_times(results, (kind, optimizer))
     assert results[0]["moved"], "the reference never stepped: the case tests nothing"
     assert results[0]["buckets"] == 5
 
@@ -431,18 +496,61 @@ def test_overlap_with_sharded_buckets(ranks):
           "shard_buckets")
 
 
+@pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("kind", ["miniddp", "torch_hook_on_miniddp"])
-def test_overlap_with_a_static_graph(ranks, kind):
+def test_overlap_with_a_static_graph(ranks, kind, interleaved):
     """With static_graph DDP rebuilds its buckets one iteration later, so the first three
     backwards do not update (two without): miniddp's DDP says so at torch's iteration."""
-    results = ranks(2).run(overlap_beside_torch, kind, "sgd", steps=6, static_graph=True)
-    check(results, ("static_graph", kind))
+    results = ranks(2).run(overlap_beside_torch, kind, "sgd", steps=6, interleaved=interleaved,
+                           static_graph=True)
+    check(results, ("static_graph", kind, interleaved))
+    check_step_times(results, ("static_graph", kind, interleaved))
     assert results[0]["moved"]
 
 
 def test_overlap_comparison_fails_when_a_share_is_skipped(ranks):
-    results = ranks(3).run(overlap_beside_torch, "miniddp", "sgd", sabotage=True)
+    results = ranks(3).run(overlap_beside_torch, "miniddp", "sgd", sabotage=skip_my_share)
     assert any(r["problems"] for r in results), "a skipped share went unnoticed"
+
+
+# ----- the interleaved overlap: each bucket stepped as soon as it is reduced -----
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+@pytest.mark.parametrize("kind", ["miniddp", "torch_hook_on_miniddp",
+                                  "miniddp_hook_on_torch_ddp"])
+def test_interleaved_overlap_bit_identical_to_torchs(ranks, world_size, optimizer, kind):
+    results = ranks(world_size).run(overlap_beside_torch, kind, optimizer, interleaved=True)
+    check(results, (kind, optimizer, "interleaved"))
+    check_step_times(results, (kind, optimizer, "interleaved"))
+    assert results[0]["moved"], "the reference never stepped: the case tests nothing"
+    assert results[0]["buckets"] == 5
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_interleaved_overlap_bit_identical_to_the_step_after_the_backward(ranks, world_size,
+                                                                          optimizer):
+    """The same parameters as miniddp's hook_with_zero_step, with the steps at other times: the
+    order comparison above can fail."""
+    results = ranks(world_size).run(overlap_beside_torch, "miniddp", optimizer,
+                                    interleaved=True, reference=("miniddp", False))
+    check(results, (optimizer, "interleaved beside hook_with_zero_step"))
+    assert results[0]["moved"]
+    for rank, result in enumerate(results):
+        ours, after = result["events"]["ours"], result["events"]["reference"]
+        assert sorted(ours) == sorted(after) and ours != after, (rank, ours, after)
+
+
+def test_interleaved_overlap_with_sharded_buckets(ranks):
+    check(ranks(3).run(overlap_beside_torch, "miniddp", "adamw", interleaved=True,
+                       shard_buckets=True), "interleaved, shard_buckets")
+
+
+def test_interleaved_comparison_fails_when_a_bucket_step_is_skipped(ranks):
+    results = ranks(3).run(overlap_beside_torch, "miniddp", "sgd", interleaved=True,
+                           sabotage=skip_one_bucket_step)
+    assert any(r["problems"] for r in results), "a skipped bucket step went unnoticed"
 
 
 # ----- clear errors, with torch's words where torch has them -----
@@ -492,6 +600,9 @@ def errors(which: str) -> dict:
     zero = miniddp.ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1)
     found["hook_without_overlap"] = (
         message_of(lambda: hook_with_zero_step(comm_hooks.allreduce, None, zero)), None)
+    found["interleaved_hook_without_overlap"] = (
+        message_of(lambda: hook_with_zero_step_interleaved(comm_hooks.allreduce, None, zero)),
+        None)
     return found
 
 
@@ -508,11 +619,20 @@ EXPECTED = {
     "add_group_with_overlap": "only supports a single parameter group",
     "state_before_overlap_is_ready": "should not be called until",
     "hook_without_overlap": "must be constructed with `overlap_with_ddp=True`",
+    "interleaved_hook_without_overlap": "must be constructed with `overlap_with_ddp=True`",
 }
 
 
 def test_constructor_signature_is_torchs():
     assert inspect.signature(miniddp.ZeroRedundancyOptimizer) == inspect.signature(TorchZero)
+
+
+@pytest.mark.parametrize("name", ["hook_with_zero_step", "hook_with_zero_step_interleaved"])
+def test_hook_signatures_are_torchs(name):
+    def arguments(function):
+        return [(p.name, p.kind, p.default)
+                for p in inspect.signature(function).parameters.values()]
+    assert arguments(getattr(miniddp.optim, name)) == arguments(getattr(ddp_zero_hook, name))
 
 
 def test_errors_say_what_went_wrong_in_torchs_words(ranks):

@@ -1,10 +1,20 @@
 """``overlap_with_ddp=True``: the sharded step runs inside DDP's backward, bucket by bucket.
 
-Without it, a step waits for the whole backward, then steps, then broadcasts. With it, DDP's
-communication hook (:func:`hook_with_zero_step`) does the step as soon as the last bucket has
-been launched: each rank waits only for the all_reduces of the buckets it owns, steps the
-parameters in them with the averaged gradients straight from the bucket, and broadcasts them,
-while the other buckets may still be in flight. ``zero.step()`` then does nothing.
+Without it, a step waits for the whole backward, then steps, then broadcasts. With it, a DDP
+communication hook does the step, in one of torch's two orders; ``zero.step()`` then does nothing.
+
+* :func:`hook_with_zero_step`: once the last bucket has been launched, each rank waits only for
+  the all_reduces of the buckets it owns, steps the parameters in them with the averaged
+  gradients straight from the bucket, and broadcasts them, while the other buckets may still be
+  in flight. The backward computes without pause; the step follows it.
+* :func:`hook_with_zero_step_interleaved`: at each bucket, its owners wait for its all_reduce,
+  step their share of it and broadcast it, before the backward goes on to the next bucket. The
+  step runs beside the backward, and all_reduces and broadcasts alternate (bucket 0's
+  all_reduce, its broadcast, bucket 1's all_reduce, ...). torch prefers it where communication
+  is fast beside computation.
+
+Both do the same steps (one local step per owned bucket, each from that bucket's gradients), so
+the parameters come out bit for bit the same; only when each step runs differs.
 
 A rank owns whole DDP buckets (bucket ``i``: rank ``i % world_size``; or slices of buckets with
 ``shard_buckets=True``), so it must know DDP's final buckets first, as torch's version does:
@@ -20,9 +30,16 @@ So the first two iterations do not update the parameters, as with torch (three w
 torch's functional version of ``optimizer_class`` (``torch.distributed.optim``): its step takes
 the gradients as an argument, ``None`` for parameters it must leave alone.
 
-torch's ``hook_with_zero_step`` refuses the gloo backend by name (pytorch issue 62300, a hang
-seen with the interleaved variant, whose waits run on a gloo thread). Here every wait runs on
-the autograd thread that called the hook, so gloo is allowed.
+torch's two hooks refuse the gloo backend by name (pytorch issue 62300, a hang seen with the
+interleaved one). torch's interleaved hook chains each bucket's step to its all_reduce's future
+(``future.then``). With NCCL that future counts as done as soon as the all_reduce is queued on
+its CUDA stream, so the step and its broadcast are issued at once, on the autograd thread, in
+bucket order. With gloo the chained step runs later, on a gloo worker thread, when the
+all_reduce has finished, and issues its broadcasts from there, beside the autograd thread's
+all_reduces (tried with the check bypassed: it timed out or failed every time). Here every wait
+and every collective is issued by the autograd thread that called the hook, in torch's NCCL
+order, so gloo is allowed. With gloo the wait holds the backward until the bucket is reduced;
+with NCCL, waiting on a future only makes the current CUDA stream wait, as torch's does.
 """
 
 
@@ -61,6 +78,7 @@ class Overlap:
         self.offsets: dict[int, int] = {}  # bucket index -> first of its params in my share
         self.waiting: dict[int, tuple] = {}  # this backward: bucket index -> (bucket, future)
         self.seen: list[int] = []
+        self.sending: list = []  # this backward's broadcasts not yet waited for
 
     @property
     def ready(self) -> bool:
@@ -98,26 +116,48 @@ class Overlap:
         zero._init_local_optimizer()
 
     def at_bucket(self, bucket, future) -> None:
-        """After set-up: keep my buckets; at the last one, step and broadcast them all."""
+        """:func:`hook_with_zero_step`: keep my buckets; at the last one, step and broadcast them
+        all."""
         index, rank = bucket.index(), self.zero.rank
         if rank in self.owners[index]:
             self.waiting[index] = (bucket, future)
-        expected = self.seen[-1] + 1 if self.seen else 0
-        if index != expected:
-            raise AssertionError(f"DDP launched bucket {index} where bucket {expected} was "
-                                 "expected: buckets must come in order, starting at 0")
-        self.seen.append(index)
+        self.check_order(index)
         if index != len(self.params_per_bucket) - 1:
             return
-        handles = []
         for index in range(len(self.params_per_bucket)):
             if rank in self.owners[index]:
                 bucket, future = self.waiting[index]
                 future.wait()  # this bucket's gradients are averaged
                 self.step_share(bucket)
-            handles += self.broadcast(index)
-        for handle in handles:
+            self.sending += self.broadcast(index)
+        self.end_of_backward()
+
+    def at_bucket_interleaved(self, bucket, future) -> None:
+        """:func:`hook_with_zero_step_interleaved`: step and broadcast this bucket now; at the
+        last one, wait for every broadcast."""
+        index = bucket.index()
+        self.check_order(index)
+        if self.zero.rank in self.owners[index]:
+            future.wait()
+            self.step_share(bucket)
+        self.sending += self.broadcast(index)
+        if index == len(self.params_per_bucket) - 1:
+            self.end_of_backward()
+
+    def check_order(self, index: int) -> None:
+        """Note bucket ``index`` as seen: the steps and broadcasts rely on buckets 0, 1, ...
+        coming in that order on every rank."""
+        expected = self.seen[-1] + 1 if self.seen else 0
+        if index != expected:
+            raise AssertionError(f"DDP launched bucket {index} where bucket {expected} was "
+                                 "expected: buckets must come in order, starting at 0")
+        self.seen.append(index)
+
+    def end_of_backward(self) -> None:
+        """Every parameter is sent before the next forward reads it."""
+        for handle in self.sending:
             handle.wait()
+        self.sending.clear()
         self.seen.clear()
         self.waiting.clear()
 
@@ -143,8 +183,21 @@ class Overlap:
 def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
     """Wrap the communication hook ``hook`` (e.g. ``miniddp.options.comm_hooks.allreduce``, or
     torch's ``allreduce_hook``) so that ``zero`` (built with ``overlap_with_ddp=True``) steps
-    during the backward of ``ddp`` (miniddp's DDP or torch's). Register the result with
-    ``ddp.register_comm_hook(state, ...)``. torch's signature and behaviour."""
+    during the backward of ``ddp`` (miniddp's DDP or torch's), after its last bucket. Register the
+    result with ``ddp.register_comm_hook(state, ...)``. torch's signature and behaviour."""
+    return with_zero_step(hook, ddp, zero, shard_buckets, Overlap.at_bucket)
+
+
+def hook_with_zero_step_interleaved(hook, ddp, zero, shard_buckets: bool = False):
+    """As :func:`hook_with_zero_step`, but each bucket is stepped and broadcast as soon as it is
+    reduced, bucket by bucket during the backward (see the module). torch's signature and
+    behaviour."""
+    return with_zero_step(hook, ddp, zero, shard_buckets, Overlap.at_bucket_interleaved)
+
+
+def with_zero_step(hook, ddp, zero, shard_buckets: bool, at_bucket):
+    """The hook both variants build: ``hook``, then the set-up, then ``at_bucket`` (an
+    :class:`Overlap` method: when to step) once the set-up is done."""
     if not zero._overlap_with_ddp:
         raise ValueError("ZeroRedundancyOptimizer must be constructed with "
                          "`overlap_with_ddp=True` to use this hook properly")
@@ -157,7 +210,7 @@ def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
         future = hook(state, bucket)
         overlap.note_bucket(ddp_ref(), bucket)
         if overlap.ready:
-            overlap.at_bucket(bucket, future)
+            at_bucket(overlap, bucket, future)
         return future
 
     return hook_with_zero_fn

@@ -45,9 +45,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     The arguments are torch's: ``process_group`` (default: the world), ``parameters_as_bucket_view``
     (parameters become views of one flat tensor per rank and device, so each rank's share is
     sent in one broadcast), ``overlap_with_ddp`` (step during DDP's backward through
-    :func:`miniddp.optim.hook_with_zero_step`; then :meth:`step` does nothing) and ``**defaults``
-    (passed to ``optimizer_class``). Every rank must build it, and call :meth:`add_param_group`,
-    with the same parameters in the same order: it checks.
+    :func:`miniddp.optim.hook_with_zero_step` or ``hook_with_zero_step_interleaved``; then
+    :meth:`step` does nothing) and ``**defaults`` (passed to ``optimizer_class``). Every rank
+    must build it, and call :meth:`add_param_group`, with the same parameters in the same order:
+    it checks.
     """
 
     def __init__(self, params, optimizer_class: type[Optimizer], process_group: Any = None,
