@@ -183,6 +183,7 @@ class Bucket:
         self.pending = len(param_indices)
         self.work = None  # the in-flight all_reduce, once launched
         self.recorded = None  # with a timeline: the future of its "done" record
+        self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
         self.copy_later = None  # this step's (grad, view) pairs, when copied in at once (reducer)
 
     def info(self, names: list[str]) -> BucketInfo:
