@@ -14,7 +14,7 @@ from torch import nn
 import miniddp
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
 from miniddp.launch import spawn
-from miniddp.options.arguments import TORCH_DDP_SIGNATURE
+from miniddp.options.arguments import TORCH_DDP_SIGNATURE, device_ids_of
 
 
 def data(step=0, rank=None):
@@ -453,7 +453,7 @@ def test_a_dropped_wrapper_is_collected_and_removed_hooks_stay_removed(ranks):
 
 def test_device_arguments_follow_torch():
     """torch's rules, checked without a GPU: ids kept as GPU indices, CPU modules take none."""
-    check = miniddp.DistributedDataParallel._check_devices
+    check = device_ids_of
     cpu, gpu = {torch.device("cpu")}, {torch.device("cuda", 1)}
     assert check(None, None, cpu) == (None, None)
     assert check([1], None, gpu) == ([1], 1)

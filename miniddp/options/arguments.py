@@ -20,6 +20,7 @@ import functools
 import inspect
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -123,3 +124,49 @@ def group_of(process_group, device_mesh):
 
 def is_default_group(process_group) -> bool:
     return process_group is None or process_group == dist.group.WORLD
+
+
+def refuse_unsupported_layers(module: nn.Module, devices: set) -> None:
+    """Sparse embeddings (miniddp reduces dense gradients only), and SyncBatchNorm on a CPU
+    (refused where torch refuses it, in its words)."""
+    sparse = [name for name, m in module.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+              and m.weight.requires_grad]
+    if sparse:
+        raise ValueError(
+            f"miniddp does not reduce sparse gradients, and {', '.join(sparse)} "
+            "produce them: build those embeddings with sparse=False.")
+    if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()) and all(
+            d.type == "cpu" for d in devices):
+        raise ValueError(
+            "SyncBatchNorm layers only work with GPU modules: nn.SyncBatchNorm computes "
+            "its batch statistics across ranks only for GPU inputs, and this module is on "
+            "the CPU. Move the module to a GPU, or train on the CPU with nn.BatchNorm* "
+            "(each rank normalizes with its own batch; DDP gives every rank rank 0's "
+            "running statistics).")
+
+
+def device_ids_of(device_ids, output_device, devices: set):
+    """torch's ``device_ids`` / ``output_device`` checked against the module's devices:
+    ``(None, None)`` for a CPU module, ``([gpu], gpu)`` for a module on one GPU."""
+    if len({d.type for d in devices}) > 1:
+        raise ValueError(
+            "DistributedDataParallel needs a module whose parameters are all on one kind "
+            f"of device, got {sorted(map(str, devices))}: move the module with .to(device).")
+    on_gpu = all(d.type == "cuda" for d in devices)
+    if not device_ids:
+        if output_device is not None:
+            raise ValueError("output_device only works together with device_ids, for a "
+                             f"module on one GPU; got output_device={output_device}.")
+        return None, None
+    if not on_gpu or len(devices) > 1 or len(device_ids) != 1:
+        raise ValueError(
+            "device_ids must be None for CPU or multi-device modules and a single GPU "
+            f"for a module on one GPU; got device_ids={device_ids} for a module on "
+            f"{sorted(map(str, devices))}.")
+
+    def index(d):  # torch keeps GPU indices: 0, "cuda:0" and torch.device("cuda", 0) alike
+        return d if isinstance(d, int) else torch.device(d).index
+
+    return [index(device_ids[0])], index(device_ids[0] if output_device is None
+                                         else output_device)
