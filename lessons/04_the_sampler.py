@@ -36,7 +36,7 @@ Run it:
 With one GPU per rank (``--nproc N`` on an N-GPU machine) it trains with NCCL on the GPUs.
 
 What you will see: each rank's indices for a small dataset (with the padding and ``drop_last``),
-the first indices of two epochs with and without ``set_epoch``, the share of distinct samples
+the first indices of three epochs with and without ``set_epoch``, the share of distinct samples
 with and without the sampler, a resumed epoch, the loss falling, and ``OK: ...``. A few seconds.
 """
 
@@ -90,7 +90,7 @@ def shares():
 
 def epochs_and_order():
     """``set_epoch`` reshuffles; without it every epoch replays the first one's order."""
-    print0("\n2. shuffle=True: rank 0's first indices, epoch after epoch")
+    print0("\n2. shuffle=True: rank 0's first indices in epochs 0, 1 and 2")
     n = 1000
     with_set_epoch, without = DistributedSampler(range(n)), DistributedSampler(range(n))
     firsts = {"with set_epoch": [], "without": []}
@@ -185,7 +185,8 @@ def train(device):
     rank, world = dist.get_rank(), dist.get_world_size()
     print0(f"\n6. training: {world} ranks x {LOCAL_BATCH} samples per step, reshuffled each epoch")
     data = make_dataset(n=2048, seed=0)
-    sampler = DistributedSampler(data, seed=0)
+    seed = 0
+    sampler = DistributedSampler(data, seed=seed)
     loader = DataLoader(data, batch_size=LOCAL_BATCH, sampler=sampler, drop_last=True)
     ids = [device.index] if device.type == "cuda" else None
     model = DistributedDataParallel(make_model(seed=0).to(device), device_ids=ids)
@@ -204,7 +205,9 @@ def train(device):
     optimizer = torch.optim.SGD(oracle.parameters(), lr=LR, momentum=0.9)
     global_batch = LOCAL_BATCH * world
     for epoch in range(EPOCHS):
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(epoch))
+        # The sampler's rule: each epoch's permutation comes from a generator seeded with
+        # seed + epoch (set_epoch changes the epoch, the seed stays), the same on every rank
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + epoch))
         for k in range(len(loader)):  # step k reads the k-th slice of the permutation
             x, y = data[order[k * global_batch:(k + 1) * global_batch]]
             loss = F.mse_loss(oracle(x.to(device)), y.to(device))

@@ -28,7 +28,12 @@ Why it matters: with overlap a step costs about max(compute, communication) inst
 sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
 gloo). What is left exposed is the communication of the last bucket(s) after the last gradient;
 the first bucket is kept small (lesson 05's 1 MiB) so that communication starts early. Here
-``bucket_cap_mb=0.5`` gives every layer its own bucket, so the picture has several.
+``bucket_cap_mb=0.5`` cuts the buckets at the hidden layers, so the picture has several: each
+hidden weight (576 KiB) crosses the cap by itself, so every bucket holds one hidden layer, except
+that the small output layer shares the first bucket with the last hidden layer (its gradients
+come first), and the small input layer has the last bucket to itself. The lesson prints the
+layout and checks it. (Before torch 2.4 the cap did not cover the first bucket, which closes at
+1 MiB and so holds two hidden layers.)
 
 The proof is the library reducer's own record, ``ddp.reducer.timeline``: when each parameter
 became ready, when each bucket was launched and finished, when backward ended. The lesson trains
@@ -75,8 +80,9 @@ What you will see: ``SmallReducer`` equal to torch's DDP bit for bit, the loss f
 run's own milliseconds per step, step times and the communication left exposed after backward for
 each run, how many gradients became ready while an all_reduce was in flight (in the timed steps,
 and in the staggered ones), "the trace ... shows each of the buckets ...", the timeline of one
-step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png``, the same
-check at 3 ranks, and ``OK: ...``. A few seconds.
+step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png`` (the
+order of events, not a speed-up: on a CPU with gloo the overlapped step can be the slower one),
+the same check at 3 ranks, and ``OK: ...``. A few seconds.
 """
 
 import argparse
@@ -94,10 +100,12 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
 from miniddp.buckets import bucket_limits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
+from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.train.report import check, mean_over_ranks, ok, print0, save_figure
 
-LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: one bucket per layer with a 0.5 MiB cap
+LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: with a 0.5 MiB cap, one hidden layer
+# per bucket (the small output layer joins the first, the input layer has the last)
 BUCKET_CAP_MB = 0.5
 STEPS = 30
 STAGGERED_STEPS = 3
@@ -293,7 +301,7 @@ def draw_timelines(timelines: dict, buckets):
                title=f"one step on {dist.get_world_size()} ranks ({dist.get_backend()}), "
                      "rank 0's view")
 
-    save_figure("06_overlap", draw)
+    return save_figure("06_overlap", draw)
 
 
 def staggered_step(ddp, optimizer, x, y) -> int:
@@ -383,6 +391,25 @@ def traced_backward(ddp, x, y, show: bool) -> None:
            "between the end of backward and the write-back")
 
 
+def check_layout(ddp) -> None:
+    """Print the buckets by layer and check what the docstring says of them: one hidden layer
+    per bucket, the output layer in the first, the input layer alone in the last."""
+    names = [name for name, _ in ddp.module.named_parameters()]
+    params = list(ddp.module.parameters())
+    layers = [sorted({names[i].split(".")[0] for i in b.param_indices}, key=int, reverse=True)
+              for b in ddp.buckets]
+    print0("the buckets, by layer (nn.Sequential's index): "
+           + " ".join(f"[{', '.join(layer)}]" for layer in layers))
+    hidden = [sum(params[i].shape == (WIDTH, WIDTH) for i in b.param_indices)
+              for b in ddp.buckets]
+    expected = [1] * LAYERS if EXPLICIT_CAP_COVERS_FIRST_BUCKET else [2] + [1] * (LAYERS - 2)
+    output, inputs = str(2 * LAYERS + 2), "0"
+    check(hidden == expected + [0] and output in layers[0] and layers[-1] == [inputs],
+          f"with bucket_cap_mb={BUCKET_CAP_MB} the buckets hold the layers {layers} (hidden "
+          f"weights per bucket {hidden}), not one hidden layer per bucket with the output layer "
+          "in the first and the input layer alone in the last")
+
+
 def on_every_rank(show_the_trace: bool):
     rank = dist.get_rank()
     device = rank_device()
@@ -415,8 +442,8 @@ def on_every_rank(show_the_trace: bool):
             if name == "overlap":
                 losses.append(loss.detach())
         if s % 5 == 0 or s == STEPS - 1:  # each run's own time: they ran one after the other
-            print0(f"step {s:>2}/{STEPS} | loss {mean_over_ranks(losses[-1]):.5f} | "
-                   + " | ".join(f"{name} {1e3 * took[name]:6.2f} ms" for name in runs))
+            print0(f"step {s:>2}/{STEPS} | loss {mean_over_ranks(losses[-1]):.5f} | step time: "
+                   + ", ".join(f"{name} {1e3 * took[name]:6.2f} ms" for name in runs))
         same = all(torch.equal(a, b) for a, b in zip(grads["overlap"], grads["after backward"]))
         check(same, f"step {s}, rank {rank}: the overlapped gradients differ from the "
                     "non-overlapped ones")
@@ -427,6 +454,7 @@ def on_every_rank(show_the_trace: bool):
     control = on_any_rank([ready_while_in_flight(e) for _, e in timelines["after backward"]])
     in_flight_steps = sum(n > 0 for n in overlapped)
     buckets = models["overlap"].buckets
+    check_layout(models["overlap"])
     print0(f"\n{len(buckets)} buckets; in the timed steps, with overlap, gradients became ready "
            f"while an all_reduce was in flight in {in_flight_steps} of {len(overlapped)} steps "
            f"(a median of {statistics.median(overlapped):g} of "
@@ -455,8 +483,12 @@ def on_every_rank(show_the_trace: bool):
            "few cores these\ntimes are noisy and the saving can be small or none: see the "
            "docstring)")
     # the step of median duration, one per run, stands for the rest in the picture
-    draw_timelines({name: sorted(steps, key=lambda x: x[0])[len(steps) // 2][1]
-                    for name, steps in timelines.items()}, buckets)
+    if draw_timelines({name: sorted(steps, key=lambda x: x[0])[len(steps) // 2][1]
+                       for name, steps in timelines.items()}, buckets):
+        print0("(the picture shows the order of events: each bucket's all_reduce in flight "
+               "while earlier layers'\ngradients still arrive. On a CPU with gloo that need "
+               "not be a speed-up: the overlap run can be\nthe slower one, gloo's threads "
+               "competing with backward for the same cores)")
     traced_backward(models["overlap"], x_all[:LOCAL_BATCH], y_all[:LOCAL_BATCH], show_the_trace)
     return len(buckets), STEPS
 

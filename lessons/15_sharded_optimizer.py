@@ -40,9 +40,16 @@ here and equal to all_reduce followed by slicing (bit for bit at 2 ranks; at 3, 
 whole ring, and to rounding of gloo's all_reduce, which adds in another order), then trained
 with stage 1's all_gather in place of DDP. Communication does not grow: a ring all_reduce *is*
 a reduce-scatter and an all-gather; stage 2 reduce-scatters gradients and all-gathers
-parameters, the same bytes. Where this leads: stage 3 shards the parameters too (torch's FSDP,
-``torch.distributed.fsdp.fully_shard``), each layer all-gathered just before its forward and
-its backward and freed after; the table at the end shows the bytes per parameter of each stage.
+parameters, the same bytes in total (per rank they differ when the shares do: a share is whole
+parameters). Stage 1 as written in section 2, like torch's ``ZeroRedundancyOptimizer``, sends
+more: DDP's whole all_reduce, then every parameter from its owner, an all-gather's worth, so
+1.5 times DDP's bytes at the least. The stage 2 written here frees the gradients a rank does
+not own after the reduce-scatter, but backward has computed all of them by then, so its peak
+is DDP's; the saving in the table needs the reduce-scatter during backward, bucket by bucket,
+each rank freeing what it does not own once sent. Where this leads: stage 3 shards the
+parameters too (torch's FSDP, ``torch.distributed.fsdp.fully_shard``), each layer all-gathered
+just before its forward and its backward and freed after; the table at the end shows the bytes
+per parameter of each stage.
 
 Run it:
 
@@ -374,13 +381,22 @@ def gradients_by_share(sharded: ShardedOptimizer) -> tuple[torch.Tensor, list[in
                                               for share in sharded.shares]
 
 
-def zero2_step(sharded: ShardedOptimizer) -> None:
-    """ZeRO stage 2, after a backward without DDP: reduce-scatter, then stage 1's step."""
+def zero2_step(sharded: ShardedOptimizer) -> int:
+    """ZeRO stage 2, after a backward without DDP: reduce-scatter, free the gradients of the
+    other shares, then stage 1's step. Returns the gradient elements this rank still holds.
+
+    Backward has computed every gradient by then, so the peak is still DDP's: the freeing
+    shows what a rank needs to keep, not yet the memory saved (see section 5)."""
     mine, _ = ring_reduce_scatter(*gradients_by_share(sharded))
+    for r, share in enumerate(sharded.shares):
+        if r != sharded.rank:
+            for p in share:
+                p.grad = None  # summed into its owner's chunk: no longer needed here
     share = sharded.shares[sharded.rank]
     for p, part in zip(share, mine.split([p.numel() for p in share])):
-        p.grad.copy_(part.view_as(p))  # the other shares' gradients are no longer needed
+        p.grad.copy_(part.view_as(p))
     sharded.step()
+    return sum(p.grad.numel() for p in sharded.params if p.grad is not None)
 
 
 def reduce_scatter_against_all_reduce(rank, world, device):
@@ -411,11 +427,18 @@ def reduce_scatter_against_all_reduce(rank, world, device):
         check(diff <= 1e-6 * summed.abs().max().item(), f"rank {rank}: the reduce-scatter is "
               f"{diff:.1e} from all_reduce then slicing")
     total = sum(sizes)
-    print0(f"  Rank 0 sent {sent} of {total} elements (every chunk but its own, once); the "
-           "all_gather of the parameters\n  sends as many again: together a ring all_reduce's "
-           "2(W-1)/W, DDP's traffic, keeping 1/W of the gradients.")
     check(sent == total - sizes[rank], f"rank {rank} sent {sent} elements in the "
                                        f"reduce-scatter, expected {total - sizes[rank]}")
+    every = everyone(sent)
+    check(sum(every) == (world - 1) * total, f"the ranks sent {every} elements in the "
+          f"reduce-scatter, {sum(every)} in all, expected (W - 1) x {total}")
+    print0(f"  The ranks sent {every} elements of {total} (every chunk but their own, once): "
+           f"{sum(every)} in all,\n  (W-1) x {total}. The all_gather of the parameters sends "
+           "as many again: together a ring\n  all_reduce's traffic, DDP's, in total (2(W-1)/W "
+           "of the elements per rank on average; per rank\n  not, when the shares differ in "
+           "size). ZeRO-1 as in section 2 sends more: DDP's whole\n  all_reduce, then every "
+           "parameter from its owner (each rank receives every parameter it does\n  not own, an "
+           "all-gather's worth): in total 1.5x DDP's bytes at the least.")
 
 
 def stage_two(rank, world, device):
@@ -427,7 +450,7 @@ def stage_two(rank, world, device):
                   TorchZeRO(models[1].parameters(), torch.optim.Adam, lr=0.01)]
     loader = DataLoader(shard(make_dataset(n=2 * SAMPLES, seed=0), rank, world),
                         batch_size=BATCH_SIZE, drop_last=True)
-    losses, worst = [], 0.0
+    losses, worst, kept = [], 0.0, set()
     for x, y in loader:
         x, y = x.to(device), y.to(device)
         for model, optimizer in zip(models, optimizers):
@@ -435,11 +458,17 @@ def stage_two(rank, world, device):
             loss = F.mse_loss(model(x), y)
             loss.backward()
             if model is models[0]:
-                zero2_step(optimizer)
+                kept.add(zero2_step(optimizer))
                 losses.append(loss.item())
             else:
                 optimizer.step()
         worst = max(worst, (flat(models[0]) - flat(models[1])).abs().max().item())
+    share = sum(p.numel() for p in optimizers[0].shares[rank])
+    check(kept == {share}, f"rank {rank} kept {sorted(kept)} gradient elements after its "
+                           f"steps, expected its share's {share}")
+    print0(f"  after each step rank 0 keeps the gradients of its share only ({share} of "
+           f"{flat(models[0]).numel()} elements);\n  backward still computed all of them "
+           "first, so its peak is DDP's (section 5 says what stage 2 takes)")
     print0(f"  ZeRO-2, no DDP: {len(losses)} steps, rank 0's loss {losses[0]:.4f} -> "
            f"{losses[-1]:.4f}; largest difference from torch's DDP + ZeroRedundancyOptimizer "
            f"{worst:.1e}" + (" (bit for bit: at 2 ranks a + b is b + a)" if world == 2 else
@@ -463,6 +492,10 @@ def stages_table(measured: dict) -> None:
     print0(f"  {'':<27}" + "".join(f"{f'W={w}':>8}" for w in worlds))
     for name, per_parameter in stages:
         print0(f"  {name:<27}" + "".join(f"{per_parameter(w):8.2f}" for w in worlds))
+    print0("  (ZeRO-2's row is not what section 4's code holds at its peak: there backward "
+           "computes every\n  gradient before the reduce-scatter. The row needs the "
+           "reduce-scatter during backward, bucket\n  by bucket as DDP's all_reduce is, each "
+           "rank freeing the gradients it does not own once sent.)")
     print0("  measured, ZeRO-1 on twelve equal layers: " + ", ".join(
         f"W={w}: {12 + value:.2f}" for w, value in sorted(measured.items())) +
         " (section 1's 12, and section 3's largest state per element)")

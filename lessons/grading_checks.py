@@ -149,6 +149,48 @@ def difference(diff: float, scale: float, what: str) -> str:
             f"{scale:.3g}): not rounding, .grad does not hold the mean; {what}")
 
 
+def _then(first, second):
+    def both(grad, world):
+        return second(first(grad, world), world)
+    return both
+
+
+def _times_reciprocal(grad, world):
+    return grad.mul_(1.0 / world)
+
+
+def _divided(grad, world):
+    return grad.div_(world)
+
+
+def _summed(grad, world):
+    dist.all_reduce(grad)
+    return grad
+
+
+# How a mean over the ranks can be computed, in place on one gradient: torch's ("reference")
+# first, then the ways that give the mean's value with other bits at 3 ranks
+ARITHMETIC = {"reference": _then(_times_reciprocal, _summed),
+              "divide before": _then(_divided, _summed),
+              "divide after": _then(_summed, _divided),
+              "multiply after": _then(_summed, _times_reciprocal)}
+WHERE_08 = "lesson 08 shows why, in 'Why 3 ranks are the harder test'"
+ARITHMETIC_SAID = {
+    "divide before": "You divided each gradient by world_size before the all_reduce: x / 3 and "
+                     "x * (1 / 3) round differently (1 / 3 is itself rounded). Multiply by the "
+                     f"reciprocal 1.0 / world_size instead, before the all_reduce ({WHERE_08})",
+    "divide after": "You divided the sum by world_size after the all_reduce, which rounds this "
+                    "way at 3 ranks (at 2 ranks both are exact): multiply by the reciprocal "
+                    f"BEFORE the all_reduce ({WHERE_08})",
+    "multiply after": "You multiplied the sum by 1 / world_size after the all_reduce: the sum "
+                      "of three scaled gradients rounds differently from the scaled sum. "
+                      f"Multiply by the reciprocal BEFORE the all_reduce ({WHERE_08})",
+    None: "its bits are none of: each gradient divided by world_size before the all_reduce, "
+          "the sum divided after it, the sum multiplied by 1 / world_size after it. Multiply "
+          f"each gradient by 1.0 / world_size, then all_reduce it ({WHERE_08})",
+}
+
+
 def average_task():
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = make_dataset(n=32, seed=rank).tensors
@@ -165,11 +207,12 @@ def average_task():
     finally:
         dist.all_reduce = watched.original
     at_return = flat_grads(mine).clone()
-    for grad in reference:  # torch's arithmetic, per parameter: scale, then sum
-        grad.mul_(1.0 / world)
-        dist.all_reduce(grad)  # after the learner's collectives: they are done when it is
+    # torch's arithmetic, then the usual wrong orders, each per parameter and after the
+    # learner's collectives (they are done when it is): the same ring, so the same bits
+    arithmetic = {name: torch.cat([scaled(g.clone(), world).reshape(-1) for g in reference])
+                  for name, scaled in ARITHMETIC.items()}
     ours, torchs = flat_grads(mine), flat_grads(theirs)
-    expected = torch.cat([g.reshape(-1) for g in reference])
+    expected = arithmetic.pop("reference")
     return {"equal": torch.equal(ours, torchs), "diff": (ours - torchs).abs().max().item(),
             "complete_at_return": torch.equal(at_return, ours),
             "unwaited": (watched.unwaited(), len(watched.works)),
@@ -177,6 +220,8 @@ def average_task():
             "reference_diff": (ours - expected).abs().max().item(),
             "scale": expected.abs().max().item(),
             "holds": what_grad_holds(ours, expected, local, world),
+            "arithmetic": next((name for name, bits in arithmetic.items()
+                                if torch.equal(ours, bits)), None),
             "same_everywhere": all(torch.equal(g, ours) for g in everyone(ours))}
 
 
@@ -213,9 +258,7 @@ def grade_03():
         yield (all(r["as_reference"] for r in results), "3 ranks: bit for bit the gradients "
                "of torch's arithmetic (each gradient times 1 / 3, then summed)",
                difference(off, worst["scale"], worst["holds"]) + (
-                   ". Dividing after the sum rounds this way at 3 ranks (at 2 ranks both are "
-                   "exact): multiply by the reciprocal BEFORE the all_reduce (lesson 03)"
-                   if rounding else ""))
+                   ". " + ARITHMETIC_SAID[worst["arithmetic"]] if rounding else ""))
         yield (diff < 1e-6, "3 ranks: within 1e-6 of torch's DDP (not bit for bit: torch "
                "sums whole buckets, and a ring's order depends on an element's offset)",
                f"largest difference {diff:.3g}")
@@ -240,8 +283,27 @@ def sampler_task():
                     if list(got) != expected:
                         return (f"rank {rank}: rank_indices({n}, {world}, {rank}, epoch={epoch}, "
                                 f"seed={seed}, shuffle={shuffle}, drop_last={drop_last}) "
-                                f"returned {list(got)}, torch's sampler gives {expected}")
+                                f"returned {list(got)}, torch's sampler gives {expected}"
+                                + sampler_mistake(list(got), n, world, rank, epoch, seed,
+                                                  shuffle, drop_last))
     return cases
+
+
+def sampler_mistake(got, n, world, rank, epoch, seed, shuffle, drop_last) -> str:
+    """Name a wrong answer that is the right order cut the wrong way: a contiguous block."""
+    shares = []
+    for r in range(world):
+        sampler = TorchSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=seed,
+                               drop_last=drop_last)
+        sampler.set_epoch(epoch)
+        shares.append(list(sampler))
+    size = len(shares[0])
+    padded = [shares[r][j] for j in range(size) for r in range(world)]  # before the rank's cut
+    if got == padded[rank * size:(rank + 1) * size]:
+        return (f". Yours is contiguous, not strided: the block {rank * size}:"
+                f"{(rank + 1) * size} of the padded order, where torch's rank r takes every "
+                "num_replicas-th index of it, starting at r")
+    return ""
 
 
 def grade_04():
@@ -321,7 +383,11 @@ def buckets_task():
         expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
         if got != expected:
             return "random", (f"for parameters of (bytes, dtype) {describe(params)}, "
-                              f"first_bytes=4000, cap_bytes=9000: expected {expected}, got {got}")
+                              f"first_bytes=4000, cap_bytes=9000: expected {expected}, got {got}"
+                              + (". Yours are torch's buckets in the opposite order: the list "
+                                 "sorted by smallest index must be reversed (the last layers' "
+                                 "gradients are ready first, so their bucket is launched first)"
+                                 if [list(b) for b in got] == expected[::-1] else ""))
     model, theirs = many_layers(), TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_05,
                                             find_unused_parameters=True)
     x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
@@ -370,6 +436,16 @@ def reference_step(ddp, optimizer, micro_batches):
     optimizer.step()
 
 
+def update_ratio(theirs: torch.Tensor, right: torch.Tensor, k: int) -> float | None:
+    """k or 1 / k when the learner's first update is the right one times that (the losses
+    summed, or divided by k twice); None when it is neither. The first SGD step moves each
+    parameter by -lr * grad, so its size is the gradient's."""
+    for ratio in (k, 1.0 / k):
+        if (theirs - ratio * right).abs().max() <= 1e-3 * (ratio * right).abs().max():
+            return ratio
+    return None
+
+
 def no_sync_task(k: int = 3, steps: int = 3):
     step = sys.modules["exercise_07"].accumulation_step
     rank = dist.get_rank()
@@ -378,13 +454,14 @@ def no_sync_task(k: int = 3, steps: int = 3):
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
                   for m in (learner, reference, ours)]
     x_all, y_all = make_dataset(n=8 * k * steps, seed=rank).tensors
-    report = {"mismatch": None, "rounds": [], "synced": []}
+    report = {"mismatch": None, "rounds": [], "synced": [], "update_ratio": None}
     # Each forward marks the timeline, so each backward's launches fall after its forward's mark
     ours.register_forward_pre_hook(lambda module, args: module.reducer.timeline.append(
         ("forward", -1, 0.0)) if module.reducer.timeline is not None else None)
     for s in range(steps):
         micro = list(zip(x_all[8 * k * s:8 * k * (s + 1)].chunk(k),
                          y_all[8 * k * s:8 * k * (s + 1)].chunk(k)))
+        start = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
         step(learner, optimizers[0], micro)
         reference_step(reference, optimizers[1], micro)
         ours.reducer.timeline = []
@@ -399,6 +476,8 @@ def no_sync_task(k: int = 3, steps: int = 3):
         if report["mismatch"] is None and not torch.equal(a, b):
             report["mismatch"] = f"after step {s}, rank {rank}: largest difference " \
                                  f"{(a - b).abs().max().item():.3g}"
+            # Both started from the same parameters: how the learner's update compares
+            report["update_ratio"] = update_ratio(a - start, b - start, k) if s == 0 else None
     report["buckets"] = len(ours.buckets)
     return report
 
@@ -419,9 +498,20 @@ def grade_07():
            "gradients are still accumulating, so an all_reduce before it averages only part of "
            "them: every earlier micro-batch inside no_sync, the last outside")
     for world, results in by_world.items():
-        mismatch = next((r["mismatch"] for r in results if r["mismatch"]), None)
+        wrong = next((r for r in results if r["mismatch"]), None)
+        mismatch = wrong and wrong["mismatch"]
+        ratio = wrong and wrong["update_ratio"]
+        if not last_synced:
+            why = "the synchronization checked above is wrong, and changes the gradient"
+        elif ratio == k:
+            why = (f"the first step's update is {k} times the right one (k = {k} micro-"
+                   "batches): the gradient is the SUM of the micro-batches' gradients, not "
+                   "their mean. Divide each micro-batch's loss by k before its backward")
+        elif ratio:
+            why = (f"the first step's update is 1 / {k} of the right one: the loss was divided "
+                   "by k twice (or by k * k). Divide each micro-batch's loss by k, once")
+        else:
+            why = ("zero_grad once before the first micro-batch, each loss divided by k, one "
+                   "optimizer step after the last")
         yield (mismatch is None, f"{world} ranks: parameters equal the correct loop's on torch's "
-               "DDP bit for bit after every step", f"{mismatch}: " + (
-                   "the synchronization checked above is wrong, and changes the gradient"
-                   if not last_synced else "zero_grad once before the first micro-batch, each "
-                   "loss divided by k, one optimizer step after the last"))
+               "DDP bit for bit after every step", f"{mismatch}: {why}")

@@ -22,10 +22,37 @@ from miniddp.train.data import make_dataset
 CAP_MB_06 = 0.02
 
 
+class Delivered(Waited):
+    """An asynchronous all_reduce's work whose result reaches the learner's buffer when it is
+    waited for (``deliver``), not before."""
+
+    def __init__(self, inner, record: dict, on_wait, deliver):
+        super().__init__(inner, record, on_wait)
+        self.deliver = deliver
+
+    def wait(self, *args, **kwargs):
+        done = super().wait(*args, **kwargs)
+        self.deliver()
+        return done
+
+    def value(self, *args, **kwargs):
+        done = super().value(*args, **kwargs)
+        self.deliver()
+        return done
+
+    def get_future(self):
+        return Delivered(self.inner.get_future(), self.record, self.on_wait, self.deliver)
+
+
 class AllReduceSpy:
     """Stands in for dist.all_reduce during the learner's backward; records how it is used:
     each call (async or not, which buffer, how many gradients were ready), and for each
-    asynchronous one whether its work was waited for (``wait()``, or its future's)."""
+    asynchronous one whether its work was waited for (``wait()``, or its future's).
+
+    An asynchronous all_reduce reduces a private copy of the buffer, written into the buffer
+    when its work is waited for: a bucket read before its ``wait()`` then holds what it held at
+    launch every time, not only when gloo happens to be slow. ``sent`` and ``result`` keep both,
+    to tell such a read from the gradients afterwards."""
 
     def __init__(self, reducer):
         self.reducer, self.calls, self.waits, self.works = reducer, [], [], []
@@ -35,12 +62,43 @@ class AllReduceSpy:
         return sum(event == "ready" for event, _, _ in self.reducer.timeline)
 
     def __call__(self, tensor, *args, async_op=False, **kwargs):
-        work = self.original(tensor, *args, async_op=async_op, **kwargs)
-        self.calls.append((async_op, tensor.data_ptr(), self.ready_so_far()))
         if not async_op:
+            work = self.original(tensor, *args, **kwargs)
+            self.calls.append((False, tensor.data_ptr(), self.ready_so_far()))
             return work
-        self.works.append({"waited": False})
-        return Waited(work, self.works[-1], lambda: self.waits.append(self.ready_so_far()))
+        private = tensor.detach().clone()
+        work = self.original(private, *args, async_op=True, **kwargs)
+        self.calls.append((True, tensor.data_ptr(), self.ready_so_far()))
+        record = {"waited": False, "delivered": False, "ptr": tensor.data_ptr(),
+                  "sent": private.clone(), "result": private}
+        self.works.append(record)
+
+        def deliver():
+            if not record["delivered"]:
+                record["delivered"] = True
+                with torch.no_grad():
+                    tensor.copy_(private)
+
+        return Delivered(work, record, lambda: self.waits.append(self.ready_so_far()), deliver)
+
+    def read_early(self, reducer) -> list[int]:
+        """The buckets whose gradients hold what was launched, not its all_reduce's result:
+        copied into .grad before their work was waited for."""
+        flats, early = [f.data_ptr() for f in reducer.flat], []
+        for record in self.works:
+            if not record["waited"] or record["ptr"] not in flats:
+                continue  # never waited for: another check says so
+            b = flats.index(record["ptr"])
+            offset = 0
+            for i in reducer.buckets[b]:
+                grad, n = reducer.params[i].grad, reducer.params[i].numel()
+                sent, result = (record[key][offset:offset + n] for key in ("sent", "result"))
+                offset += n
+                if (grad is not None and torch.equal(grad.reshape(-1), sent)
+                        and not torch.equal(sent, result)):
+                    early.append(b)
+                    break
+        return early
 
     def unwaited(self) -> int:
         return sum(not record["waited"] for record in self.works)
@@ -50,8 +108,10 @@ def watch_finish(reducer, report: dict, step: int) -> None:
     """Wrap this reducer's ``_finish``: note a call made from inside the hook (``_on_ready`` on
     the stack) rather than by the autograd engine once backward is over."""
     finish, hook = reducer._finish, type(reducer)._on_ready.__code__
+    report["finish_calls"][step] = 0
 
     def watched(*args, **kwargs):
+        report["finish_calls"][step] += 1
         frame = sys._getframe(1)
         while frame is not None:
             if frame.f_code is hook:
@@ -111,7 +171,7 @@ def reducer_task(steps: int = 3):
     x_all, y_all = make_dataset(n=16 * (steps + len(extra)), seed=rank).tensors
     report = {"mismatch": None, "sync": [], "order": [], "late": [], "early_wait": [],
               "no_finish": [], "not_reset": [], "unwaited": [], "finish_in_hook": [],
-              "layouts": {}, "steps": steps}
+              "layouts": {}, "steps": steps, "finish_calls": {}, "read_early": []}
     for s in range(steps + len(extra)):
         torch_step = s < steps  # then: out-of-order layouts, checked against the grader's sums
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
@@ -145,6 +205,8 @@ def reducer_task(steps: int = 3):
             reducer.__dict__.pop("_finish", None)
         if spy.unwaited():
             report["unwaited"].append((s, spy.unwaited(), len(spy.works)))
+        if spy.read_early(reducer):
+            report["read_early"].append((s, spy.read_early(reducer)))
         if "backward_end" not in [event for event, _, _ in reducer.timeline]:
             report["no_finish"].append(s)
         elif reducer.in_flight or reducer.missing != [len(m) for m in reducer.buckets]:
@@ -186,6 +248,12 @@ def grade_06(steps: int = 3):
            "is launched")
     if no_finish:
         return
+    again = min(((s, n) for r in reports for s, n in r["finish_calls"].items()
+                 if n > 1 and s < first_unreset), default=None)
+    yield (again is None, "_finish runs exactly once per backward",
+           "" if again is None else f"in the backward of step {again[0]}, _finish ran "
+           f"{again[1]} times: queue it once per backward, when the last bucket is launched "
+           "(each queue_callback adds one more run)")
     unwaited = min((r["unwaited"][0] for r in reports if r["unwaited"]), default=None)
     yield (unwaited is None, "every launched all_reduce is waited for before backward returns",
            "" if unwaited is None else f"at step {unwaited[0]}, {unwaited[1]} of the "
@@ -211,18 +279,33 @@ def grade_06(steps: int = 3):
            "bucket is complete first", "" if order is None else
            f"at step {order[0]}" + (f" (buckets set to {r['layouts'][order[0]]})"
                                     if order[0] in r["layouts"] else "")
-           + f" the all_reduces went to buckets {order[1]} (-1: not a bucket's buffer), "
-           "expected 0, 1, 2, ... once each: a complete bucket waits for the ones before it, "
-           "so that every rank issues the same collectives in the same order")
+           + f" the all_reduces went to buckets {order[1]}"
+           + (" (-1: not a bucket's buffer)" if order and -1 in order[1] else "")
+           + ", expected 0, 1, 2, ... once each: a complete bucket waits for the ones before "
+           "it, so that every rank issues the same collectives in the same order")
+    early = min((e for rep in reports for e in rep["read_early"]), default=None)
+    yield (early is None, "every bucket is read after its all_reduce finished (its work waited "
+           "for before its gradients are copied into .grad)",
+           "" if early is None else f"at step {early[0]}, the .grad of bucket {early[1][0]} "
+           "held what the bucket held at launch: you read the bucket before its all_reduce "
+           "finished. In _finish, wait() for a bucket's work first, then copy its views into "
+           ".grad")
     mismatch = {}
     for world, results in by_world.items():
         mismatch[world] = next((r["mismatch"] for r in results if r["mismatch"]), None)
         why = f"{mismatch[world]}. Each gradient times the reciprocal of world_size into its " \
               "view, and every bucket's average copied back into .grad in _finish"
-        if world == 3 and mismatch[3] and not mismatch[2]:
+        if order is not None or early is not None:
+            why = f"{mismatch[world]}: follows from the failure above (" + (
+                "buckets launched out of order" if order is not None else
+                "buckets read before their all_reduce finished") + "): fix that first"
+        elif world == 3 and mismatch[3] and not mismatch[2]:
             why = f"{mismatch[3]}. 2 ranks matched, so this points at the scaling arithmetic: " \
                   "x / 2 and x * (1 / 2) are the same bits, x / 3 and x * (1 / 3) are not. " \
-                  "Multiply by the reciprocal 1.0 / world_size, as torch does (lesson 03)"
+                  "Multiply each gradient by the reciprocal 1.0 / world_size in the hook, " \
+                  "before the all_reduce, as torch does: dividing, or scaling after the " \
+                  "all_reduce, rounds otherwise at 3 ranks (lesson 08, 'Why 3 ranks are the " \
+                  "harder test')"
         yield (mismatch[world] is None, f"{world} ranks: .grad equals torch's DDP's bit for bit "
                "after every backward (one bucket, then torch's rebuilt buckets; then buckets "
                "that complete out of order, against one all_reduce per bucket)", why)

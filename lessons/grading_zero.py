@@ -101,6 +101,9 @@ def what_went_wrong(sizes, world, got) -> str:
             greedy(sizes, world, sorted(range(n), key=lambda i: sizes[i])[::-1]),
         "on a tie you chose a higher rank; torch chooses the lowest":
             greedy(sizes, world, largest_first, lowest=False),
+        "you balanced the number of parameters each rank owns; torch balances their sizes: "
+        "each parameter goes to the rank that owns the fewest elements (numel) so far":
+            greedy([1] * n, world, largest_first),
     }
     return next((why for why, owners in rules.items() if owners == got),
                 "largest first, each to the rank owning the fewest elements so far")

@@ -399,3 +399,95 @@ def test_other_right_solutions_pass(tmp_path):
     done = grade(*RIGHT, "--dir", tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "FAIL" not in done.stdout
+
+
+# ----- wrong solutions the grader once misnamed or let pass: each now named for what it is -----
+# Each: (exercise, edits, the check whose FAIL line must be the first, words the line after it
+# must hold, words no FAIL line's message may hold).
+SCALE_03 = "        p.grad.mul_(1.0 / world_size)\n        dist.all_reduce(p.grad)\n"
+NAMED = {
+    "03 divides before the sum": (
+        "03", [("p.grad.mul_(1.0 / world_size)", "p.grad.div_(world_size)")], WHICH_03,
+        ["You divided each gradient by world_size before the all_reduce", "lesson 08"],
+        ["Dividing after the sum", "lesson 03"]),
+    "03 divides after the sum": (
+        "03", [(SCALE_03, "        dist.all_reduce(p.grad)\n        p.grad.div_(world_size)\n")],
+        WHICH_03, ["You divided the sum by world_size", "BEFORE the all_reduce", "lesson 08"],
+        ["lesson 03"]),
+    "03 multiplies the sum by the reciprocal": (
+        "03", [(SCALE_03, "        dist.all_reduce(p.grad)\n"
+                          "        p.grad.mul_(1.0 / world_size)\n")],
+        WHICH_03, ["You multiplied the sum by 1 / world_size", "BEFORE the all_reduce"],
+        ["Dividing after the sum", "lesson 03"]),
+    "04 contiguous blocks": (
+        "04", [("return order[rank:total_size:num_replicas]",
+                "return order[rank * num_samples:(rank + 1) * num_samples]")],
+        "every rank's indices equal torch's", ["contiguous, not strided"], []),
+    "05 not reversed": (
+        "05", [("return list(reversed(sorted(closed, key=min)))",
+                "return sorted(closed, key=min)")],
+        "the layout of torch's _compute_bucket_assignment_by_size", ["opposite order"], []),
+    "06 scales after the all_reduce": (
+        "06", [("torch.mul(param.grad, 1.0 / self.world_size, out=view)",
+                "view.copy_(param.grad)"),
+               ("self.params[i].grad.copy_(self.views[i][1])",
+                "self.params[i].grad.copy_(self.views[i][1] * (1.0 / self.world_size))")],
+        "3 ranks: .grad equals torch's DDP's bit for bit", ["in the hook, before the all_reduce"],
+        ["lesson 03"]),
+    "06 copies before the wait": (
+        "06", [(WAIT_06 + "            for i in self.buckets[b]:\n"
+                "                self.params[i].grad.copy_(self.views[i][1])\n",
+                "            for i in self.buckets[b]:\n"
+                "                self.params[i].grad.copy_(self.views[i][1])\n" + WAIT_06)],
+        "every bucket is read after its all_reduce finished",
+        ["you read the bucket before its all_reduce finished"], []),
+    "06 _finish queued at every launch": (
+        "06", [("            if k == len(self.buckets) - 1:\n                " + QUEUE_06,
+                "            if True:\n                " + QUEUE_06)],
+        "_finish runs exactly once per backward", ["_finish ran", "queue it once per backward"],
+        []),
+    "06 launched when complete: later checks blame the order": (
+        "06", [(LAUNCH_06, WHEN_COMPLETE_06.replace(
+            "KEEP", "dist.all_reduce(self.flat[k], async_op=True)"))],
+        "buckets are launched in bucket order", ["waits for the ones before it"],
+        ["-1: not a bucket's buffer", "scaling", "reciprocal"]),
+    "07 loss not divided by k": (
+        "07", [("                (F.mse_loss(ddp(x), y) / k).backward()\n        else:\n"
+                "            (F.mse_loss(ddp(x), y) / k).backward()\n",
+                "                F.mse_loss(ddp(x), y).backward()\n        else:\n"
+                "            F.mse_loss(ddp(x), y).backward()\n")],
+        "2 ranks: parameters equal the correct loop's",
+        ["3 times the right one", "Divide each micro-batch's loss by k"],
+        ["zero_grad once"]),
+    "15 balanced by parameter count": (
+        "15", [("load[result[i]] += params[i].numel()", "load[result[i]] += 1")],
+        "owners: torch's ZeroRedundancyOptimizer's partition", ["number of parameters"], []),
+}
+NAMED_ROUNDS = rounds_of(NAMED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", NAMED_ROUNDS, ids=[" + ".join(r) for r in NAMED_ROUNDS])
+def test_a_wrong_solution_is_named_for_what_it_is(tmp_path, names):
+    for name in names:
+        number, edits, _, _, _ = NAMED[name]
+        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+        text = solution.read_text()
+        for right, wrong in edits:
+            assert text.count(right) == 1, f"{name}: {solution.name} no longer holds {right!r}"
+            text = text.replace(right, wrong)
+        (tmp_path / solution.name).write_text(text)
+    done = grade(*sorted(NAMED[n][0] for n in names), "--dir", tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    found = sections(done.stdout)
+    for name in names:
+        number, _, check, words, absent = NAMED[name]
+        lines = found[number].splitlines()
+        failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
+        assert failed, f"{name} passed:\n{found[number]}"
+        assert check in lines[failed[0]], f"{name}:\n{found[number]}"
+        why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+        assert all(w in why for w in words), f"{name}: {why!r} lacks {words}"
+        for k in failed:
+            later = lines[k + 1] if k + 1 < len(lines) else ""
+            assert not any(w in later for w in absent), f"{name}: {later!r} holds one of {absent}"

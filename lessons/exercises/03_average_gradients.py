@@ -25,8 +25,9 @@ def average_gradients(model: nn.Module) -> None:
         raise NotImplementedError(
             "exercise 03: make this p.grad the mean of its values over all ranks, in place. "
             "Multiply it by the reciprocal of the world size BEFORE summing it over the ranks "
-            "(not divide after the sum): lesson 03 shows why that is torch's arithmetic, and "
-            "the grader compares bits at 3 ranks, where the two differ. Look up "
+            "(not divide, before or after): lesson 08 shows why that is torch's arithmetic "
+            "('Why 3 ranks are the harder test'), and the grader compares bits at 3 ranks, "
+            "where they differ. Look up "
             "torch.distributed.all_reduce (what it sums, and where the result goes) and "
             f"Tensor.mul_. (world_size here: {world_size}.) Stuck? python lessons/grade.py "
             "--hint 03")

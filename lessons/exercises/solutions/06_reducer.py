@@ -16,11 +16,11 @@ Write the two pieces that make DDP:
 Try it before re-reading lesson 06's ``SmallReducer``: the reference solution is close to it.
 ``python lessons/grade.py --hint 06`` prints the code-level steps if you are stuck.
 
-Graded by ``python lessons/grade.py 06``: ``_finish`` run by the autograd engine after every
-backward, every launched all_reduce waited for, the state reset; gradients equal torch's DDP's
-bit for bit at every step at 2 and 3 ranks (one bucket at step 0, torch's rebuilt buckets after,
-then buckets that complete out of order); every all_reduce asynchronous and launched during
-backward, in bucket order.
+Graded by ``python lessons/grade.py 06``: ``_finish`` run by the autograd engine once after
+every backward, every launched all_reduce waited for before its bucket is read, the state reset;
+gradients equal torch's DDP's bit for bit at every step at 2 and 3 ranks (one bucket at step 0,
+torch's rebuilt buckets after, then buckets that complete out of order); every all_reduce
+asynchronous and launched during backward, in bucket order.
 """
 
 import functools
