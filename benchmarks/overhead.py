@@ -15,9 +15,11 @@ torch's bits.
 
 The floor, what *any* reducer written in Python pays, is timed in the same rounds: the bare
 module with an empty Python hook on every parameter's AccumulateGrad node (the hook miniddp
-uses), and with a hook that does the least a reducer must, one ``torch.mul(grad, 1 / world,
-out=bucket_view)``. Their CPU time above the bare module's, per parameter, is the part of
-miniddp's extra cost that no Python reducer can avoid.
+uses), with a hook that does the least a reducer must, one ``torch.mul(grad, 1 / world,
+out=bucket_view)``, and with the least a reducer with one bucket per parameter must do: that
+copy, an ``all_reduce`` of it launched from the hook, and at the end of backward a wait for
+each and one copy of the averages back into ``.grad``. Their CPU time above the bare module's,
+per parameter, is the part of miniddp's extra cost that no Python reducer can avoid.
 
     python benchmarks/overhead.py                       # no GPU: gloo, 2 CPU ranks, 1-2 minutes
     python benchmarks/overhead.py --model small_tensors
@@ -38,23 +40,42 @@ import miniddp
 from miniddp.train.report import print0
 
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
+#: What the floor's Python hooks do (with_python_hooks)
+FLOORS = ("empty", "copy", "launch")
 #: check_every arguments: (steps between parameter checksums, compare every collective)
 CHECKS = {"checksum every 100": (100, False), "checksum every step": (1, False),
           "debug (DETAIL)": (1, True)}
 
 
-def with_python_hooks(module: nn.Module, copy_into_bucket: bool) -> nn.Module:
-    """``module`` with a Python post-hook on every parameter's AccumulateGrad node: empty, or
-    doing one multiply into a bucket view. The nodes are kept on the module (see the reducer)."""
+def with_python_hooks(module: nn.Module, work: str) -> nn.Module:
+    """``module`` with a Python post-hook on every parameter's AccumulateGrad node that does
+    ``work``: ``"empty"`` nothing; ``"copy"`` one multiply into a bucket view; ``"launch"``
+    that, and an all_reduce of the view (a bucket per parameter), waited for at the end of
+    backward, and the averages copied into ``.grad`` in one call. The nodes are kept on the
+    module (see the reducer)."""
     scale = 1.0 / dist.get_world_size()
+    group = dist.group.WORLD
+    params = list(module.parameters())
+    views = [torch.empty_like(p) for p in params]
+    launched = []
+
+    def finish():
+        for handle in launched:
+            handle.wait()
+        launched.clear()
+        torch._foreach_copy_([p.grad for p in params], views)
+
     module.nodes = []
-    for p in module.parameters():
+    for p, view in zip(params, views):
         node = p.view_as(p).grad_fn.next_functions[0][0]
-        view = torch.empty_like(p)
 
         def hook(_inputs, _outputs, p=p, view=view):
-            if copy_into_bucket:
+            if work != "empty":
                 torch.mul(p.grad, scale, out=view)
+            if work == "launch":
+                launched.append(group.allreduce([view]))
+                if len(launched) == len(params):
+                    torch.autograd.Variable._execution_engine.queue_callback(finish)
 
         node.register_hook(hook)
         module.nodes.append(node)
@@ -78,9 +99,9 @@ def measure(setup: harness.Setup) -> dict:
                                                   bucket_cap_mb=CAPS["one_bucket"], **kwargs)
         checked.check_every(every, detail=detail)
         models["checks", label] = checked
-    calls = {"local": Trainer(copy.deepcopy(base), batches).step,
-             "empty_hooks": Trainer(with_python_hooks(copy.deepcopy(base), False), batches).step,
-             "copy_hooks": Trainer(with_python_hooks(copy.deepcopy(base), True), batches).step}
+    floors = {work: with_python_hooks(copy.deepcopy(base), work) for work in FLOORS}
+    calls = {"local": Trainer(copy.deepcopy(base), batches).step}
+    calls.update({f"{work}_hooks": Trainer(m, batches).step for work, m in floors.items()})
     calls.update({f"{label}/{impl}": Trainer(m, batches).step
                   for (label, impl), m in models.items()})
     tensors = len(list(base.parameters()))
@@ -98,16 +119,22 @@ def measure(setup: harness.Setup) -> dict:
         rows.append({"buckets": label, "bucket_count": len(ours.buckets), "bit_identical": True,
                      "extra_cpu_us_per_parameter": 1000 * extra_cpu / tensors,
                      "extra_wall_us_per_parameter": 1000 * extra_wall / tensors, **s})
-    bare = summarize({name: times[name] for name in ("local", "empty_hooks", "copy_hooks")})
+    if dist.get_world_size() == 2:  # (a + b: the same sum whatever the buckets' layout)
+        check(harness.same_bits(floors["launch"], models["per_parameter", "torch"].module,
+                                device),
+              "the floor's reducer (a bucket per parameter) trained otherwise than torch's DDP")
+    bare = summarize({name: times[name] for name in ["local"] + [f"{w}_hooks" for w in FLOORS]})
     floor = {name: 1000 * (bare[name]["cpu_median_ms"] - bare["local"]["cpu_median_ms"]) / tensors
-             for name in ("empty_hooks", "copy_hooks")}
+             for name in (f"{work}_hooks" for work in FLOORS)}
     return {"model": harness.model_info(base, setup),
             "batch_per_rank": harness.batch_size(batches),
             **harness.rank_facts(device), "bit_identical": True, "overhead": rows,
             "local": bare["local"], "python_floor": {
                 "empty_hook_cpu_us_per_parameter": floor["empty_hooks"],
                 "hook_and_copy_cpu_us_per_parameter": floor["copy_hooks"],
-                "empty_hooks": bare["empty_hooks"], "copy_hooks": bare["copy_hooks"]},
+                "bucket_per_parameter_cpu_us_per_parameter": floor["launch_hooks"],
+                "empty_hooks": bare["empty_hooks"], "copy_hooks": bare["copy_hooks"],
+                "launch_hooks": bare["launch_hooks"]},
             "consistency": checks_rows(models, times, device)}
 
 
@@ -131,6 +158,8 @@ def plot(result: dict, ax) -> None:
     floor = result["python_floor"]
     bare = [("bare module", result["local"]), ("empty hooks", floor["empty_hooks"]),
             ("hooks + copy", floor["copy_hooks"])]
+    if "launch_hooks" in floor:  # (results saved before it was measured lack it)
+        bare.append(("hooks + copy\n+ all_reduce", floor["launch_hooks"]))
     labels = [label for label, _ in bare]
     walls = [t["median_ms"] for _, t in bare]
     cpus = [t["cpu_median_ms"] for _, t in bare]
@@ -160,7 +189,10 @@ def report(result: dict) -> str:
             + f"\nbare module: {result['local']['median_ms']:.2f} ms "
               f"({result['local']['cpu_median_ms']:.2f} ms CPU); Python floor per parameter: "
               f"empty hook {floor['empty_hook_cpu_us_per_parameter']:.2f} us, hook + one "
-              f"copy {floor['hook_and_copy_cpu_us_per_parameter']:.2f} us CPU\n"
+              f"copy {floor['hook_and_copy_cpu_us_per_parameter']:.2f} us, a bucket per "
+              f"parameter (copy, all_reduce, wait, copy back) "
+              f"{floor.get('bucket_per_parameter_cpu_us_per_parameter', float('nan')):.2f} us "
+              "CPU\n"
             + harness.table(["consistency checks", "ms per step", "checks / off",
                              "extra ms per step", "extra CPU ms per step"],
                             [[r["setting"], r["checks"]["median_ms"], r["checks"]["ratio"],

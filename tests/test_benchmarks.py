@@ -192,8 +192,9 @@ def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
         assert rows["per_parameter"]["bucket_count"] == result["model"]["tensors"]
     assert all("extra_cpu_us_per_parameter" in r for r in rows.values())
     floor = result["python_floor"]
-    assert {"empty_hook_cpu_us_per_parameter", "hook_and_copy_cpu_us_per_parameter"} <= set(floor)
-    for name in ("empty_hooks", "copy_hooks"):
+    assert {"empty_hook_cpu_us_per_parameter", "hook_and_copy_cpu_us_per_parameter",
+            "bucket_per_parameter_cpu_us_per_parameter"} <= set(floor)
+    for name in ("empty_hooks", "copy_hooks", "launch_hooks"):
         assert len(floor[name]["times_ms"]) == result["setup"]["pairs"]
 
 
