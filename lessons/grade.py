@@ -119,6 +119,10 @@ def grade(number: str, path: Path, load_error: str | None) -> bool:
     except checks.NotWritten as todo:
         print(f"  TODO  not written yet: {todo}")
         return False
+    except checks.OutOfStep as mismatch:
+        print(f"  FAIL  every rank makes the same collective calls, in the same order\n"
+              f"        {mismatch}")
+        return False
     except RankError as error:
         lines = [line for line in error.details.strip().splitlines()
                  if line.strip() and not line.startswith("(then")]

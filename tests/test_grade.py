@@ -419,6 +419,12 @@ NAMED = {
                           "        p.grad.mul_(1.0 / world_size)\n")],
         WHICH_03, ["You multiplied the sum by 1 / world_size", "BEFORE the all_reduce"],
         ["Dividing after the sum", "lesson 03"]),
+    "03 only rank 0 all_reduces": (
+        "03", [("        dist.all_reduce(p.grad)\n",
+                "        if dist.get_rank() == 0:\n            dist.all_reduce(p.grad)\n")],
+        "every rank makes the same collective calls, in the same order",
+        ["rank 0 called all_reduce", "rank 1 never called this all_reduce"],
+        ["Timed out", "recv"]),
     "04 contiguous blocks": (
         "04", [("return order[rank:total_size:num_replicas]",
                 "return order[rank * num_samples:(rank + 1) * num_samples]")],
