@@ -28,6 +28,7 @@ from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
 TIMEOUT = 60
+PG_TIMEOUT_S = 20  # how long a collective waits for the other ranks before gloo gives up
 
 
 class NotWritten(Exception):
@@ -54,7 +55,7 @@ def on_ranks(world_size: int, task, *args) -> list:
     """Run ``task(*args)`` on ``world_size`` gloo ranks; results in rank order."""
     group = _groups.get(world_size)
     if group is None or not group.alive:
-        group = _groups[world_size] = RankGroup(world_size, pg_timeout=20)
+        group = _groups[world_size] = RankGroup(world_size, pg_timeout=PG_TIMEOUT_S)
     results = group.run(_guarded, task, *args, timeout=TIMEOUT)  # closes itself if it fails
     for status, value in results:
         if status in ("todo", "out of step"):
