@@ -212,6 +212,36 @@ def test_no_sync_by_hand_control_read_at_backward_differs_in_the_trap(ranks):
         assert same == [True, True] and not trap  # the steps agree; only the trap tells
 
 
+# The lesson itself, its wrapper by hand edited to read the flag in the hooks: the lesson's own
+# check must fail, naming the wrapper (its class lives in the lesson, out of a breakage's reach)
+RUN_EDITED = """
+import sys
+import __main__
+path, old, new = sys.argv[1:4]
+source = open(path).read()
+assert source.count(old) == 1, f"the lesson no longer holds {old!r}"
+sys.argv = [path]
+__main__.__file__ = path
+exec(compile(source.replace(old, new), path, "exec"), __main__.__dict__)
+"""
+
+
+@pytest.mark.lesson
+def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_time(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["MINIDDP_RUNS"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", RUN_EDITED,
+                           str(next(LESSONS_DIR.glob("07_*.py"))),
+                           "        if self.sync_this_backward:  # what forward noted",
+                           "        if self.require_backward_grad_sync:  # what forward noted"],
+                          env=env, capture_output=True, text=True, timeout=180,
+                          cwd=LESSONS_DIR.parent)
+    assert done.returncode != 0, done.stdout
+    assert "by hand: after a forward inside no_sync and its backward outside, every rank held " \
+           "the same gradients" in done.stderr, done.stderr[-2000:]
+    assert "OK:" not in done.stdout
+
+
 def synchronous_timeline():
     """A training step of miniddp's DDP whose every all_reduce is waited for at its launch."""
     ddp = miniddp.DistributedDataParallel(overlap.wide_student(torch.device("cpu")),
