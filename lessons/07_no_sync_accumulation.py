@@ -19,6 +19,10 @@ becomes k times larger) and calling ``zero_grad()`` per micro-batch (nothing acc
 The trap, checked at the end: ``no_sync`` sets a flag that DDP reads **when forward runs**. A
 forward inside ``no_sync`` followed by ``backward()`` outside it does *not* synchronize, and a
 forward outside followed by a backward inside *does*. Put both inside the ``with`` block.
+Why forward decides is written out by hand (``FlagReadAtForward``, a dozen lines): forward
+copies the flag into a note for the backward it starts, and the gradient hooks read only that
+note. It synchronizes exactly when both DDPs do, to their gradients; a variant whose hooks read
+the flag itself (``FlagReadAtBackward``) gives the opposite answer in both cases.
 
 A second trap, in its own section at the end (``the_forward_without_backward``): a forward with
 grad enabled that no backward follows, such as a validation pass without ``torch.no_grad()``.
@@ -44,12 +48,17 @@ What you will see: for the first step, a table of the k micro-batches (inside ``
 not, all_reduce calls, whether the gradients agree across ranks: only after the last one); the
 loss falling; the total count of all_reduce calls (one per bucket per step, a k-th of a plain
 loop's); the largest difference from the one-process oracle (about 1e-7, not 0: see
-``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs;
-the second trap, the same on both DDPs; and ``OK: ...``. A few seconds.
+``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs
+and on the wrapper by hand (and its variant read at backward, the other way round); the second
+trap, the same on both DDPs, with one sentence for the warning torch prints from C++ there; and
+``OK: ...``. A few seconds.
 """
 
 import argparse
-from contextlib import nullcontext
+import os
+import sys
+import tempfile
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -194,11 +203,65 @@ def calls_without_no_sync(rank, k, device) -> int:
     return calls
 
 
+# ----- by hand: why forward decides -----
+
+
+class FlagReadAtForward(nn.Module):
+    """``no_sync`` by hand: the flag is copied, at forward time, into a note for the backward
+    that forward starts, and the gradient hooks read the note, never the flag. torch's DDP does
+    the same: its forward calls ``reducer.prepare_for_backward`` only when the flag allows, and
+    that call is what arms its hooks for one backward (``expect_autograd_hooks_`` in
+    reducer.cpp; ``miniddp.reducer``'s ``prepare_for_backward``). Averages one parameter at a
+    time, where DDP averages buckets (lesson 05)."""
+
+    def __init__(self, module: nn.Module, device_ids=None):
+        super().__init__()
+        self.module, self.require_backward_grad_sync = module, True
+        self.sync_this_backward, self.all_reduces = False, 0
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(self.on_grad_ready)
+
+    @contextmanager
+    def no_sync(self):
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+
+    def forward(self, *inputs):
+        self.sync_this_backward = self.require_backward_grad_sync  # the flag, read HERE
+        return self.module(*inputs)
+
+    def on_grad_ready(self, param):
+        if self.sync_this_backward:  # what forward noted, whatever the flag says now
+            param.grad.mul_(1.0 / dist.get_world_size())
+            dist.all_reduce(param.grad)
+            self.all_reduces += 1
+
+
+class FlagReadAtBackward(FlagReadAtForward):
+    """The same, with the hooks reading the flag itself: what the trap below would show if
+    backward decided. Neither DDP behaves like this."""
+
+    def on_grad_ready(self, param):
+        self.sync_this_backward = self.require_backward_grad_sync
+        super().on_grad_ready(param)
+
+
+def all_reduces(ddp) -> int:
+    """All_reduce calls so far: miniddp's reducer timeline, or the by-hand wrapper's count."""
+    return reducer_launches(ddp) if hasattr(ddp, "reducer") else ddp.all_reduces
+
+
 def the_trap(rank, device):
-    """``no_sync`` is read when forward runs. Shown on both DDPs; returns what each did."""
+    """``no_sync`` is read when forward runs. Shown on both DDPs and on the wrapper by hand
+    (read at forward time, and read at backward time); returns what each did."""
     x, y = (t.to(device) for t in make_dataset(n=32, seed=10 + rank).tensors)
-    synced = {}
-    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
+    synced, grads = {}, {}
+    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP),
+                            ("by hand", FlagReadAtForward),
+                            ("by hand, read at backward", FlagReadAtBackward)):
         ddp = wrap(ddp_class, make_model(seed=0).to(device), device)
         if name == "miniddp":
             ddp.reducer.timeline = []  # to count its launches
@@ -206,20 +269,26 @@ def the_trap(rank, device):
             out = ddp(x)  # forward inside no_sync ...
         F.mse_loss(out, y).backward()  # ... backward outside: NOT synchronized
         forward_inside = grads_agree_across_ranks(ddp)
+        grads[name] = [torch.cat([p.grad.reshape(-1) for p in ddp.parameters()])]
         ddp.zero_grad()
         out = ddp(x)  # forward outside ...
-        launches = reducer_launches(ddp) if name == "miniddp" else None
+        launches = all_reduces(ddp) if name != "torch" else None
         with ddp.no_sync():
             F.mse_loss(out, y).backward()  # ... backward inside: synchronized all the same
-        launched = None if launches is None else reducer_launches(ddp) - launches
+        launched = None if launches is None else all_reduces(ddp) - launches
         synced[name] = (forward_inside, grads_agree_across_ranks(ddp), launched)
+        grads[name].append(torch.cat([p.grad.reshape(-1) for p in ddp.parameters()]))
 
     word = {True: "synchronized", False: "NOT synchronized"}
     print0("\nthe trap: where forward runs decides, not where backward runs")
     for case, label in enumerate(("forward inside no_sync, backward outside",
                                   "forward outside, backward inside no_sync")):
-        print0(f"  {label}:  " + ",  ".join(f"{name}: {word[synced[name][case]]}"
-                                             for name in synced))
+        print0(f"  {label}:\n    " + ",  ".join(f"{name}: {word[synced[name][case]]}"
+                                                 for name in synced))
+    backward_reads = synced.pop("by hand, read at backward")
+    check(backward_reads[:2] == (True, False), "the wrapper whose hooks read the flag at backward "
+          f"time synchronized {backward_reads[:2]} in the two cases; expected (True, False), the "
+          "opposite of both DDPs: else this table cannot tell the two readings apart")
     for name, (forward_inside, backward_inside, launched) in synced.items():
         check(not forward_inside, f"{name}: after a forward inside no_sync and its backward "
               "outside, every rank held the same gradients; expected each rank's own (the "
@@ -228,6 +297,17 @@ def the_trap(rank, device):
         check(backward_inside, f"{name}: after a forward outside no_sync and its backward "
               f"inside, the ranks held different gradients{calls}; expected the same averaged "
               "gradients on every rank (the flag is read at forward time)")
+    for case, said in enumerate(("inside no_sync, backward outside", "outside, backward inside")):
+        diff = (grads["by hand"][case] - grads["torch"][case]).abs().max().item()
+        check(torch.allclose(grads["by hand"][case], grads["torch"][case], rtol=1e-6, atol=1e-8),
+              f"rank {rank}: forward {said}: the wrapper by hand left other gradients than "
+              f"torch's DDP (largest difference {diff:.3g}); expected the same, up to the "
+              "rounding of averaging per parameter instead of per bucket")
+    params = len(list(make_model(seed=0).parameters()))
+    check(synced["by hand"][2] == params, f"forward outside no_sync, backward inside: the "
+          f"wrapper by hand made {synced['by hand'][2]} all_reduces, expected {params} (one per "
+          "parameter: the note forward left was set)")
+    print0("  the wrapper by hand, which reads the flag in forward, does what both DDPs do")
 
 
 # ----- a second trap: a forward that no backward follows -----
@@ -247,18 +327,48 @@ class WithIgnoredHead(nn.Module):
         return self.body(x), self.ignored(x)
 
 
+@contextmanager
+def cpp_stderr(into: list):
+    """Keep what this process writes to its stderr meanwhile (file descriptor 2), C++ included.
+
+    torch's DDP warns from C++ (``TORCH_WARN`` in reducer.cpp, printed by torch's C++ logging,
+    not raised as a Python warning), so ``warnings.catch_warnings`` cannot catch it: only
+    pointing file descriptor 2 elsewhere for a moment can."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            into.append(file.read().decode(errors="replace"))
+
+
+def said_in_cpp(captured: list) -> bool:
+    """True when torch warned that it found no unused parameter; anything else captured is
+    passed on to stderr as it was, so that nothing unexpected is hidden."""
+    lines = "".join(captured).splitlines(keepends=True)
+    warned = [line for line in lines if "did not find any unused parameters" in line]
+    sys.stderr.write("".join(line for line in lines if line not in warned))
+    return bool(warned)
+
+
 def the_forward_without_backward(rank, device):
     """Validation without ``torch.no_grad()``, then a step whose first micro-batch runs in
     ``no_sync``: that micro-batch is synchronized after all, in both DDPs, bit for bit."""
     print0("\nthe second trap: a forward without backward (validation without no_grad), then "
-           "a micro-batch inside no_sync (torch may warn that it found no unused parameter: "
-           "the ignored head is reached by an output, only the loss ignores it)")
+           "a micro-batch inside no_sync")
     x, y = (t.to(device) for t in make_dataset(n=48, seed=20 + rank).tensors)
-    results = {}
+    results, captured = {}, []
     for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
         ddp = ddp_class(WithIgnoredHead().to(device), find_unused_parameters=True,
                         device_ids=[device.index] if device.type == "cuda" else None)
-        ddp(x[32:])  # "validation", grad enabled: it prepares a reduction no backward runs
+        with cpp_stderr(captured):  # torch's C++ warning, said in a sentence below
+            ddp(x[32:])  # "validation", grad enabled: it prepares a reduction no backward runs
         with ddp.no_sync():  # ... so no_sync cancels nothing: this backward is reduced
             prediction, _ignored = ddp(x[:16])
             F.mse_loss(prediction, y[:16]).backward()
@@ -272,6 +382,10 @@ def the_forward_without_backward(rank, device):
         results[name] = (reduced_in_no_sync, [p.grad for p in ddp.module.body.parameters()],
                          ddp.module.ignored.weight.grad)
 
+    if said_in_cpp(captured):
+        print0("  (torch warned, from C++, that find_unused_parameters=True found no unused "
+               "parameter in the validation forward: true, every parameter is reached from an "
+               "output, the ignored head too; only the loss, after forward, ignores it)")
     for name, (reduced, _, _) in results.items():
         print0(f"  {name}: the no_sync micro-batch was "
                f"{'synchronized' if reduced else 'NOT synchronized'}")

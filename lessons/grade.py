@@ -119,12 +119,23 @@ def grade(number: str, path: Path, load_error: str | None) -> bool:
     except checks.NotWritten as todo:
         print(f"  TODO  not written yet: {todo}")
         return False
+    except checks.OutOfStep as mismatch:
+        print(f"  FAIL  every rank makes the same collective calls, in the same order\n"
+              f"        {mismatch}")
+        return False
     except RankError as error:
         lines = [line for line in error.details.strip().splitlines()
                  if line.strip() and not line.startswith("(then")]
         print(f"  FAIL  rank {error.rank} of {error.world_size} raised: {lines[-1]}")
         for frame in learner_frames(error.details, path):
             print(f"        at {frame}")
+        # gloo says "Timed out waiting 20000ms for recv", or "Application timeout caused pair
+        # closure": neither names the rank that never came (the collectives compared before
+        # each call, SameCalls, do)
+        if any(word in error.details.lower() for word in ("timed out", "timeout")):
+            print(f"        a collective waited {checks.PG_TIMEOUT_S} s for the other ranks and "
+                  "gave up: some rank never made the call this one made. Every rank must make "
+                  "the same collective calls in the same order")
         return False
     return passed
 

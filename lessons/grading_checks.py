@@ -8,6 +8,7 @@ exercise with ``NotWritten`` and its instruction.
 import os
 import sys
 import time
+from collections import Counter
 from contextlib import nullcontext
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
@@ -27,12 +28,15 @@ from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
 TIMEOUT = 60
+PG_TIMEOUT_S = 20  # how long a collective waits for the other ranks before gloo gives up
 
 
 class NotWritten(Exception):
     """The exercise still raises NotImplementedError; the message says what to write."""
 
 
+class OutOfStep(Exception):
+    """The ranks were about to make different collective calls; the message names them."""
 
 
 def _guarded(task, *args):
@@ -40,6 +44,8 @@ def _guarded(task, *args):
         return "ok", task(*args)
     except NotImplementedError as error:
         return "todo", str(error)
+    except OutOfStep as error:
+        return "out of step", str(error)
 
 
 _groups: dict[int, RankGroup] = {}  # kept between exercises while they run cleanly
@@ -49,12 +55,12 @@ def on_ranks(world_size: int, task, *args) -> list:
     """Run ``task(*args)`` on ``world_size`` gloo ranks; results in rank order."""
     group = _groups.get(world_size)
     if group is None or not group.alive:
-        group = _groups[world_size] = RankGroup(world_size, pg_timeout=20)
+        group = _groups[world_size] = RankGroup(world_size, pg_timeout=PG_TIMEOUT_S)
     results = group.run(_guarded, task, *args, timeout=TIMEOUT)  # closes itself if it fails
     for status, value in results:
-        if status == "todo":
+        if status in ("todo", "out of step"):
             group.close(kill=True)  # stopped midway: its state is unknown
-            raise NotWritten(value)
+            raise (NotWritten if status == "todo" else OutOfStep)(value)
     return [value for _, value in results]
 
 
@@ -71,6 +77,117 @@ def everyone(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return out
+
+
+# ----- the learner's collectives, compared across the ranks before each call -----
+
+COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce",
+               "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter", "all_to_all",
+               "all_to_all_single", "barrier")
+
+
+def _numel(args) -> int:
+    """The elements a collective's first argument holds (a tensor, or a list of them)."""
+    first = args[0] if args else None
+    if isinstance(first, torch.Tensor):
+        return first.numel()
+    if isinstance(first, (list, tuple)):
+        return sum(t.numel() for t in first if isinstance(t, torch.Tensor))
+    return 0
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+class SameCalls:
+    """While open, each collective of torch.distributed that the learner's code calls is first
+    compared across the ranks: one small all_gather of what every rank is about to call.
+
+    A collective that one rank makes and another skips pairs with whatever the other calls
+    next, or waits for nothing until gloo's timeout (20 s here) ends it with a message about a
+    recv. Compared before the call, the ranks fail at once, all with the same words: which rank
+    called what, and which did not. ``finish()``, once the learner's function has returned on
+    every rank, is compared like a call: a rank still calling then meets the others' end.
+    ``stand_ins`` replace some collectives inside the comparison (a spy for all_reduce)."""
+
+    END, RAISED = -1, -2
+
+    def __init__(self, function: str, stand_ins: dict | None = None):
+        self.function, self.stand_ins = function, stand_ins or {}
+        self.gather = dist.all_gather  # the real one: the comparison's own collective
+        self.counts: Counter = Counter()
+        self.saved: dict = {}
+
+    def __enter__(self):
+        for name in COLLECTIVES:
+            if hasattr(dist, name):
+                self.saved[name] = getattr(dist, name)
+                setattr(dist, name, self._compared(name, self.stand_ins.get(name,
+                                                                            self.saved[name])))
+        return self
+
+    def __exit__(self, kind, error, traceback):
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+        if kind is not None and issubclass(kind, Exception) and not issubclass(kind, OutOfStep):
+            try:  # the learner's own error is the news: only tell the others this rank stopped
+                self._agree(self.RAISED, 0)
+            except OutOfStep:
+                pass
+        return False
+
+    def finish(self) -> None:
+        """Compare "my function has returned" across the ranks, like a call."""
+        self._agree(self.END, 0)
+
+    def _compared(self, name: str, inner):
+        def call(*args, **kwargs):
+            self._agree(COLLECTIVES.index(name), _numel(args))
+            self.counts[name] += 1
+            return inner(*args, **kwargs)
+        return call
+
+    def _agree(self, code: int, numel: int) -> None:
+        row = torch.tensor([code, numel])
+        rows = [torch.empty_like(row) for _ in range(dist.get_world_size())]
+        self.gather(rows, row)
+        rows = [tuple(r.tolist()) for r in rows]
+        if len(set(rows)) > 1:
+            raise OutOfStep(self.describe(rows))
+
+    def describe(self, rows: list[tuple[int, int]]) -> str:
+        """The same words on every rank: they are made from the rows all ranks gathered."""
+        groups: dict[tuple[int, int], list[int]] = {}
+        for rank, row in enumerate(rows):
+            groups.setdefault(row, []).append(rank)
+        said, calling, stopped = [], set(), []
+        for (code, numel), ranks in groups.items():
+            who = ("ranks " if len(ranks) > 1 else "rank ") + ", ".join(map(str, ranks))
+            if code < 0:
+                stopped.append(who)
+                said.append(f"{who}'s {self.function} had "
+                            f"{'returned' if code == self.END else 'raised an error'}")
+                continue
+            name = COLLECTIVES[code]
+            calling.add(name)
+            said.append(f"{who} called {name} for the {_ordinal(self.counts[name] + 1)} time "
+                        f"({numel} elements)")
+        if stopped and len(calling) == 1:
+            name = calling.pop()
+            before = self.counts[name]
+            verdict = (f"{' and '.join(stopped)} never called this {name} (having called it "
+                       f"{before} time{'' if before == 1 else 's'} before)")
+        elif not calling:
+            verdict = "the ranks ended differently"
+        elif len(calling) > 1 or stopped:
+            verdict = "the ranks called different collectives at the same point"
+        else:
+            verdict = ("the ranks called it on tensors of different sizes: it would pair up "
+                       "different tensors")
+        return ("; ".join(said) + f": {verdict}. Every rank must make the same collective calls "
+                "in the same order (a collective under `if rank == ...` leaves the other ranks "
+                "waiting for it)")
 
 
 # ----- 03: all_reduce averaging by hand -----
@@ -201,12 +318,12 @@ def average_task():
     reference = [p.grad.clone() for p in mine.parameters()]
     # The others make each all_reduce late, so one that rank 0 left in flight cannot have
     # finished when its function returns: what rank 0 reads then is what the learner handed back.
-    watched = dist.all_reduce = WatchedAllReduce(LATE_S if rank > 0 else 0.0)
-    try:
+    watched = WatchedAllReduce(LATE_S if rank > 0 else 0.0)
+    same = SameCalls("average_gradients", {"all_reduce": watched})
+    with same:
         sys.modules["exercise_03"].average_gradients(mine)
-    finally:
-        dist.all_reduce = watched.original
     at_return = flat_grads(mine).clone()
+    same.finish()  # after the snapshot: comparing waits for the others' last all_reduce
     # torch's arithmetic, then the usual wrong orders, each per parameter and after the
     # learner's collectives (they are done when it is): the same ring, so the same bits
     arithmetic = {name: torch.cat([scaled(g.clone(), world).reshape(-1) for g in reference])

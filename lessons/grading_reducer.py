@@ -2,7 +2,9 @@
 
 Root causes first: whether ``_finish`` ran after every backward, and whether it left the state
 reset for the next one. Only then the bits against torch's DDP, and what a spy standing in for
-``dist.all_reduce`` saw of how the collectives were launched and waited for.
+``dist.all_reduce`` saw of how the collectives were launched and waited for. Each all_reduce
+the learner's reducer launches is first compared across the ranks (``SameCalls``), so a rank
+that skips one is named at once instead of timing out.
 """
 
 import copy
@@ -11,7 +13,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import Waited, flat_grads, many_layers, on_ranks
+from grading_checks import OutOfStep, SameCalls, Waited, flat_grads, many_layers, on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
@@ -191,9 +193,12 @@ def reducer_task(steps: int = 3):
         reducer.timeline = []
         watch_finish(reducer, report, s)
         spy = AllReduceSpy(reducer)
-        dist.all_reduce = spy
+        same = SameCalls(f"backward of step {s}", {"all_reduce": spy})
         try:
-            losses[0].backward()
+            with same:
+                losses[0].backward()
+        except OutOfStep:
+            raise
         except Exception as error:
             if any(not async_op for async_op, _, _ in spy.calls):
                 raise RuntimeError(f"{type(error).__name__}: {error} (and all_reduce ran "
@@ -201,8 +206,8 @@ def reducer_task(steps: int = 3):
                                    "for)") from error
             raise
         finally:
-            dist.all_reduce = spy.original
             reducer.__dict__.pop("_finish", None)
+        same.finish()  # a rank that launched more all_reduces than the others is named here
         if spy.unwaited():
             report["unwaited"].append((s, spy.unwaited(), len(spy.works)))
         if spy.read_early(reducer):

@@ -419,6 +419,12 @@ NAMED = {
                           "        p.grad.mul_(1.0 / world_size)\n")],
         WHICH_03, ["You multiplied the sum by 1 / world_size", "BEFORE the all_reduce"],
         ["Dividing after the sum", "lesson 03"]),
+    "03 only rank 0 all_reduces": (
+        "03", [("        dist.all_reduce(p.grad)\n",
+                "        if dist.get_rank() == 0:\n            dist.all_reduce(p.grad)\n")],
+        "every rank makes the same collective calls, in the same order",
+        ["rank 0 called all_reduce", "rank 1 never called this all_reduce"],
+        ["Timed out", "recv"]),
     "04 contiguous blocks": (
         "04", [("return order[rank:total_size:num_replicas]",
                 "return order[rank * num_samples:(rank + 1) * num_samples]")],
@@ -451,6 +457,14 @@ NAMED = {
             "KEEP", "dist.all_reduce(self.flat[k], async_op=True)"))],
         "buckets are launched in bucket order", ["waits for the ones before it"],
         ["-1: not a bucket's buffer", "scaling", "reciprocal"]),
+    "06 rank 0 all_reduces a bucket twice": (
+        "06", [("            self.in_flight.append(dist.all_reduce(self.flat[k], async_op=True))\n",
+                "            self.in_flight.append(dist.all_reduce(self.flat[k], async_op=True))\n"
+                "            if dist.get_rank() == 0:\n"
+                "                dist.all_reduce(self.flat[k], async_op=True).wait()\n")],
+        "every rank makes the same collective calls, in the same order",
+        ["rank 0 called all_reduce for the 2nd time", "rank 1 never called this all_reduce"],
+        ["Timed out", "recv"]),
     "07 loss not divided by k": (
         "07", [("                (F.mse_loss(ddp(x), y) / k).backward()\n        else:\n"
                 "            (F.mse_loss(ddp(x), y) / k).backward()\n",

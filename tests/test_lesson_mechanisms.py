@@ -3,8 +3,8 @@
 A lesson's version is the minimal one and the library's the complete one; these tests hold them
 together, so neither can drift: the ring of lesson 01 against ``dist.all_reduce``, the buckets
 of lesson 05 against ``miniddp.buckets`` and torch's assignment, the ``SmallReducer`` of lesson
-06 against ``miniddp.DistributedDataParallel`` and torch's DDP. Each has a control that shows
-the comparison can fail.
+06 against ``miniddp.DistributedDataParallel`` and torch's DDP, the ``no_sync`` by hand of
+lesson 07 against torch's DDP. Each has a control that shows the comparison can fail.
 """
 
 import os
@@ -17,15 +17,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from bits import same_bits
 from lesson_modules import LESSONS_DIR, load_lesson
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.buckets import assign_buckets
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import make_dataset
+from miniddp.train.data import make_dataset, make_model
 
 ring = load_lesson("01")
 buckets = load_lesson("05")
 overlap = load_lesson("06")
+accumulation = load_lesson("07")
 
 
 # ----- lesson 01: the ring -----
@@ -159,6 +161,85 @@ def test_small_reducer_equals_miniddp_with_the_same_buckets(ranks, world):
 def test_small_reducer_control_without_the_rebuild_differs_at_3_ranks(ranks):
     results = ranks(3).run(small_reducer_vs_miniddp, 0.3, True)
     assert any(not all(same) for same, _ in results)
+
+
+# ----- lesson 07: no_sync by hand -----
+
+def no_sync_by_hand_vs_torch(wrapper: str, k: int = 3, steps: int = 2):
+    """Accumulation steps, then the trap (forward inside no_sync, backward outside), on the
+    lesson's wrapper and on torch's DDP: (all_reduces per step, parameters the same bits after
+    each step, trap gradients the same bits, largest parameter difference)."""
+    rank = dist.get_rank()
+    mine = getattr(accumulation, wrapper)(make_model(seed=0))
+    theirs = TorchDDP(make_model(seed=0))
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9) for m in (mine, theirs)]
+    x, y = make_dataset(n=16 * k * steps, seed=rank).tensors
+    calls, same, worst = [], [], 0.0
+    for s in range(steps):
+        micro = list(zip(x[16 * k * s:16 * k * (s + 1)].chunk(k),
+                         y[16 * k * s:16 * k * (s + 1)].chunk(k)))
+        before = mine.all_reduces
+        for ddp, optimizer in zip((mine, theirs), optimizers):
+            accumulation.accumulation_step(ddp, optimizer, micro)
+        calls.append(mine.all_reduces - before)
+        same.append(all(same_bits(p, q) for p, q in zip(mine.parameters(), theirs.parameters())))
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(mine.parameters(), theirs.parameters())))
+    mine = getattr(accumulation, wrapper)(make_model(seed=0))  # the same start for both
+    theirs = TorchDDP(make_model(seed=0))
+    for ddp in (mine, theirs):
+        with ddp.no_sync():
+            out = ddp(x[:16])
+        F.mse_loss(out, y[:16]).backward()
+    trap = all(same_bits(p.grad, q.grad) for p, q in zip(mine.parameters(), theirs.parameters()))
+    return calls, same, trap, worst
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_no_sync_by_hand_synchronizes_like_torchs_ddp(ranks, world):
+    params = len(list(make_model(seed=0).parameters()))
+    for calls, same, trap, worst in ranks(world).run(no_sync_by_hand_vs_torch,
+                                                     "FlagReadAtForward"):
+        assert calls == [params, params]  # one per parameter, in the last micro-batch only
+        assert trap  # not synchronized, as torch's: each rank's own gradients, bit for bit
+        if world == 2:  # a sum of two is the same in any order: per parameter or per bucket
+            assert same == [True, True]
+        assert worst < 1e-6
+
+
+def test_no_sync_by_hand_control_read_at_backward_differs_in_the_trap(ranks):
+    for _, same, trap, _ in ranks(2).run(no_sync_by_hand_vs_torch, "FlagReadAtBackward"):
+        assert same == [True, True] and not trap  # the steps agree; only the trap tells
+
+
+# The lesson itself, its wrapper by hand edited to read the flag in the hooks: the lesson's own
+# check must fail, naming the wrapper (its class lives in the lesson, out of a breakage's reach)
+RUN_EDITED = """
+import sys
+import __main__
+path, old, new = sys.argv[1:4]
+source = open(path).read()
+assert source.count(old) == 1, f"the lesson no longer holds {old!r}"
+sys.argv = [path]
+__main__.__file__ = path
+exec(compile(source.replace(old, new), path, "exec"), __main__.__dict__)
+"""
+
+
+@pytest.mark.lesson
+def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_time(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["MINIDDP_RUNS"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", RUN_EDITED,
+                           str(next(LESSONS_DIR.glob("07_*.py"))),
+                           "        if self.sync_this_backward:  # what forward noted",
+                           "        if self.require_backward_grad_sync:  # what forward noted"],
+                          env=env, capture_output=True, text=True, timeout=180,
+                          cwd=LESSONS_DIR.parent)
+    assert done.returncode != 0, done.stdout
+    assert "by hand: after a forward inside no_sync and its backward outside, every rank held " \
+           "the same gradients" in done.stderr, done.stderr[-2000:]
+    assert "OK:" not in done.stdout
 
 
 def synchronous_timeline():
