@@ -3,11 +3,11 @@ solution fails the check that names its mistake."""
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 from lesson_modules import LESSONS_DIR
+from warm_python import warm_python
 
 GRADE = LESSONS_DIR / "grade.py"
 SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
@@ -15,10 +15,14 @@ NUMBERS = ["03", "04", "05", "06", "07", "15"]
 
 
 def grade(*args, timeout=240):
+    """``python lessons/grade.py *args``, from a warm interpreter that has run the grader's
+    imports (``tests/warm_python.py``: a fresh forked process per call, without the seconds of
+    ``import torch``)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, str(GRADE), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=LESSONS_DIR.parent, env=env)
+    warm = warm_python(("grade", "torch._dynamo"), path=str(LESSONS_DIR))
+    return warm.run([sys.executable, str(GRADE), *map(str, args)], env=env,
+                    cwd=LESSONS_DIR.parent, timeout=timeout)
 
 
 def sections(stdout: str) -> dict[str, str]:

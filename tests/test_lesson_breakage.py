@@ -1,8 +1,9 @@
 """Each lesson's OK means its mechanism works: broken from outside, the lesson fails.
 
-Every case runs a lesson exactly as a learner would (``python lessons/NN_topic.py``) with one
-mechanism broken by ``tests/breakage`` (see ``breakages.py``: the library or the collective is
-patched in every process the lesson starts, torchrun's workers included), and asserts that the
+Every case runs a lesson as a learner would (``python lessons/NN_topic.py``, in a process of its
+own forked from an interpreter that has imported torch already: ``tests/warm_python.py``) with
+one mechanism broken by ``tests/breakage`` (see ``breakages.py``: the library or the collective
+is patched in every process the lesson starts, torchrun's workers included), and asserts that the
 lesson exits non-zero with the message of the check that proves that mechanism. A lesson that
 still printed OK would prove nothing. Lesson 06's synchronous all_reduce is tested in
 test_lesson_mechanisms.py, beside the mechanism it breaks.
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from warm_python import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 BREAKAGE_DIR = Path(__file__).resolve().parent / "breakage"
@@ -78,8 +80,8 @@ def run_broken(lesson: str, breakage: str, tmp_path: Path) -> subprocess.Complet
                MINIDDP_BREAK=breakage, MINIDDP_RUNS=str(tmp_path / "runs"))
     [path] = (REPO / "lessons").glob(f"{lesson}.py")
     command = [sys.executable, str(path), *ARGUMENTS.get(lesson, [])]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return warm_python(("torch", "torch._dynamo")).run(command, env=env, cwd=REPO,
+                                                        timeout=TIMEOUT)
 
 
 @pytest.mark.lesson
