@@ -9,13 +9,16 @@ still printed OK would prove nothing. Lesson 06's synchronous all_reduce is test
 test_lesson_mechanisms.py, beside the mechanism it breaks.
 """
 
+import functools
 import os
+import queue
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -73,26 +76,64 @@ CASES = [
 NOT_SAID = {"write_back_before_wait": ["no_sync", "flag"]}
 
 
-def run_broken(lesson: str, breakage: str, tmp_path: Path) -> subprocess.CompletedProcess:
+WARM = ("torch", "torch._dynamo")  # never the modules that the breakages patch: see warm_python
+
+
+def broken_env(breakage: str, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(BREAKAGE_DIR)]),
                MINIDDP_BREAK=breakage, MINIDDP_RUNS=str(tmp_path / "runs"))
+    return env
+
+
+def run_broken(lesson: str, breakage: str, tmp_path: Path, env: dict[str, str] | None = None,
+               slot: int = 0) -> subprocess.CompletedProcess:
     [path] = (REPO / "lessons").glob(f"{lesson}.py")
     command = [sys.executable, str(path), *ARGUMENTS.get(lesson, [])]
-    return warm_python(("torch", "torch._dynamo")).run(command, env=env, cwd=REPO,
-                                                        timeout=TIMEOUT)
+    return warm_python(WARM, slot=slot).run(command, env=env or broken_env(breakage, tmp_path),
+                                            cwd=REPO, timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def runs_ahead(request, tmp_path_factory):
+    """The selected cases' broken runs, one test ahead, two at a time (``tests/runs_ahead.py``),
+    each in one of two warm interpreters."""
+    slots = queue.SimpleQueue()
+    for slot in (0, 1):
+        warm_python(WARM, slot=slot)  # created here: it reads os.environ
+        slots.put(slot)
+
+    def on_a_free_slot(lesson, breakage, tmp_path, env):
+        slot = slots.get()
+        try:
+            return (lesson, breakage), run_broken(lesson, breakage, tmp_path, env, slot)
+        finally:
+            slots.put(slot)
+
+    def prepared(item):
+        lesson, breakage = item.callspec.params["lesson"], item.callspec.params["breakage"]
+        runs = tmp_path_factory.mktemp(f"{lesson}-{breakage}")
+        env = broken_env(breakage, runs)
+        return lambda: on_a_free_slot(lesson, breakage, runs, env)
+
+    items = selected(request, "test_lesson_fails_when_its_mechanism_is_broken")
+    ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
+    yield ahead
+    ahead.close()
 
 
 @pytest.mark.lesson
 @pytest.mark.parametrize("lesson, breakage, message", CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, tmp_path):
+def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, runs_ahead,
+                                                   request):
     if breakage == "no_grad_scaler" and not (hasattr(torch.amp, "GradScaler")
                                              or torch.cuda.is_available()):
         pytest.skip(f"torch {torch.__version__} has no GradScaler for the CPU: lesson 10 "
                     "skips its fp16 part, so there is no scaler to break")
-    done = run_broken(lesson, breakage, tmp_path)
+    ran, done = runs_ahead.result(request.node.nodeid)
+    assert ran == (lesson, breakage)
     output = done.stdout + done.stderr
     assert done.returncode != 0, f"{lesson} passed with {breakage}:\n{output[-3000:]}"
     assert message in output, f"{lesson} with {breakage} failed, but not with '{message}':\n" \

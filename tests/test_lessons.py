@@ -4,14 +4,15 @@ Lessons are found by glob, so a new ``lessons/NN_topic.py`` is tested without to
 Select them with ``pytest -m lesson``; ``-m "lesson and not slow"`` skips the torchrun runs.
 """
 
+import functools
 import os
 import re
 import subprocess
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from runs_ahead import RunsAhead, selected
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
 LESSONS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.py"))
@@ -55,43 +56,18 @@ def lesson_command(test_name: str, lesson: Path) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *torchrun_command(lesson)[1:]]
 
 
-class RunsAhead:
-    """The lesson runs of the selected tests, started one test ahead, two at a time.
-
-    A lesson spends much of its run starting processes and waiting on sockets and timeouts,
-    leaving a core idle: on this 2-core machine the 17 plain runs took 63 s two at a time and
-    83 s one after the other. Each test still waits for and checks its own lesson's run, so a
-    failure names its lesson; a test that is not selected runs nothing.
-    """
-
-    def __init__(self, tests: list[tuple[str, str, Path]], tmp_path_factory):
-        self.tests = tests  # (test id, test function, lesson), in the order they will run
-        self.tmp_path_factory = tmp_path_factory
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="lesson-run")
-        self.started: dict[str, Future] = {}
-
-    def result(self, test_id: str) -> subprocess.CompletedProcess:
-        index = [t[0] for t in self.tests].index(test_id)
-        for key, function, lesson in self.tests[index:index + 2]:
-            if key not in self.started:
-                runs = self.tmp_path_factory.mktemp(lesson.stem)
-                env = learner_env(runs)  # here: pytest changes os.environ as the tests go
-                self.started[key] = self.pool.submit(run, lesson_command(function, lesson),
-                                                     runs, env=env)
-        return self.started[test_id].result()
-
-    def close(self):
-        self.pool.shutdown(wait=True, cancel_futures=True)  # a run started ahead ends by itself
-
-
 @pytest.fixture(scope="module")
 def runs_ahead(request, tmp_path_factory):
-    functions = ("test_lesson_runs_and_ends_with_ok",
-                 "test_lesson_runs_under_its_documented_torchrun_command")
-    tests = [(item.nodeid, item.originalname, item.callspec.params["lesson"])
-             for item in request.session.items
-             if item.module is request.module and item.originalname in functions]
-    ahead = RunsAhead(tests, tmp_path_factory)
+    """The selected tests' lesson runs, one test ahead, two at a time (``tests/runs_ahead.py``)."""
+    def prepared(item):
+        lesson = item.callspec.params["lesson"]
+        runs = tmp_path_factory.mktemp(lesson.stem)
+        command, env = lesson_command(item.originalname, lesson), learner_env(runs)
+        return lambda: run(command, runs, env=env)
+
+    items = selected(request, "test_lesson_runs_and_ends_with_ok",
+                     "test_lesson_runs_under_its_documented_torchrun_command")
+    ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
     yield ahead
     ahead.close()
 

@@ -107,9 +107,10 @@ class WarmPython:
 _shared: dict[tuple, WarmPython] = {}
 
 
-def warm_python(preload: tuple[str, ...], path: str | None = None) -> WarmPython:
-    """The warm interpreter with these preloads, shared by the tests of this pytest process."""
-    key = (preload, path)
+def warm_python(preload: tuple[str, ...], path: str | None = None, slot: int = 0) -> WarmPython:
+    """The warm interpreter with these preloads, shared by the tests of this pytest process;
+    another ``slot`` is another such interpreter, to run two scripts at once."""
+    key = (preload, path, slot)
     if key not in _shared:
         env = {k: v for k, v in os.environ.items()
                if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
