@@ -11,7 +11,6 @@ test_lesson_mechanisms.py, beside the mechanism it breaks.
 
 import functools
 import os
-import queue
 import subprocess
 import sys
 from pathlib import Path
@@ -99,23 +98,14 @@ def run_broken(lesson: str, breakage: str, tmp_path: Path, env: dict[str, str] |
 def runs_ahead(request, tmp_path_factory):
     """The selected cases' broken runs, one test ahead, two at a time (``tests/runs_ahead.py``),
     each in one of two warm interpreters."""
-    slots = queue.SimpleQueue()
     for slot in (0, 1):
         warm_python(WARM, slot=slot)  # created here: it reads os.environ
-        slots.put(slot)
-
-    def on_a_free_slot(lesson, breakage, tmp_path, env):
-        slot = slots.get()
-        try:
-            return (lesson, breakage), run_broken(lesson, breakage, tmp_path, env, slot)
-        finally:
-            slots.put(slot)
 
     def prepared(item):
         lesson, breakage = item.callspec.params["lesson"], item.callspec.params["breakage"]
         runs = tmp_path_factory.mktemp(f"{lesson}-{breakage}")
         env = broken_env(breakage, runs)
-        return lambda: on_a_free_slot(lesson, breakage, runs, env)
+        return lambda slot: ((lesson, breakage), run_broken(lesson, breakage, runs, env, slot))
 
     items = selected(request, "test_lesson_fails_when_its_mechanism_is_broken")
     ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})

@@ -63,7 +63,7 @@ def runs_ahead(request, tmp_path_factory):
         lesson = item.callspec.params["lesson"]
         runs = tmp_path_factory.mktemp(lesson.stem)
         command, env = lesson_command(item.originalname, lesson), learner_env(runs)
-        return lambda: run(command, runs, env=env)
+        return lambda slot: run(command, runs, env=env)
 
     items = selected(request, "test_lesson_runs_and_ends_with_ok",
                      "test_lesson_runs_under_its_documented_torchrun_command")
