@@ -160,7 +160,8 @@ def _run_in_child(request: dict) -> tuple[int, int]:
         _become_the_script(request, out_write, err_write)  # never returns
     os.close(out_write)
     os.close(err_write)
-    files = {out_read: open(request["stdout"], "wb"), err_read: open(request["stderr"], "wb")}
+    files = {out_read: open(request["stdout"], "wb", buffering=0),  # seen even after a timeout
+             err_read: open(request["stderr"], "wb", buffering=0)}
     while files:  # to the end of both pipes, as subprocess.run reads them (grandchildren too)
         for fd in select.select(list(files), [], [])[0]:
             chunk = os.read(fd, 65536)
@@ -223,9 +224,11 @@ def _run_sitecustomize(path_entries: list[str]) -> None:
 
 
 def _run_as_main(script: str) -> int:
-    """Run the script as ``__main__``; the exit status Python would give, atexit run first."""
+    """Run the script as ``__main__``; then, as Python's own exit does, wait for the threads
+    that are not daemons and run the atexit functions; the exit status Python would give."""
     import atexit as exits
     import runpy
+    import threading
 
     try:
         runpy.run_path(script, run_name="__main__")
@@ -237,6 +240,7 @@ def _run_as_main(script: str) -> int:
 
         traceback.print_exc()
         code = 1
+    getattr(threading, "_shutdown", lambda: None)()
     exits._run_exitfuncs()
     return code
 
