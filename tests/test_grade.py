@@ -2,24 +2,54 @@
 solution fails the check that names its mistake."""
 
 import ast
+import functools
 import os
 import re
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from lesson_modules import LESSONS_DIR
+from runs_ahead import RunsAhead, selected
+from warm_python import warm_python
 
 GRADE = LESSONS_DIR / "grade.py"
 SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
 NUMBERS = ["03", "04", "05", "06", "07", "15"]
 
 
-def grade(*args, timeout=240):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    return subprocess.run([sys.executable, str(GRADE), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=LESSONS_DIR.parent, env=env)
+GRADER_WARM = ("grade", "torch._dynamo")  # the grader's own imports, with its settings
+
+
+def grader_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items()
+            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def grade(*args, timeout=240, env=None, slot=0):
+    """``python lessons/grade.py *args``, from a warm interpreter that has run the grader's
+    imports (``tests/warm_python.py``: a fresh forked process per call, without the seconds of
+    ``import torch``); ``slot`` 1 is a second such interpreter, for a second run at once."""
+    warm = warm_python(GRADER_WARM, path=str(LESSONS_DIR), slot=slot)
+    return warm.run([sys.executable, str(GRADE), *map(str, args)], env=env or grader_env(),
+                    cwd=LESSONS_DIR.parent, timeout=timeout)
+
+
+def grades_ahead(request, tmp_path_factory, write: dict):
+    """The grader's runs of the selected tests of ``write``'s functions, one test ahead, two at
+    a time (``tests/runs_ahead.py``). ``write[function](params, directory)`` writes the test's
+    solutions into ``directory`` and returns the grader's arguments."""
+    for slot in (0, 1):
+        warm_python(GRADER_WARM, path=str(LESSONS_DIR), slot=slot)  # here: it reads os.environ
+
+    def prepared(item):
+        directory = tmp_path_factory.mktemp("solutions")
+        args = write[item.originalname](item.callspec.params, directory)
+        env = grader_env()
+        return lambda slot: grade(*args, env=env, slot=slot)
+
+    items = selected(request, *write)
+    return RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
 
 
 def sections(stdout: str) -> dict[str, str]:
@@ -159,15 +189,20 @@ ROOT_CAUSES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(ROOT_CAUSES))
-def test_a_wrong_solution_fails_naming_its_root_cause(tmp_path, case):
-    number, right, wrong, check, words = ROOT_CAUSES[case]
+def with_root_cause(case: str, directory: Path) -> list:
+    number, right, wrong, _, _ = ROOT_CAUSES[case]
     solution = next(SOLUTIONS.glob(f"{number}_*.py"))
     text = solution.read_text()
     assert right in text, f"{solution.name} no longer contains {right!r}"
-    (tmp_path / solution.name).write_text(text.replace(right, wrong))
-    done = grade(number, "--dir", tmp_path)
+    (directory / solution.name).write_text(text.replace(right, wrong))
+    return [number, "--dir", directory]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(ROOT_CAUSES))
+def test_a_wrong_solution_fails_naming_its_root_cause(graded_ahead, request, case):
+    number, right, wrong, check, words = ROOT_CAUSES[case]
+    done = graded_ahead.result(request.node.nodeid)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = sections(done.stdout)[number].splitlines()
     failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
@@ -349,9 +384,7 @@ ALSO = {"03 sum, not the mean": WHICH_03, "03 all_reduce of a copy": WHICH_03,
         "03 scaled twice": WHICH_03}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("names", ROUNDS, ids=[" + ".join(r) for r in ROUNDS])
-def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(tmp_path, names):
+def with_round(names: list[str], directory: Path) -> list:
     for name in names:
         number, edits, _, _, _ = WRONG[name]
         solution = next(SOLUTIONS.glob(f"{number}_*.py"))
@@ -359,8 +392,26 @@ def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(tmp_
         for right, wrong in edits:
             assert text.count(right) == 1, f"{name}: {solution.name} no longer holds {right!r}"
             text = text.replace(right, wrong)
-        (tmp_path / solution.name).write_text(text)
-    done = grade(*sorted(WRONG[n][0] for n in names), "--dir", tmp_path)
+        (directory / solution.name).write_text(text)
+    return [*sorted(WRONG[n][0] for n in names), "--dir", directory]
+
+
+@pytest.fixture(scope="module")
+def graded_ahead(request, tmp_path_factory):
+    ahead = grades_ahead(request, tmp_path_factory, {
+        "test_a_wrong_solution_fails_naming_its_root_cause":
+            lambda params, directory: with_root_cause(params["case"], directory),
+        "test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it":
+            lambda params, directory: with_round(params["names"], directory)})
+    yield ahead
+    ahead.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("names", ROUNDS, ids=[" + ".join(r) for r in ROUNDS])
+def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(graded_ahead, request,
+                                                                            names):
+    done = graded_ahead.result(request.node.nodeid)
     assert done.returncode == 1, done.stdout + done.stderr
     found = sections(done.stdout)
     for name in names:

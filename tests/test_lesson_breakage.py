@@ -1,13 +1,15 @@
 """Each lesson's OK means its mechanism works: broken from outside, the lesson fails.
 
-Every case runs a lesson exactly as a learner would (``python lessons/NN_topic.py``) with one
-mechanism broken by ``tests/breakage`` (see ``breakages.py``: the library or the collective is
-patched in every process the lesson starts, torchrun's workers included), and asserts that the
+Every case runs a lesson as a learner would (``python lessons/NN_topic.py``, in a process of its
+own forked from an interpreter that has imported torch already: ``tests/warm_python.py``) with
+one mechanism broken by ``tests/breakage`` (see ``breakages.py``: the library or the collective
+is patched in every process the lesson starts, torchrun's workers included), and asserts that the
 lesson exits non-zero with the message of the check that proves that mechanism. A lesson that
 still printed OK would prove nothing. Lesson 06's synchronous all_reduce is tested in
 test_lesson_mechanisms.py, beside the mechanism it breaks.
 """
 
+import functools
 import os
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from runs_ahead import RunsAhead, selected
+from warm_python import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 BREAKAGE_DIR = Path(__file__).resolve().parent / "breakage"
@@ -71,26 +75,60 @@ CASES = [
 NOT_SAID = {"write_back_before_wait": ["no_sync", "flag"]}
 
 
-def run_broken(lesson: str, breakage: str, tmp_path: Path) -> subprocess.CompletedProcess:
+WARM = ("torch", "torch._dynamo")  # never the modules that the breakages patch: see warm_python
+
+
+def broken_env(breakage: str, tmp_path: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([str(REPO), str(BREAKAGE_DIR)]),
                MINIDDP_BREAK=breakage, MINIDDP_RUNS=str(tmp_path / "runs"))
+    return env
+
+
+def run_broken(lesson: str, breakage: str, tmp_path: Path, env: dict[str, str] | None = None,
+               slot: int = 0) -> subprocess.CompletedProcess:
     [path] = (REPO / "lessons").glob(f"{lesson}.py")
     command = [sys.executable, str(path), *ARGUMENTS.get(lesson, [])]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    return warm_python(WARM, slot=slot).run(command, env=env or broken_env(breakage, tmp_path),
+                                            cwd=REPO, timeout=TIMEOUT)
+
+
+def no_scaler_to_break(breakage: str) -> bool:
+    return breakage == "no_grad_scaler" and not (hasattr(torch.amp, "GradScaler")
+                                                 or torch.cuda.is_available())
+
+
+@pytest.fixture(scope="module")
+def runs_ahead(request, tmp_path_factory):
+    """The selected cases' broken runs, one test ahead, two at a time (``tests/runs_ahead.py``),
+    each in one of two warm interpreters."""
+    for slot in (0, 1):
+        warm_python(WARM, slot=slot)  # created here: it reads os.environ
+
+    def prepared(item):
+        lesson, breakage = item.callspec.params["lesson"], item.callspec.params["breakage"]
+        runs = tmp_path_factory.mktemp(f"{lesson}-{breakage}")
+        env = broken_env(breakage, runs)
+        return lambda slot: ((lesson, breakage), run_broken(lesson, breakage, runs, env, slot))
+
+    items = [item for item in selected(request, "test_lesson_fails_when_its_mechanism_is_broken")
+             if not no_scaler_to_break(item.callspec.params["breakage"])]
+    ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
+    yield ahead
+    ahead.close()
 
 
 @pytest.mark.lesson
 @pytest.mark.parametrize("lesson, breakage, message", CASES,
                          ids=[f"{c[0]}-{c[1]}" for c in CASES])
-def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, tmp_path):
-    if breakage == "no_grad_scaler" and not (hasattr(torch.amp, "GradScaler")
-                                             or torch.cuda.is_available()):
+def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, runs_ahead,
+                                                   request):
+    if no_scaler_to_break(breakage):
         pytest.skip(f"torch {torch.__version__} has no GradScaler for the CPU: lesson 10 "
                     "skips its fp16 part, so there is no scaler to break")
-    done = run_broken(lesson, breakage, tmp_path)
+    ran, done = runs_ahead.result(request.node.nodeid)
+    assert ran == (lesson, breakage)
     output = done.stdout + done.stderr
     assert done.returncode != 0, f"{lesson} passed with {breakage}:\n{output[-3000:]}"
     assert message in output, f"{lesson} with {breakage} failed, but not with '{message}':\n" \

@@ -4,6 +4,7 @@ Lessons are found by glob, so a new ``lessons/NN_topic.py`` is tested without to
 Select them with ``pytest -m lesson``; ``-m "lesson and not slow"`` skips the torchrun runs.
 """
 
+import functools
 import os
 import re
 import subprocess
@@ -11,33 +12,31 @@ import sys
 from pathlib import Path
 
 import pytest
+from runs_ahead import RunsAhead, selected
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
 LESSONS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.py"))
 TIMEOUT = 120
 
 
-def run(command, tmp_path, cwd=None, timeout=TIMEOUT):
-    """Run a command the way a learner would, with figures kept out of the repository."""
+def learner_env(tmp_path) -> dict[str, str]:
+    """This process's environment less torchrun's variables, figures kept in ``tmp_path``."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["MINIDDP_RUNS"] = str(tmp_path / "runs")
-    return subprocess.run(command, cwd=cwd or LESSONS_DIR.parent, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return env
+
+
+def run(command, tmp_path, cwd=None, timeout=TIMEOUT, env=None):
+    """Run a command the way a learner would, with figures kept out of the repository."""
+    return subprocess.run(command, cwd=cwd or LESSONS_DIR.parent,
+                          env=env or learner_env(tmp_path), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def last_line(done) -> str:
     lines = done.stdout.strip().splitlines()
     return lines[-1] if lines else ""
-
-
-@pytest.mark.lesson
-@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
-def test_lesson_runs_and_ends_with_ok(lesson, tmp_path):
-    done = run([sys.executable, str(lesson)], tmp_path)
-    output = done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.returncode == 0, f"{lesson.name} failed:\n{output}"
-    assert last_line(done).startswith("OK"), f"{lesson.name} did not end with OK:\n{output}"
 
 
 def torchrun_command(lesson: Path):
@@ -50,12 +49,46 @@ def torchrun_command(lesson: Path):
 TORCHRUN_LESSONS = [p for p in LESSONS if torchrun_command(p)]
 
 
+def lesson_command(test_name: str, lesson: Path) -> list[str]:
+    """The command whose run the test ``test_name`` checks, for ``lesson``."""
+    if test_name == "test_lesson_runs_and_ends_with_ok":
+        return [sys.executable, str(lesson)]
+    return [sys.executable, "-m", "torch.distributed.run", *torchrun_command(lesson)[1:]]
+
+
+@pytest.fixture(scope="module")
+def runs_ahead(request, tmp_path_factory):
+    """The selected tests' lesson runs, one test ahead, two at a time (``tests/runs_ahead.py``)."""
+    def prepared(item):
+        lesson = item.callspec.params["lesson"]
+        runs = tmp_path_factory.mktemp(lesson.stem)
+        command, env = lesson_command(item.originalname, lesson), learner_env(runs)
+        return lambda slot: run(command, runs, env=env)
+
+    items = selected(request, "test_lesson_runs_and_ends_with_ok",
+                     "test_lesson_runs_under_its_documented_torchrun_command")
+    ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
+    yield ahead
+    ahead.close()
+
+
+@pytest.mark.lesson
+@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+def test_lesson_runs_and_ends_with_ok(lesson, runs_ahead, request):
+    done = runs_ahead.result(request.node.nodeid)
+    assert done.args == [sys.executable, str(lesson)]
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, f"{lesson.name} failed:\n{output}"
+    assert last_line(done).startswith("OK"), f"{lesson.name} did not end with OK:\n{output}"
+
+
 @pytest.mark.lesson
 @pytest.mark.slow
 @pytest.mark.parametrize("lesson", TORCHRUN_LESSONS, ids=[p.stem for p in TORCHRUN_LESSONS])
-def test_lesson_runs_under_its_documented_torchrun_command(lesson, tmp_path):
+def test_lesson_runs_under_its_documented_torchrun_command(lesson, runs_ahead, request):
     command = torchrun_command(lesson)
-    done = run([sys.executable, "-m", "torch.distributed.run", *command[1:]], tmp_path)
+    done = runs_ahead.result(request.node.nodeid)
+    assert done.args == [sys.executable, "-m", "torch.distributed.run", *command[1:]]
     assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout[-3000:]}" \
                                  f"{done.stderr[-3000:]}"
     assert last_line(done).startswith("OK"), f"{' '.join(command)}:\n{done.stdout}"

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import load_lesson
-from test_grade import SOLUTIONS, grade, sections, solution_lines
+from test_grade import SOLUTIONS, grade, grades_ahead, sections, solution_lines
 from test_lesson_breakage import run_broken
 from test_lessons import last_line, run
 from torch import nn
@@ -220,15 +220,29 @@ MISTAKES = {
 }
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(MISTAKES))
-def test_exercise_wrong_solution_fails_naming_its_mistake(tmp_path, case):
-    right, wrong, check, words = MISTAKES[case]
+def with_mistake(case: str, directory) -> list:
+    right, wrong, _, _ = MISTAKES[case]
     solution = next(SOLUTIONS.glob("15_*.py"))
     text = solution.read_text()
     assert right in text, f"{solution.name} no longer contains {right!r}"
-    (tmp_path / solution.name).write_text(text.replace(right, wrong))
-    done = grade("15", "--dir", tmp_path)
+    (directory / solution.name).write_text(text.replace(right, wrong))
+    return ["15", "--dir", directory]
+
+
+@pytest.fixture(scope="module")
+def graded_ahead(request, tmp_path_factory):
+    ahead = grades_ahead(request, tmp_path_factory, {
+        "test_exercise_wrong_solution_fails_naming_its_mistake":
+            lambda params, directory: with_mistake(params["case"], directory)})
+    yield ahead
+    ahead.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(MISTAKES))
+def test_exercise_wrong_solution_fails_naming_its_mistake(graded_ahead, request, case):
+    right, wrong, check, words = MISTAKES[case]
+    done = graded_ahead.result(request.node.nodeid)
     assert done.returncode == 1, done.stdout + done.stderr
     lines = sections(done.stdout)["15"].splitlines()
     failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
