@@ -180,11 +180,15 @@ class Bucket:
                 view = self.buffer.narrow(0, offset, p.numel()).view(p.shape)
             self.views.append(view)
             offset += p.numel()
-        self.pending = len(param_indices)
+        self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
+        self.reset()
+
+    def reset(self) -> None:
+        """Ready for the next backward (the reducer calls it as it finishes each backward)."""
+        self.pending = len(self.param_indices)
         self.work = None  # the in-flight all_reduce, once launched
         self.recorded = None  # with a timeline: the future of its "done" record
-        self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
-        self.copy_later = None  # this step's (grad, view) pairs, when copied in at once (reducer)
+        self.copy_later = [] if self.copy_at_end else None  # (grad, view) pairs, copied at once
 
     def info(self, names: list[str]) -> BucketInfo:
         return BucketInfo(self.index, [names[i] for i in self.param_indices],

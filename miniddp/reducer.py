@@ -106,6 +106,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.allreduce_calls = 0  # launched since the last forward
         self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
         self.has_rebuilt = False
+        self.buckets_fresh = True  # no hook has touched the buckets since their last reset
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
         self.plain = False  # no option needs to see each hook this backward (prepare_for_backward)
         # A bucket of gradients of at most this many bytes each waits for its last one.
@@ -162,6 +163,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         default); -1: none.
         """
         self.copy_at_end_bytes = max_bytes
+        self.buckets_fresh = False  # their next reset sets them up for it
         for bucket in self.buckets:
             bucket.copy_at_end = len(bucket.views) > 1 and self.views is None and all(
                 view.numel() * view.element_size() <= max_bytes for view in bucket.views)
@@ -193,10 +195,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             self.timer.note("forward_end")
         self.ready.clear()
         self.next_bucket = 0
-        copy_later = self.batched_copy is None
-        for bucket in self.buckets:
-            bucket.pending, bucket.work, bucket.recorded = len(bucket.param_indices), None, None
-            bucket.copy_later = [] if copy_later and bucket.copy_at_end else None  # (grad, view)s
+        if not self.buckets_fresh:  # the last synced forward's backward did not finish them
+            for bucket in self.buckets:
+                bucket.reset()
+        self.buckets_fresh = False  # (each backward's _finalize resets them as it goes)
         # The options that see every hook first; without them a hook goes straight to its
         # bucket (a trace's timeline is checked at each hook: it may start after the forward).
         self.plain = (self.unused is None and self.static_graph is None and self.timer is None
@@ -263,17 +265,17 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.require_finalize = True
         bucket, slot = self.locate[index]
         param = self.params[index]
-        if bucket.copy_later is not None and param.grad is not None:
-            bucket.copy_later.append((param.grad, bucket.views[slot]))  # with the bucket's last
-        elif self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
+        if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
+        elif bucket.copy_later is not None and param.grad is not None:
+            bucket.copy_later.append((param.grad, bucket.views[slot]))  # with the bucket's last
         else:
             self._copy_into_bucket(param, bucket.views[slot])
         bucket.pending -= 1
         if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
             if self.batched_copy is not None:
                 self.batched_copy.flush(bucket)
-            elif bucket.copy_later:
+            elif bucket.copy_later:  # (batched_copy: None)
                 grads, views = zip(*bucket.copy_later)  # one call for all, then scale them all
                 torch._foreach_copy_(list(views), list(create_graph.values(grads)))
                 if self.comm_hook is None:  # (a comm hook does its own scaling)
@@ -354,6 +356,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         grads, averages = [], []  # copied in one call at the end rather than one by one
         for bucket in self.buckets:
             if bucket.work is None:  # skip_all_reduce_unused_params (miniddp.options.unused)
+                bucket.reset()
                 continue
             try:
                 bucket.work.wait()
@@ -375,7 +378,9 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 else:
                     grads.append(grad)
                     averages.append(view)
+            bucket.reset()  # for the next backward, while it is at hand
         _copy_all(grads, averages)
+        self.buckets_fresh = True
         self._record("finalized", -1)
         if self.consistency is not None:  # compare this step across ranks (miniddp.checks)
             self.consistency.after_backward()
