@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -43,13 +44,16 @@ class WarmPython:
     """One warm interpreter that runs scripts, one at a time, each in a forked child.
 
     A run that times out kills the warm interpreter and the child (the child dies with it); the
-    next run starts a new one, as a fresh interpreter would be for each ``subprocess.run``.
+    next run starts a new one, as a fresh interpreter would be for each ``subprocess.run``. Runs
+    asked for from two threads at once (a test, and a run started ahead of the next test on the
+    same slot) take turns: the requests and replies share one pipe each.
     """
 
     def __init__(self, preload: list[str], path: str | None = None,
                  env: dict[str, str] | None = None):
         self.preload, self.path, self.env = list(preload), path, env
         self._proc: subprocess.Popen | None = None
+        self._turn = threading.Lock()
 
     def _start(self) -> subprocess.Popen:
         command = [sys.executable, __file__, *(["--path", self.path] if self.path else []),
@@ -63,6 +67,10 @@ class WarmPython:
         timeout=timeout)``, where ``argv`` is ``[python, script, *args]``."""
         if argv[0] != sys.executable or len(argv) < 2 or argv[1].startswith("-"):
             raise ValueError(f"WarmPython runs `{sys.executable} script.py ...`, not {argv}")
+        with self._turn:
+            return self._run(argv, env, cwd, timeout)
+
+    def _run(self, argv, env, cwd, timeout) -> subprocess.CompletedProcess:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = self._start()
         with tempfile.TemporaryDirectory(prefix="warm-python-") as outputs:
@@ -136,7 +144,10 @@ def _die_with_parent() -> None:
 
 
 def _serve(path: str | None, preload: list[str]) -> None:
-    _die_with_parent()
+    # Not _die_with_parent() here: Linux sends that signal when the *thread* that started this
+    # process ends (a pool thread of tests/runs_ahead.py may have). Without the test process
+    # this interpreter reads the end of its requests and exits; a script it is running has the
+    # signal (this process is single-threaded) and its own timeouts.
     if path:
         sys.path[0] = path
     for name in preload:
