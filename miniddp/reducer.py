@@ -158,8 +158,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         Each copy on the way in is one call into torch from this thread: about 2 µs of
         dispatch on a CPU, and on a GPU a kernel launched from the thread that also launches
         the backward's kernels. Waiting trades those calls for one more pass over the bucket,
-        which on a CPU pays only where the gradients are small (benchmarks/README.md, "Many
-        small tensors"); on a GPU it always pays. ``float("inf")``: every bucket (a GPU's
+        which on a CPU pays only where the gradients are small (benchmarks/README.md, "Changes
+        made to the engine", 4); on a GPU it always pays. ``float("inf")``: every bucket (a GPU's
         default); -1: none.
         """
         self.copy_at_end_bytes = max_bytes
@@ -314,7 +314,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         """``1 / divisor`` as torch's reducer multiplies by it. For float32, a 0-dim float32
         tensor: the same bits as the Python float (the kernel reads either as a float), and
         ~1.5 us less per parameter, since a Python number is wrapped in a new tensor each call
-        (benchmarks/README.md, "Many small tensors")."""
+        (benchmarks/README.md, "Changes made to the engine", 3)."""
         key = (dtype, self.divisor)
         if key not in self._reciprocals:
             value = 1.0 / self.divisor
