@@ -275,8 +275,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
             if self.batched_copy is not None:
                 self.batched_copy.flush(bucket)
-            elif bucket.copy_later:  # (batched_copy: None)
-                grads, views = zip(*bucket.copy_later)  # one call for all, then scale them all
+            elif bucket.copy_later:  # gradients that waited for this, the bucket's last one:
+                grads, views = zip(*bucket.copy_later)  # one call copies them all in, one scales
                 torch._foreach_copy_(list(views), list(create_graph.values(grads)))
                 if self.comm_hook is None:  # (a comm hook does its own scaling)
                     self._scale(bucket.buffer, bucket.buffer)
