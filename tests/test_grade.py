@@ -58,6 +58,18 @@ def sections(stdout: str) -> dict[str, str]:
     return dict(zip(parts[1::2], parts[2::2]))
 
 
+def first_failure(section: str, name: str, check: str, words) -> tuple[list[str], list[int]]:
+    """One exercise's verdict: its lines and the indices of its FAIL lines, after checking that
+    the first FAIL is ``check`` and the reason under it holds every one of ``words``."""
+    lines = section.splitlines()
+    failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
+    assert failed, f"{name} passed:\n{section}"
+    assert check in lines[failed[0]], f"{name}:\n{section}"
+    why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+    assert all(w in why for w in words), f"{name}: {why!r} lacks {words}"
+    return lines, failed
+
+
 def solution_lines(number: str) -> list[str]:
     """The reference solution's lines of code that the exercise leaves out."""
     exercise = next((LESSONS_DIR / "exercises").glob(f"{number}_*.py")).read_text()
@@ -416,12 +428,8 @@ def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(grad
     found = sections(done.stdout)
     for name in names:
         number, _, check, words, absent = WRONG[name]
-        lines = found[number].splitlines()
-        failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
-        assert failed, f"{name} passed:\n{found[number]}"
-        assert check in lines[failed[0]], f"{name}:\n{found[number]}"
+        lines, failed = first_failure(found[number], name, check, words)
         why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
-        assert all(w in why for w in words), f"{name}: {why!r} lacks {words}"
         assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
         if name in ALSO:
             [k] = [k for k in failed if ALSO[name] in lines[k]]
@@ -547,12 +555,7 @@ def test_a_wrong_solution_is_named_for_what_it_is(tmp_path, names):
     found = sections(done.stdout)
     for name in names:
         number, _, check, words, absent = NAMED[name]
-        lines = found[number].splitlines()
-        failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
-        assert failed, f"{name} passed:\n{found[number]}"
-        assert check in lines[failed[0]], f"{name}:\n{found[number]}"
-        why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
-        assert all(w in why for w in words), f"{name}: {why!r} lacks {words}"
+        lines, failed = first_failure(found[number], name, check, words)
         for k in failed:
             later = lines[k + 1] if k + 1 < len(lines) else ""
             assert not any(w in later for w in absent), f"{name}: {later!r} holds one of {absent}"
