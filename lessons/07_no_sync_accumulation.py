@@ -55,9 +55,7 @@ trap, the same on both DDPs, with one sentence for the warning torch prints from
 """
 
 import argparse
-import os
 import sys
-import tempfile
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -70,7 +68,7 @@ from torch.utils.data import DataLoader, Subset
 import miniddp
 from miniddp.launch import launch, rank_device
 from miniddp.train.data import IN_FEATURES, make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
+from miniddp.train.report import Progress, check, cpp_stderr, ok, print0
 
 MICRO_BATCH = 16  # samples per micro-batch on each rank
 EPOCHS = 6
@@ -325,27 +323,6 @@ class WithIgnoredHead(nn.Module):
 
     def forward(self, x):
         return self.body(x), self.ignored(x)
-
-
-@contextmanager
-def cpp_stderr(into: list):
-    """Keep what this process writes to its stderr meanwhile (file descriptor 2), C++ included.
-
-    torch's DDP warns from C++ (``TORCH_WARN`` in reducer.cpp, printed by torch's C++ logging,
-    not raised as a Python warning), so ``warnings.catch_warnings`` cannot catch it: only
-    pointing file descriptor 2 elsewhere for a moment can."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as file:
-        os.dup2(file.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            file.seek(0)
-            into.append(file.read().decode(errors="replace"))
 
 
 def said_in_cpp(captured: list) -> bool:

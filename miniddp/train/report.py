@@ -17,8 +17,11 @@ call them, in the same order, or the ranks that did wait for the ones that did n
 from __future__ import annotations
 
 import os
+import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -154,3 +157,25 @@ def plot_losses(name: str, curves: dict[str, Sequence[float]], title: str = "") 
         ax.legend()
 
     return save_figure(name, draw)
+
+
+@contextmanager
+def cpp_stderr(into: list):
+    """Keep what this process writes to its stderr meanwhile (file descriptor 2), C++ included.
+
+    For a lesson that explains a warning torch's DDP gives from C++ (``TORCH_WARN`` in
+    reducer.cpp, printed by torch's C++ logging, not raised as a Python warning):
+    ``warnings.catch_warnings`` cannot catch it; only pointing file descriptor 2 elsewhere for
+    a moment can."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as file:
+        os.dup2(file.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            file.seek(0)
+            into.append(file.read().decode(errors="replace"))
