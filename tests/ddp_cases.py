@@ -126,8 +126,23 @@ class Big(nn.Sequential):
                          nn.Linear(512, 4))
 
 
+class Strided(nn.Module):
+    """Parameters whose gradients are not contiguous (a transposed weight, a channels_last
+    convolution): alone in a bucket, they go through its buffer rather than in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
+        self.mix = nn.Parameter(torch.randn(6, 4).t())  # (4, 6), strides (1, 4)
+        self.head = nn.Linear(6, 4)
+
+    def forward(self, x):
+        return self.head(self.conv(x).mean(dim=(2, 3)) @ self.mix)
+
+
 MODELS = {"mlp": MLP, "conv_bn": ConvBN, "conv_sync_bn": ConvSyncBN, "tied_frozen": TiedFrozen,
-          "branchy": Branchy, "two_heads": TwoHeads, "dataclass_out": DataclassOut, "big": Big}
+          "branchy": Branchy, "two_heads": TwoHeads, "dataclass_out": DataclassOut, "big": Big,
+          "strided": Strided}
 
 
 def batch(model_name: str, step: int, micro: int, rank: int):
@@ -136,7 +151,7 @@ def batch(model_name: str, step: int, micro: int, rank: int):
     if model_name == "tied_frozen":
         x = torch.randint(0, 20, (6, 5), generator=g)
         return (x,), {}, torch.randint(0, 20, (6, 5), generator=g)
-    if model_name in ("conv_bn", "conv_sync_bn"):
+    if model_name in ("conv_bn", "conv_sync_bn", "strided"):
         return (torch.randn(6, 3, 4, 4, generator=g),), {}, torch.randn(6, 4, generator=g)
     x, y = torch.randn(6, 16, generator=g), torch.randn(6, 4, generator=g)
     if model_name == "branchy":
@@ -186,7 +201,7 @@ def _diff(tag, step, name, a, b, problems):
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
                        penalty=False, user_hook=False, nan=False, copy_at_end=None,
-                       **ddp_kwargs) -> dict:
+                       in_place=True, **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
     Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
@@ -200,6 +215,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     the model both wrap (it spreads through every step on both sides: equal bits, no problem).
     ``copy_at_end`` (bytes) overrides which buckets have their gradients copied in with the
     last one (``Reducer.copy_buckets_at_end``; -1: none, ``math.inf``: all, as on a GPU).
+    ``in_place=False``: a bucket of one gradient goes through its buffer too
+    (``Reducer.reduce_in_place``).
     """
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
@@ -217,6 +234,7 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
     if copy_at_end is not None:
         ours.reducer.copy_buckets_at_end(copy_at_end)
+    ours.reducer.reduce_in_place = in_place
     if sabotage == "divide":
         def divide_instead(source, out):  # gradient by gradient, or a whole bucket at once
             torch.div(source, dist.get_world_size(), out=out)

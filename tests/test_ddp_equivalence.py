@@ -61,6 +61,11 @@ CASES = {
     "buckets_copied_in_with_their_last_gradient_unused": {
         "copy_at_end": math.inf, "model_name": "branchy", "find_unused_parameters": True,
         "steps": 6},
+    # a bucket of one gradient: reduced in .grad itself (the default), or through its buffer
+    "lone_gradients_through_their_buffers": {"in_place": False, "bucket_cap_mb": 0.0001,
+                                             "micro_batches": 2},
+    "lone_gradients_not_contiguous": {"model_name": "strided", "bucket_cap_mb": 0.0001,
+                                      "micro_batches": 2, "set_to_none": False},
 }
 
 EXPECTED_BUCKETS = {"one_bucket": 1, "two_buckets": 2}
@@ -109,18 +114,27 @@ def test_comparison_catches_a_wrong_reducer(ranks, sabotage, copy_at_end):
     assert any(r["problems"] for r in results), f"sabotage {sabotage!r} went unnoticed"
 
 
+def test_comparison_catches_a_wrong_reducer_reducing_gradients_in_place(ranks):
+    """Negative control: every parameter alone in its bucket, reduced in .grad itself."""
+    results = ranks(3).run(compare_with_torch, model_name="big", steps=2, sabotage="divide",
+                           bucket_cap_mb=0.0001)
+    assert any(r["problems"] for r in results), "dividing in place went unnoticed"
+
+
 @settings(max_examples=12, deadline=None, derandomize=True)
 @given(world_size=st.sampled_from([2, 3, 4]), width=st.integers(1, 48),
        depth=st.integers(1, 4),
        cap_bytes=st.one_of(st.none(), st.integers(64, 20_000)),
        optimizer=st.sampled_from(["sgd", "adam"]),
-       as_view=st.booleans(), copy_at_end=st.sampled_from([None, -1, math.inf]))
+       as_view=st.booleans(), copy_at_end=st.sampled_from([None, -1, math.inf]),
+       in_place=st.booleans())
 def test_property_random_models_match_torch(ranks, world_size, width, depth, cap_bytes,
-                                            optimizer, as_view, copy_at_end):
+                                            optimizer, as_view, copy_at_end, in_place):
     cap = None if cap_bytes is None else cap_bytes / 2**20
     results = ranks(world_size).run(compare_with_torch, width=width, depth=depth, steps=3,
                                     optimizer=optimizer, bucket_cap_mb=cap,
-                                    gradient_as_bucket_view=as_view, copy_at_end=copy_at_end)
+                                    gradient_as_bucket_view=as_view, copy_at_end=copy_at_end,
+                                    in_place=in_place)
     check(results)
 
 
