@@ -18,7 +18,8 @@ Models (``--model``): the benchmark's own (:data:`MODELS`), or one from outside
 (``benchmarks/models.py``): ``package.module:factory``, ``gpt2``, ``resnet50``.
 
 Timing rules (the machine is shared; absolute times drift): contestants run in turn, one step
-each (A B, B A, A B, ...), after untimed warm-up steps; each step's time is the slowest rank's;
+each per round, in a new order every round (never one step twice in a row), after untimed
+warm-up steps; each step's time is the slowest rank's;
 a comparison is the median of the per-pair ratios. Every contestant is checked for correctness
 (``same_bits``) before its numbers are reported.
 """
@@ -37,6 +38,7 @@ import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
+import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
@@ -282,22 +284,43 @@ def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
     return t.tolist()
 
 
+def round_orders(names: list, rounds: int, seed: int = 0):
+    """The order of each round: a new shuffle (seeded, so every rank runs the same call at the
+    same time), never starting with the call that ended the round before.
+
+    A step run twice in a row finds its own tensors still in cache. Going A..Z then Z..A did
+    that at both ends of the list, every other round: an A/A run of torch's DDP against itself
+    in the bucket sweep came out 1.06 at the last place (per parameter) in three runs out of
+    three, and 0.93-0.99 at the first (benchmarks/README.md, "How the numbers are made").
+    """
+    rng, last = random.Random(seed), None
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        if len(order) > 1 and order[0] == last:
+            order[0], order[-1] = order[-1], order[0]
+        last = order[-1]
+        yield order
+
+
 def alternate(calls: dict, setup: Setup, device: torch.device, label: str = "") -> dict:
-    """Time ``calls`` in turn (A B C, C B A, ...) after untimed warm-up rounds.
+    """Time ``calls`` in turn, one step each per round, in an order that changes every round
+    (:func:`round_orders`), after untimed warm-up rounds.
 
     Returns, per call, ``wall`` (ms, the slowest rank's) and ``cpu`` (ms of CPU time used by
     rank 0's main thread: forward, CPU backward, hooks and copies, but not gloo's threads; it
     barely depends on how busy the machine is). Ranks start each step together (a barrier,
     untimed). Rank 0 prints progress every 15 s.
     """
-    for _ in range(setup.warmup):
-        for call in calls.values():
-            call()
     names = list(calls)
+    orders = round_orders(names, setup.warmup + setup.pairs)
+    for _ in range(setup.warmup):
+        for name in next(orders):
+            calls[name]()
     wall, cpu = {name: [] for name in names}, {name: [] for name in names}
     last_print = start = time.perf_counter()
-    for k in range(setup.pairs):
-        for name in names if k % 2 == 0 else names[::-1]:
+    for k, order in enumerate(orders):
+        for name in order:
             sync(device)
             dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda"
                             and dist.get_backend() == "nccl" else {}))

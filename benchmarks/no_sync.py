@@ -2,8 +2,8 @@
 
 A step of ``k`` micro-batches runs the first ``k - 1`` forwards inside ``no_sync`` (gradients
 accumulate locally) and synchronizes on the last, then takes one optimizer step: one round of
-all_reduces per ``k`` micro-batches. miniddp and torch's DDP, each at every ``k``, are timed in
-turn, and must end with bit-identical parameters.
+all_reduces per ``k`` micro-batches. A miniddp and a torch DDP for every ``k`` are timed in
+turn, and each pair must end with bit-identical parameters.
 
     python benchmarks/no_sync.py           # no GPU: gloo, 2 CPU ranks, 1-2 minutes
     python benchmarks/no_sync.py --quick   # smoke run, seconds
@@ -12,6 +12,7 @@ turn, and must end with bit-identical parameters.
 from __future__ import annotations
 
 import copy
+import functools
 
 import harness
 import torch.distributed as dist
@@ -29,16 +30,21 @@ def measure(setup: harness.Setup) -> dict:
     base = harness.make_model(setup, device)
     batches = harness.make_batches(setup, device, dist.get_rank())
     kwargs = harness.ddp_kwargs(device)
-    ours = miniddp.DistributedDataParallel(copy.deepcopy(base), **kwargs)
-    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kwargs)
-    trainers = {"miniddp": Trainer(ours, batches), "torch": Trainer(theirs, batches)}
-    calls = {(k, name): (lambda t=t, k=k: t.step(micro=k))
-             for k in SYNC_EVERY for name, t in trainers.items()}
+    # A pair of DDPs per accumulation length: each pair takes the same steps whatever order
+    # the rounds run the contestants in.
+    ddps = {(k, "miniddp"): miniddp.DistributedDataParallel(copy.deepcopy(base), **kwargs)
+            for k in SYNC_EVERY}
+    ddps.update({(k, "torch"): nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kwargs)
+                 for k in SYNC_EVERY})
+    calls = {key: functools.partial(Trainer(ddp, batches).step, micro=key[0])
+             for key, ddp in ddps.items()}
     print0(f"  sync every {SYNC_EVERY} micro-batches x (miniddp, torch), "
            f"{setup.pairs} timed rounds")
     times = harness.alternate(calls, setup, device, "no_sync")
-    check(harness.same_bits(ours.module, theirs.module, device),
-          "parameters differ from torch's after the timed steps")
+    for k in SYNC_EVERY:
+        check(harness.same_bits(ddps[k, "miniddp"].module, ddps[k, "torch"].module, device),
+              f"syncing every {k}: parameters differ from torch's after the timed steps")
+    trainers = ("miniddp", "torch")
     per_micro = {key: {"wall": [x / key[0] for x in t["wall"]],
                        "cpu": [x / key[0] for x in t["cpu"]]} for key, t in times.items()}
     rows = []

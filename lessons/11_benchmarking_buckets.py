@@ -9,10 +9,13 @@ timed, and the lesson shows how to turn noisy step times into a conclusion:
   no number is printed until every miniddp has the same buckets as the torch DDP with the same
   cap, and bit-identical parameters after all the timed steps.
 * **alternate, in one process group.** Every round runs each contestant for one training step,
-  in turn (A B C ..., then ... C B A), after warm-up rounds that are not timed (they hold the
-  bucket rebuild and the first-call costs). Load from other programs comes and goes in bursts of
-  seconds; alternating spreads each burst over all contestants instead of over one of them.
-  Before each step the ranks meet at a barrier, and a step counts as long as its slowest rank.
+  in turn, after warm-up rounds that are not timed (they hold the bucket rebuild and the
+  first-call costs). Load from other programs comes and goes in bursts of seconds; alternating
+  spreads each burst over all contestants instead of over one of them. The order is shuffled
+  anew every round, and no contestant runs twice in a row: a step right after its own last one
+  finds its tensors still in cache. (Going A B C, then C B A, does exactly that at both ends of
+  the list, and made torch's DDP 6% slower than itself in the project's own sweep.) Before each
+  step the ranks meet at a barrier, and a step counts as long as its slowest rank.
 * **medians, and the median of per-round ratios.** One slow step (another program woke up) moves
   a mean, not a median. And two contestants in the same round suffered the same load, so their
   ratio cancels most of it: the ratio of two identical torch DDPs (an A/A control) stays near 1
@@ -80,6 +83,7 @@ import argparse
 import copy
 import json
 import math
+import random
 import statistics
 import time
 from pathlib import Path
@@ -154,12 +158,18 @@ def slowest_rank(seconds: list[list[float]], device) -> list[list[float]]:
 
 
 def alternate(contestants: dict, rounds: int, device) -> dict[str, list[float]]:
-    """One step of every contestant per round, in turn, forwards then backwards; seconds per
-    timed step (the slowest rank's) of every contestant, round by round."""
+    """One step of every contestant per round, in a new order each round (the same on every
+    rank: the same seed), never one twice in a row; seconds per timed step (the slowest
+    rank's) of every contestant, round by round."""
     names = list(contestants)
     seconds = {name: [] for name in names}
+    shuffle, order = random.Random(0).shuffle, list(names)
     for round_ in range(WARMUP + rounds):
-        for name in names if round_ % 2 == 0 else names[::-1]:
+        last = order[-1]
+        shuffle(order)
+        if order[0] == last:  # it just ran: swap it to the end
+            order[0], order[-1] = order[-1], order[0]
+        for name in order:
             synchronize(device)
             dist.barrier()  # everyone starts the step together; not timed
             start = time.perf_counter()

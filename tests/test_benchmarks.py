@@ -198,6 +198,23 @@ def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
         assert len(floor[name]["times_ms"]) == result["setup"]["pairs"]
 
 
+@pytest.mark.parametrize("count", [2, 3, 16])
+def test_rounds_run_every_call_never_one_twice_in_a_row_and_in_both_orders(count):
+    import harness
+    names = [f"call{i}" for i in range(count)]
+    orders = list(harness.round_orders(names, 200))
+    assert orders == list(harness.round_orders(names, 200)), "every rank must get the same"
+    assert all(sorted(order) == sorted(names) for order in orders)
+    steps = [name for order in orders for name in order]
+    assert all(a != b for a, b in zip(steps, steps[1:])), "a step ran twice in a row"
+    if count == 2:
+        return  # A B A B ...: the only order with no step twice in a row
+    first = lambda a, b, order: order.index(a) < order.index(b)
+    for a, b in zip(names, names[1:]):  # each neighbour of the list goes first about as often
+        share = sum(first(a, b, order) for order in orders) / len(orders)
+        assert 0.35 < share < 0.65, (a, b, share)
+
+
 @pytest.mark.usefixtures("ranks_see_monkeypatches")
 def test_a_wrong_miniddp_is_refused_before_any_number_is_reported(tmp_path, monkeypatch):
     """Negative control: gradients scaled by 0.49 instead of 0.5 must fail the bit check."""
