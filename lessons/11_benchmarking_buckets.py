@@ -394,8 +394,9 @@ def plot(result: dict):
     save_figure("11_benchmarking_buckets", draw)
 
 
-def summarize_saved_results(alpha: float):
-    """What ``benchmarks/bucket_sweep.py`` measured on a larger model, read against the model."""
+def summarize_saved_results(alpha: float, backend: str, device: str):
+    """What ``benchmarks/bucket_sweep.py`` measured on a larger model, read against the model
+    where this run's ``alpha`` applies (the same backend on the same kind of device)."""
     files = sorted(SAVED.glob("bucket_sweep-*.json"))
     if not files:
         print0(f"\nno saved sweep in {SAVED}: run python benchmarks/bucket_sweep.py")
@@ -419,15 +420,22 @@ def summarize_saved_results(alpha: float):
         print0(f"  all caps pooled: miniddp/torch {pooled['ratio']:.3f} (95%: "
                f"{pooled['ratio_ci95'][0]:.3f}-{pooled['ratio_ci95'][1]:.3f})")
         caps = [t for cap, t in torch_ms.items() if cap != "per-parameter"]
-        print0(f"  reading it: the caps lie within {100 * (max(caps) / min(caps) - 1):.0f}% of "
-               "each other, about that machine's run-to-run noise per cap")
-        if "per-parameter" in torch_ms:
+        spread = max(caps) / min(caps) - 1
+        print0(f"  reading it: the caps lie within {100 * spread:.0f}% of each other, "
+               + ("about that machine's run-to-run noise per cap" if spread <= 0.08 else
+                  "more than a run's noise per cap: there the cap matters"))
+        if (setup["backend"], setup["device"]) != (backend, device):
+            print0(f"  (this run's alpha, over {backend} on {device}, says nothing about "
+                   f"{setup['backend']} on {setup['device']}: no prediction)")
+        elif "per-parameter" in torch_ms:
             buckets = {row["bucket_cap_mb"]: row["buckets"] for row in saved["sweep"]}
             extra = 1e3 * alpha * (buckets["per-parameter"] - buckets[best])
+            predicted = 1 + extra / torch_ms[best]
             print0(f"  one bucket per parameter: {torch_ms['per-parameter'] / torch_ms[best]:.2f}x"
                    f" the best cap's step. At this run's alpha the model says +{extra:.0f} ms on "
-                   f"{torch_ms[best]:.0f} ms (x{1 + extra / torch_ms[best]:.2f}): that step is "
-                   "mostly compute, so latency per call hardly shows")
+                   f"{torch_ms[best]:.0f} ms (x{predicted:.2f}): "
+                   + ("that step is mostly compute, so latency per call hardly shows"
+                      if predicted < 1.2 else "the calls' latency is most of that step"))
     print0("the method and all the numbers: benchmarks/README.md; rerun with "
            "python benchmarks/bucket_sweep.py (--quick for a smoke run)")
 
@@ -448,7 +456,7 @@ def main():
           f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 30% of it")
     ratios = read(result)
     plot(result)
-    summarize_saved_results(result["alpha"])
+    summarize_saved_results(result["alpha"], result["backend"], result["device"])
     vs_torch = ", ".join(f"{label} {r['miniddp/torch']:.2f}" for label, r in ratios.items())
     per_param = ratios["per-parameter"]
     ok(f"miniddp bit-identical to torch's DDP at {len(CAPS)} bucket caps; per-round "
