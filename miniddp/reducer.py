@@ -372,7 +372,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         used = self.unused.used_on_some_rank() if self.unused is not None else None
         if self.static_graph is not None:  # used by some rank in the first backward
             used = self.static_graph.end_backward()
-        grads, averages = [], []  # copied in one call at the end rather than one by one
         for bucket in self.buckets:
             if bucket.work is None:  # skip_all_reduce_unused_params (miniddp.options.unused)
                 bucket.reset()
@@ -391,6 +390,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             if bucket.tensor is not bucket.buffer:  # a gradient reduced in place: averaged
                 bucket.reset()
                 continue
+            grads, averages = [], []  # copied in one call, while later buckets are in flight
             for i, view in zip(bucket.param_indices, bucket.views):
                 if used is not None and not used[i]:  # unused on every rank: .grad stays
                     continue
@@ -400,8 +400,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 else:
                     grads.append(grad)
                     averages.append(view)
+            _copy_all(grads, averages)
             bucket.reset()  # for the next backward, while it is at hand
-        _copy_all(grads, averages)
         self.buckets_fresh = True
         self._record("finalized", -1)
         if self.consistency is not None:  # compare this step across ranks (miniddp.checks)
