@@ -20,8 +20,9 @@ The life of one synchronized step:
    When a bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets
    strictly in order, so every rank issues the same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
-   the last gradient is computed, waits for every bucket, and writes the averages back into
-   ``.grad``. So when ``loss.backward()`` returns, gradients are synchronized.
+   the last gradient is computed and waits for each bucket in turn, writing its averages back
+   into ``.grad`` while the later ones are still in flight. So when ``loss.backward()``
+   returns, gradients are synchronized.
 
 That is all of this file. The options attach where it says so, each in its own module:
 ``find_unused_parameters`` (``miniddp.options.unused``), ``gradient_as_bucket_view``
