@@ -16,11 +16,10 @@ torch's bits.
 The floor, what *any* reducer written in Python pays, is timed in the same rounds: the bare
 module with an empty Python hook on every parameter's AccumulateGrad node (the hook miniddp
 uses), with a hook that does the least a reducer must, one ``torch.mul(grad, 1 / world,
-out=bucket_view)``, and with the least a reducer with one bucket per parameter must do: scale
-the gradient in place, launch an ``all_reduce`` of it from the hook, and wait for each at the
-end of backward (a bucket of one gradient needs no buffer: miniddp's reducer does the same).
-Their CPU time above the bare module's, per parameter, is the part of miniddp's extra cost that
-no Python reducer can avoid.
+out=bucket_view)``, and with the least a reducer with one bucket per parameter must do: that
+copy, an ``all_reduce`` of it launched from the hook, and at the end of backward a wait for
+each and one copy of the averages back into ``.grad``. Their CPU time above the bare module's,
+per parameter, is the part of miniddp's extra cost that no Python reducer can avoid.
 
     python benchmarks/overhead.py                       # no GPU: gloo, 2 CPU ranks, 1-2 minutes
     python benchmarks/overhead.py --model small_tensors
@@ -51,8 +50,9 @@ CHECKS = {"checksum every 100": (100, False), "checksum every step": (1, False),
 def with_python_hooks(module: nn.Module, work: str) -> nn.Module:
     """``module`` with a Python post-hook on every parameter's AccumulateGrad node that does
     ``work``: ``"empty"`` nothing; ``"copy"`` one multiply into a bucket view; ``"launch"``
-    one multiply of ``.grad`` in place and an all_reduce of it (a bucket per parameter),
-    waited for at the end of backward. The nodes are kept on the module (see the reducer)."""
+    that, and an all_reduce of the view (a bucket per parameter), waited for at the end of
+    backward, and the averages copied into ``.grad`` in one call. The nodes are kept on the
+    module (see the reducer)."""
     scale = 1.0 / dist.get_world_size()
     group = dist.group.WORLD
     params = list(module.parameters())
@@ -63,17 +63,17 @@ def with_python_hooks(module: nn.Module, work: str) -> nn.Module:
         for handle in launched:
             handle.wait()
         launched.clear()
+        torch._foreach_copy_([p.grad for p in params], views)
 
     module.nodes = []
     for p, view in zip(params, views):
         node = p.view_as(p).grad_fn.next_functions[0][0]
 
         def hook(_inputs, _outputs, p=p, view=view):
-            if work == "copy":
+            if work != "empty":
                 torch.mul(p.grad, scale, out=view)
             if work == "launch":
-                torch.mul(p.grad, scale, out=p.grad)
-                launched.append(group.allreduce([p.grad]))
+                launched.append(group.allreduce([view]))
                 if len(launched) == len(params):
                     torch.autograd.Variable._execution_engine.queue_callback(finish)
 
@@ -159,7 +159,7 @@ def plot(result: dict, ax) -> None:
     bare = [("bare module", result["local"]), ("empty hooks", floor["empty_hooks"]),
             ("hooks + copy", floor["copy_hooks"])]
     if "launch_hooks" in floor:  # (results saved before it was measured lack it)
-        bare.append(("hooks: scale\n+ all_reduce", floor["launch_hooks"]))
+        bare.append(("hooks + copy\n+ all_reduce", floor["launch_hooks"]))
     labels = [label for label, _ in bare]
     walls = [t["median_ms"] for _, t in bare]
     cpus = [t["cpu_median_ms"] for _, t in bare]
@@ -190,7 +190,7 @@ def report(result: dict) -> str:
               f"({result['local']['cpu_median_ms']:.2f} ms CPU); Python floor per parameter: "
               f"empty hook {floor['empty_hook_cpu_us_per_parameter']:.2f} us, hook + one "
               f"copy {floor['hook_and_copy_cpu_us_per_parameter']:.2f} us, a bucket per "
-              f"parameter (scale in place, all_reduce, wait) "
+              f"parameter (copy, all_reduce, wait, copy back) "
               f"{floor.get('bucket_per_parameter_cpu_us_per_parameter', float('nan')):.2f} us "
               "CPU\n"
             + harness.table(["consistency checks", "ms per step", "checks / off",

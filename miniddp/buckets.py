@@ -180,14 +180,12 @@ class Bucket:
                 view = self.buffer.narrow(0, offset, p.numel()).view(p.shape)
             self.views.append(view)
             offset += p.numel()
-        self.single = len(param_indices) == 1  # may be reduced in place (the reducer decides)
         self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
         self.reset()
 
     def reset(self) -> None:
         """Ready for the next backward (the reducer calls it as it finishes each backward)."""
         self.pending = len(self.param_indices)
-        self.tensor = self.buffer  # what its all_reduce sums: the buffer, or a lone gradient
         self.work = None  # the in-flight all_reduce, once launched
         self.recorded = None  # with a timeline: the future of its "done" record
         self.copy_later = [] if self.copy_at_end else None  # (grad, view) pairs, copied at once

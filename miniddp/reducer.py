@@ -15,8 +15,6 @@ The life of one synchronized step:
    bucket of small gradients (on a GPU, in every bucket) they wait for the last one instead:
    then one call copies them all in and one multiplies the bucket by the same reciprocal (the
    same bits, and two calls per bucket instead of one per parameter: see ``copy_buckets_at_end``).
-   A bucket of one gradient needs no copy at all: that gradient is scaled where it is and
-   all-reduced in place (``reduce_in_place``).
    When a bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets
    strictly in order, so every rank issues the same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
@@ -112,13 +110,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.buckets_fresh = True  # no hook has touched the buckets since their last reset
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
         self.plain = False  # no option needs to see each hook this backward (prepare_for_backward)
-        # A bucket of one gradient all-reduces that gradient where it is: scaled in place by the
-        # same reciprocal and summed by the same all_reduce, .grad gets the same bits without a
-        # copy in and a copy back (benchmarks/README.md, "Changes made to the engine", 6). Until
-        # backward returns, that .grad holds partial results (torch's holds the local gradient).
-        # False: through the bucket's buffer, as torch does.
-        self.reduce_in_place = True
-        self.in_place = False  # allowed this backward (prepare_for_backward)
         # A bucket of gradients of at most this many bytes each waits for its last one.
         on_gpu = bool(params) and params[0].device.type != "cpu"
         self.copy_at_end_bytes = float("inf") if on_gpu else COPY_AT_END_BYTES_CPU
@@ -213,11 +204,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         # bucket (a trace's timeline is checked at each hook: it may start after the forward).
         self.plain = (self.unused is None and self.static_graph is None and self.timer is None
                       and not self.should_rebuild)
-        # A lone gradient reduced in place, unless an option reads or writes the bucket itself
-        # or may leave some .grad untouched (a parameter unused on every rank).
-        self.in_place = (self.reduce_in_place and self.unused is None and self.static_graph is None
-                         and self.comm_hook is None and self.views is None
-                         and self.batched_copy is None)
         if self.unused is not None:  # find the parameters no output reaches; watch outputs
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # firings to expect; the first backward waits
@@ -280,15 +266,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.require_finalize = True
         bucket, slot = self.locate[index]
         param = self.params[index]
-        grad = param.grad
         if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
             self.batched_copy.copy_in(index, bucket, slot)
-        elif bucket.copy_later is not None and grad is not None:
-            bucket.copy_later.append((grad, bucket.views[slot]))  # with the bucket's last
-        elif (bucket.single and self.in_place and grad is not None and grad.is_contiguous()
-              and not grad.requires_grad):
-            self._scale(grad, grad)  # a bucket of its own: reduced in .grad, nothing to copy
-            bucket.tensor = grad
+        elif bucket.copy_later is not None and param.grad is not None:
+            bucket.copy_later.append((param.grad, bucket.views[slot]))  # with the bucket's last
         else:
             self._copy_into_bucket(param, bucket.views[slot])
         bucket.pending -= 1
@@ -352,9 +333,9 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             return
         self._record("launch", bucket.index)
         if self.consistency is not None:  # miniddp.checks
-            self.consistency.before_collective("the all_reduce", bucket.index, [bucket.tensor])
+            self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
         if self.comm_hook is None:
-            bucket.work = self._process_group.allreduce([bucket.tensor])  # async, SUM
+            bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
         else:  # the hook's future replaces the all_reduce
             bucket.work = self.comm_hook.launch(self, bucket)
         self.allreduce_calls += 1
@@ -388,9 +369,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             if bucket.recorded is not None:
                 bucket.recorded.wait()
             self._record("waited", bucket.index)
-            if bucket.tensor is not bucket.buffer:  # a gradient reduced in place: averaged
-                bucket.reset()
-                continue
             grads, averages = [], []  # copied in one call, while later buckets are in flight
             for i, view in zip(bucket.param_indices, bucket.views):
                 if used is not None and not used[i]:  # unused on every rank: .grad stays

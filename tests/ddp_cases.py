@@ -128,21 +128,38 @@ class Big(nn.Sequential):
 
 class Strided(nn.Module):
     """Parameters whose gradients are not contiguous (a transposed weight, a channels_last
-    convolution): alone in a bucket, they go through its buffer rather than in place."""
+    convolution): their bucket views follow the parameters' strides."""
 
     def __init__(self):
         super().__init__()
-        self.conv = nn.Conv2d(3, 4, 3).to(memory_format=torch.channels_last)
-        self.mix = nn.Parameter(torch.randn(6, 4).t())  # (4, 6), strides (1, 4)
-        self.head = nn.Linear(6, 4)
+        self.conv = nn.Conv2d(3, 48, 3).to(memory_format=torch.channels_last)
+        # (48, 64), strides (1, 48): large enough that at 3 ranks and more the all_reduce sums
+        # some elements in another order if they are laid out otherwise (a contiguous .grad
+        # must still enter the bucket in the parameter's layout)
+        self.mix = nn.Parameter(torch.randn(64, 48).t() / 8)
+        self.head = nn.Linear(64, 4)
 
     def forward(self, x):
         return self.head(self.conv(x).mean(dim=(2, 3)) @ self.mix)
 
 
+class SharedGrads(nn.Module):
+    """Two weights used through views of one sum: autograd hands each a view of the same
+    gradient tensor, so their .grad share memory (a reducer that scaled a .grad in place would
+    scale the other too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(16, 4)), nn.Parameter(torch.randn(16, 4))
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.head(x @ (self.a.view(-1) + self.b.view(-1)).view(16, 4))
+
+
 MODELS = {"mlp": MLP, "conv_bn": ConvBN, "conv_sync_bn": ConvSyncBN, "tied_frozen": TiedFrozen,
           "branchy": Branchy, "two_heads": TwoHeads, "dataclass_out": DataclassOut, "big": Big,
-          "strided": Strided}
+          "strided": Strided, "shared_grads": SharedGrads}
 
 
 def batch(model_name: str, step: int, micro: int, rank: int):
@@ -201,7 +218,7 @@ def _diff(tag, step, name, a, b, problems):
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
                        penalty=False, user_hook=False, nan=False, copy_at_end=None,
-                       in_place=True, **ddp_kwargs) -> dict:
+                       contiguous_grads=False, **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
     Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
@@ -215,8 +232,9 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     the model both wrap (it spreads through every step on both sides: equal bits, no problem).
     ``copy_at_end`` (bytes) overrides which buckets have their gradients copied in with the
     last one (``Reducer.copy_buckets_at_end``; -1: none, ``math.inf``: all, as on a GPU).
-    ``in_place=False``: a bucket of one gradient goes through its buffer too
-    (``Reducer.reduce_in_place``).
+    ``contiguous_grads``: every ``.grad`` is set to contiguous
+    zeros before the first step, whatever its parameter's layout (with ``set_to_none=False``,
+    backward then accumulates into them).
     """
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
@@ -234,7 +252,6 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
     if copy_at_end is not None:
         ours.reducer.copy_buckets_at_end(copy_at_end)
-    ours.reducer.reduce_in_place = in_place
     if sabotage == "divide":
         def divide_instead(source, out):  # gradient by gradient, or a whole bucket at once
             torch.div(source, dist.get_world_size(), out=out)
@@ -243,6 +260,10 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
         _put_nan(ours.module)
     both = [(ours, make_optimizer(optimizer, ours.parameters())),
             (theirs, make_optimizer(optimizer, theirs.parameters()))]
+    if contiguous_grads:
+        for ddp, _ in both:
+            for p in ddp.parameters():
+                p.grad = torch.zeros(p.shape, dtype=p.dtype, device=p.device)
     if user_hook:
         for ddp, _ in both:
             for p in ddp.parameters():

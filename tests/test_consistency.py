@@ -426,6 +426,7 @@ def compare_with_checks_on(detail, **kwargs):
 @pytest.mark.parametrize("detail", [False, True])
 def test_with_the_checks_on_the_bits_stay_torchs(ranks, world_size, detail):
     for case in (dict(model_name="mlp", bucket_cap_mb=0.001, micro_batches=2),
+                 dict(model_name="mlp", bucket_cap_mb=0.00001),  # a bucket per parameter
                  dict(model_name="branchy", find_unused_parameters=True),
                  dict(model_name="conv_bn", gradient_as_bucket_view=True)):
         for problems in ranks(world_size).run(compare_with_checks_on, detail, **case):

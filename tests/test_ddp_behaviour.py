@@ -8,8 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bits import all_same_bits
-from ddp_cases import MLP, Branchy, Strided, TiedFrozen, first_bucket_as_small_as
-from ddp_cases import batch as ddp_batch
+from ddp_cases import MLP, Branchy, TiedFrozen, first_bucket_as_small_as
 from torch import nn
 
 import miniddp
@@ -223,36 +222,26 @@ def test_state_dict_prefix_and_tied_frozen_buckets(ranks):
     assert sorted(r["bucket_names"]) == ["embed.weight", "frozen.bias", "mix.bias", "mix.weight"]
 
 
-def lone_gradients(in_place):
-    """Every parameter alone in a bucket, the buffers filled with NaN before a synced backward:
-    which buffers that backward wrote, and the gradients it left (equal to torch's elsewhere)."""
+def gradients_with_a_late_rank():
+    """Rank 1 starts its backward 0.3 s after rank 0, whose all_reduces can finish only then:
+    the end of rank 0's backward must wait for every one of them."""
     torch.manual_seed(0)
-    ddp = miniddp.DistributedDataParallel(Strided(), bucket_cap_mb=0.00001)
-    ddp.reducer.reduce_in_place = in_place
+    ddp = miniddp.DistributedDataParallel(MLP(32, 3), bucket_cap_mb=0.00001)
     for step in range(2):  # the second backward runs on the rebuilt buckets
-        (x,), _, y = ddp_batch("strided", step, 0, dist.get_rank())
-        ddp.zero_grad(set_to_none=step == 0)
+        x, y = data(step)
+        ddp.zero_grad()
         loss = F.mse_loss(ddp(x), y)
-        if step == 1:  # (the forward rebuilt them)
-            for bucket in ddp.reducer.buckets:
-                bucket.buffer.fill_(float("nan"))
+        dist.barrier()
+        if dist.get_rank() == 1:
+            time.sleep(0.3)
         loss.backward()
-    names = dict(zip(map(id, ddp.module.parameters()), (n for n, _ in
-                                                         ddp.module.named_parameters())))
-    written = {names[id(ddp.reducer.params[b.param_indices[0]])]:
-               not bool(b.buffer.isnan().any()) for b in ddp.reducer.buckets}
-    return written, [p.grad.clone() for p in ddp.module.parameters()]
+        grads = [p.grad.clone() for p in ddp.parameters()]  # as backward left them
+    return [torch.stack([g.flatten() for g in gathered(grad)]) for grad in grads]
 
 
-def test_a_bucket_of_one_contiguous_gradient_reduces_it_in_place(ranks):
-    for (in_place, grads), (through_buffers, expected) in zip(
-            ranks(2).run(lone_gradients, True), ranks(2).run(lone_gradients, False)):
-        assert len(in_place) == 5, "every parameter must be alone in its bucket"
-        assert all(through_buffers.values()), through_buffers
-        # conv.weight is channels_last and mix is transposed: not contiguous, so copied
-        assert in_place == {"conv.weight": True, "conv.bias": False, "mix": True,
-                            "head.weight": False, "head.bias": False}
-        assert all_same_bits(grads, expected)
+def test_backward_returns_only_once_every_bucket_is_averaged(ranks):
+    for per_rank in ranks(2).run(gradients_with_a_late_rank)[0]:
+        assert torch.equal(per_rank[0], per_rank[1]), "ranks left backward with other gradients"
 
 
 # ----- clear errors, never a hang -----

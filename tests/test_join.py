@@ -189,6 +189,15 @@ def test_join_divides_by_the_initial_world_size_as_torch(ranks, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+def test_join_with_a_bucket_per_parameter_as_torch(ranks, world_size):
+    """A bucket per parameter: as many shadow all_reduces as buckets, in the same order."""
+    for divide in (True, False):
+        assert_equal_to_torch(run(ranks, world_size, "mlp", UNEVEN[world_size], micro_batches=2,
+                                  bucket_cap_mb=0.00001,
+                                  join_kwargs={"divide_by_initial_world_size": divide}))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
 def test_join_divides_by_the_ranks_still_training_as_torch(ranks, world_size):
     assert_equal_to_torch(run(ranks, world_size, "mlp", UNEVEN[world_size],
                               join_kwargs={"divide_by_initial_world_size": False}))

@@ -217,7 +217,7 @@ def write_back_before_wait(module):
     def launch(original):
         def keep_before(self, bucket):
             self._before_wait = getattr(self, "_before_wait", {})
-            self._before_wait[bucket.index] = bucket.tensor.reshape(-1).clone()  # or a .grad
+            self._before_wait[bucket.index] = bucket.buffer.clone()
             original(self, bucket)
         return keep_before
 
