@@ -396,16 +396,19 @@ ALSO = {"03 sum, not the mean": WHICH_03, "03 all_reduce of a copy": WHICH_03,
         "03 scaled twice": WHICH_03}
 
 
-def with_round(names: list[str], directory: Path) -> list:
+def with_round(names: list[str], directory: Path, table: dict | None = None) -> list:
+    """Write the solutions of ``names`` (keys of ``table``, default ``WRONG``) with their edits
+    into ``directory``; return the grader's arguments for them."""
+    table = WRONG if table is None else table
     for name in names:
-        number, edits, _, _, _ = WRONG[name]
+        number, edits, _, _, _ = table[name]
         solution = next(SOLUTIONS.glob(f"{number}_*.py"))
         text = solution.read_text()
         for right, wrong in edits:
             assert text.count(right) == 1, f"{name}: {solution.name} no longer holds {right!r}"
             text = text.replace(right, wrong)
         (directory / solution.name).write_text(text)
-    return [*sorted(WRONG[n][0] for n in names), "--dir", directory]
+    return [*sorted(table[n][0] for n in names), "--dir", directory]
 
 
 @pytest.fixture(scope="module")
@@ -542,15 +545,7 @@ NAMED_ROUNDS = rounds_of(NAMED)
 @pytest.mark.slow
 @pytest.mark.parametrize("names", NAMED_ROUNDS, ids=[" + ".join(r) for r in NAMED_ROUNDS])
 def test_a_wrong_solution_is_named_for_what_it_is(tmp_path, names):
-    for name in names:
-        number, edits, _, _, _ = NAMED[name]
-        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
-        text = solution.read_text()
-        for right, wrong in edits:
-            assert text.count(right) == 1, f"{name}: {solution.name} no longer holds {right!r}"
-            text = text.replace(right, wrong)
-        (tmp_path / solution.name).write_text(text)
-    done = grade(*sorted(NAMED[n][0] for n in names), "--dir", tmp_path)
+    done = grade(*with_round(names, tmp_path, NAMED))
     assert done.returncode == 1, done.stdout + done.stderr
     found = sections(done.stdout)
     for name in names:
