@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
+from miniddp import errors
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
 from miniddp.options import arguments, comm_hooks, compiled, pickling
 from miniddp.options.batched_copy import BatchedGradCopy
@@ -114,7 +115,7 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         # torch ignores check_reduction.
         self.dim = dim
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
+            raise errors.NoProcessGroupError(
                 "DistributedDataParallel needs a process group: call "
                 "torch.distributed.init_process_group(...) first (or start the script with "
                 "miniddp.launch.launch / torchrun).")

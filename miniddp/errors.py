@@ -1,4 +1,5 @@
-"""The reducer's errors: what went wrong in a backward, and what to do about it.
+"""The reducer's errors: what went wrong in a backward, and what to do about it (and the one
+error the wrapper and the sampler share: no process group).
 
 Kept apart from ``miniddp.reducer`` so that the core path reads in one sitting; each function
 returns the exception for the reducer to raise.
@@ -7,6 +8,11 @@ returns the exception for the reducer to raise.
 from __future__ import annotations
 
 import torch.distributed as dist
+
+
+class NoProcessGroupError(ValueError, RuntimeError):
+    """Something that needs a process group found none initialized. torch raises ValueError
+    for this now and raised RuntimeError before, so code written against either catches it."""
 
 
 def logged(owner, error: BaseException) -> BaseException:

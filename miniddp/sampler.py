@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
 
+from miniddp.errors import NoProcessGroupError
+
 # Saved so that load_state_dict can refuse a state that would resume a different epoch layout.
 _LAYOUT_KEYS = ("seed", "num_replicas", "dataset_len", "shuffle", "drop_last")
 
@@ -81,7 +83,7 @@ class DistributedSampler(Sampler[int]):
                  shuffle: bool = True, seed: int = 0, drop_last: bool = False) -> None:
         if num_replicas is None or rank is None:
             if not (dist.is_available() and dist.is_initialized()):
-                raise RuntimeError(
+                raise NoProcessGroupError(
                     "DistributedSampler needs the world size and this process's rank, and there "
                     "is no initialized process group to take them from. Pass num_replicas= and "
                     "rank= explicitly, or call torch.distributed.init_process_group() first.")
@@ -103,10 +105,16 @@ class DistributedSampler(Sampler[int]):
         else:
             self.num_samples = -(-self.dataset_len // num_replicas)
         self.total_size = self.num_samples * num_replicas
-        self._begin, self._end = 0, self.total_size  # the positions of the epoch's list dealt
+        # The positions of the epoch's list that are dealt: all of them (_end None: up to
+        # total_size, read when used, as torch reads it), or what a resharded resume left.
+        self._begin, self._end = 0, None
         self._position = 0  # indices of this epoch yielded so far (or loaded from a state)
         self._start = 0  # where the latest iteration began
         self._resume_pending = False  # the next iteration starts at _position, not at 0
+
+    @property
+    def _stop(self) -> int:
+        return self.total_size if self._end is None else self._end
 
     def _epoch_indices(self) -> list[int]:
         """This rank's whole share of the current epoch."""
@@ -116,16 +124,16 @@ class DistributedSampler(Sampler[int]):
             order = torch.randperm(self.dataset_len, generator=generator).tolist()
         else:
             order = list(range(self.dataset_len))
-        if self._end > self.dataset_len:  # pad by cycling: the first total_size of order * k
-            order = order * -(-self._end // self.dataset_len)
-        dealt = order[self._begin:self._end]
+        if self._stop > self.dataset_len:  # pad by cycling: the first total_size of order * k
+            order = order * -(-self._stop // self.dataset_len)
+        dealt = order[self._begin:self._stop]
         if 0 < len(dealt) < self.num_replicas:  # too few left for one each: repeat them
             dealt = (dealt * self.num_replicas)[:self.num_replicas]
         return dealt[self.rank::self.num_replicas]
 
     def _share(self, rank: int) -> int:
         """How many indices ``rank`` gets in the current epoch (all the same, unless resharded)."""
-        left = self._end - self._begin
+        left = self._stop - self._begin
         if 0 < left < self.num_replicas:
             return 1
         return len(range(rank, left, self.num_replicas))
@@ -147,7 +155,11 @@ class DistributedSampler(Sampler[int]):
             yield index
 
     def __len__(self) -> int:
-        """How many indices the next iteration yields: fewer right after a mid-epoch resume."""
+        """How many indices the next iteration yields: fewer right after a mid-epoch resume.
+        A whole epoch yields ``num_samples``, read from the attribute as torch does (a subclass
+        that yields fewer sets it)."""
+        if not self._resume_pending and self._begin == 0 and self._end is None:
+            return self.num_samples
         return self._share(self.rank) - (self._position if self._resume_pending else 0)
 
     def set_epoch(self, epoch: int) -> None:
@@ -160,7 +172,7 @@ class DistributedSampler(Sampler[int]):
         if epoch != self.epoch:
             self.epoch = epoch
             self._position = self._start = 0
-            self._begin, self._end = 0, self.total_size
+            self._begin, self._end = 0, None
             self._resume_pending = False
 
     def state_dict(self, trained: int | None = None) -> dict[str, int]:
@@ -181,7 +193,7 @@ class DistributedSampler(Sampler[int]):
         return {"epoch": self.epoch, "consumed": consumed, "seed": self.seed,
                 "num_replicas": self.num_replicas, "dataset_len": self.dataset_len,
                 "shuffle": int(self.shuffle), "drop_last": int(self.drop_last),
-                "begin": self._begin, "end": self._end}
+                "begin": self._begin, "end": self._stop}
 
     def load_state_dict(self, state: dict[str, int], reshard: bool = False) -> None:
         """Resume from :meth:`state_dict`: the next iteration yields the rest of that epoch.

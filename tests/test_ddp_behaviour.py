@@ -438,9 +438,13 @@ def test_negative_bucket_cap_is_rejected(ranks, cap):
 
 
 def test_without_a_process_group_the_error_says_what_to_do():
+    """A ValueError, as torch raises now, and a RuntimeError, as it raised before."""
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    with pytest.raises(ValueError, match="init_process_group") as raised:
         miniddp.DistributedDataParallel(nn.Linear(3, 3))
+    assert isinstance(raised.value, RuntimeError)
+    with pytest.raises(ValueError):  # torch's
+        nn.parallel.DistributedDataParallel(nn.Linear(3, 3))
 
 
 def hooks_after_drop_and_removal():

@@ -304,10 +304,40 @@ def test_fewer_than_one_replica_is_a_value_error(world):
 
 @pytest.mark.parametrize("given_args", [{}, {"num_replicas": 2}, {"rank": 0}])
 def test_without_a_process_group_the_error_says_what_to_do(given_args):
+    """A ValueError, as torch raises now, and a RuntimeError, as it raised before."""
     assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match=r"no initialized process group.*Pass num_replicas= "
-                                           r"and rank=.*init_process_group"):
+    with pytest.raises(ValueError, match=r"no initialized process group.*Pass num_replicas= "
+                                         r"and rank=.*init_process_group") as raised:
         DistributedSampler(range(10), **given_args)
+    assert isinstance(raised.value, RuntimeError)
+    with pytest.raises(ValueError):  # torch's
+        TorchSampler(range(10), **given_args)
+
+
+def unpadded(base):
+    """The common recipe for evaluation: a subclass that deals without padding, setting
+    ``num_samples`` and ``total_size`` itself and yielding fewer indices on some ranks."""
+
+    class Unpadded(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.total_size = len(self.dataset)
+            self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
+
+        def __iter__(self):
+            return iter(range(self.rank, self.total_size, self.num_replicas))
+
+    return Unpadded
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (7, 4), (2, 3), (12, 4)])
+def test_len_is_num_samples_as_torchs_is(n, world):
+    for rank in range(world):
+        mine = unpadded(DistributedSampler)(range(n), world, rank)
+        theirs = unpadded(TorchSampler)(range(n), world, rank)
+        assert len(mine) == len(theirs) == len(list(mine)), (n, world, rank)
+        plain = DistributedSampler(range(n), world, rank)
+        assert len(plain) == len(list(plain)) == plain.num_samples
 
 
 @pytest.mark.parametrize("change", [{"seed": 1}, {"num_replicas": 4}, {"dataset_len": 31},
