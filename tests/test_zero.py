@@ -45,9 +45,27 @@ import miniddp
 from miniddp.optim import hook_with_zero_step, hook_with_zero_step_interleaved
 from miniddp.options import comm_hooks
 
+class DuckSGD:
+    """An optimizer that does not subclass torch.optim.Optimizer (torch's ZeRO builds any
+    callable it is given; what it uses is ``param_groups`` and ``step``)."""
+
+    def __init__(self, params, lr):
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = [{**g, "lr": g.get("lr", lr)} for g in groups]
+        self.state: dict = {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
               "adam": (torch.optim.Adam, {"lr": 1e-2}),
               "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})}
+EXTRA_OPTIMIZERS = {"duck_sgd": (DuckSGD, {"lr": 0.05})}
 DDPS = {"torch": nn.parallel.DistributedDataParallel, "miniddp": miniddp.DistributedDataParallel}
 
 
@@ -131,7 +149,7 @@ def beside_torch(optimizer="adam", wrapper="miniddp", steps=4, bucket_view=False
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(1234 + rank)
     module = cases.TiedFrozen()
-    cls, kwargs = OPTIMIZERS[optimizer]
+    cls, kwargs = {**OPTIMIZERS, **EXTRA_OPTIMIZERS}[optimizer]
     reference = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
     ours = DDPS[wrapper](copy.deepcopy(module))
     late = 2 if add_group_at is not None else 0  # the last two parameters, added later
@@ -207,6 +225,56 @@ def test_a_parameter_unfrozen_during_training(ranks):
 
 def test_step_with_a_closure(ranks):
     check(ranks(2).run(beside_torch, "sgd", closure=True), "closure")
+
+
+def test_an_optimizer_class_that_is_not_a_torch_optimizer(ranks):
+    """torch's ZeRO builds any class with a step(); so does miniddp's (it refuses one without)."""
+    check(ranks(2).run(beside_torch, "duck_sgd"), "duck-typed optimizer")
+
+
+def unfreeze_under_warnings_as_errors() -> list[str]:
+    import logging
+    import warnings
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    model[0].weight.requires_grad_(False)
+    zero = miniddp.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                           parameters_as_bucket_view=True)
+    model[0].weight.requires_grad_(True)
+    logged = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logging.getLogger("miniddp.optim.zero").addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # pytest -W error: a warning would stop the step
+            model(torch.ones(2, 4)).sum().backward()
+            zero.step()
+    finally:
+        logging.getLogger("miniddp.optim.zero").removeHandler(handler)
+    return logged
+
+
+def test_a_change_of_trainable_parameters_is_logged_as_torch_logs_it(ranks):
+    """torch logs it (logger.warning); a Python warning would raise under -W error."""
+    for logged in ranks(2).run(unfreeze_under_warnings_as_errors):
+        assert any("trainable parameters changed" in m for m in logged), logged
+
+
+def test_ranks_compare_group_options_by_value_and_other_objects_by_type():
+    """A function in a group has another address (so another repr) in each process: the
+    check across ranks must not take that for a difference; numbers still differ."""
+    from miniddp.optim.checks import describe_groups
+    w = torch.zeros(2)
+
+    def groups(**options):
+        return describe_groups([{"params": [w], **options}])
+
+    assert groups(clip=lambda g: g) == groups(clip=lambda g: g * 2)
+    assert groups(lr=0.1, betas=(0.9, 0.99)) == groups(lr=0.1, betas=(0.9, 0.99))
+    assert groups(lr=0.1) != groups(lr=0.2)
+    assert groups(betas=(0.9, 0.99)) != groups(betas=(0.9, 0.98))
+    assert groups(name="a") != groups(name="b")
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -609,7 +677,7 @@ def errors(which: str) -> dict:
 # what miniddp must say (its own words, or torch's where torch says something)
 EXPECTED = {
     "optimizer_instance": "optimizer_class must be an optimizer class",
-    "not_an_optimizer_class": "must be a subclass of torch.optim.Optimizer",
+    "not_an_optimizer_class": "a subclass of torch.optim.Optimizer or one with a step()",
     "functional_without_overlap": "Passing in a functional optimizer",
     "no_functional_version": "there is no supported functional optimizer equivalent",
     "several_devices": "only supports using the same dense type for all parameters",

@@ -6,8 +6,9 @@
 * ``optimizer_class``: a class that builds an optimizer, not an optimizer already built, nor a
   class of something else; with ``overlap_with_ddp`` one that torch has a functional version of
   (the step takes the gradients as arguments: ``torch.distributed.optim.utils``);
-* every rank must hold the same parameter groups (shapes, dtypes, hyperparameters): a rank that
-  disagrees would own other parameters, and the broadcasts would pair up wrong tensors or hang.
+* every rank must hold the same parameter groups (shapes, dtypes, hyperparameters: numbers and
+  strings by value, other objects by type): a rank that disagrees would own other parameters,
+  and the broadcasts would pair up wrong tensors or hang.
   torch does not check this; here it costs one ``all_gather_object`` at construction and at
   each ``add_param_group``.
 """
@@ -82,11 +83,13 @@ def optimizer_class(cls: Any, overlap_with_ddp: bool):
             f"{type(cls).__module__}.{type(cls).__qualname__}: pass the class and its "
             "arguments, e.g. ZeroRedundancyOptimizer(params, torch.optim.Adam, lr=1e-3); each "
             "rank builds its own local optimizer from them.")
-    if inspect.isclass(cls) and not issubclass(cls, Optimizer) and cls not in functional:
+    if inspect.isclass(cls) and not callable(getattr(cls, "step", None)):
+        # (torch builds whatever it is given; a class of an optimizer that does not subclass
+        # torch.optim.Optimizer still works, as long as it has param_groups and a step)
         raise TypeError(
-            f"optimizer_class must be a subclass of torch.optim.Optimizer, got the class "
-            f"{cls.__module__}.{cls.__qualname__}: pass an optimizer class such as "
-            "torch.optim.SGD or torch.optim.Adam.")
+            f"optimizer_class must be an optimizer class, a subclass of torch.optim.Optimizer "
+            f"or one with a step(), got the class {cls.__module__}.{cls.__qualname__}: pass an "
+            "optimizer class such as torch.optim.SGD or torch.optim.Adam.")
     if not overlap_with_ddp:
         if cls in functional:
             raise ValueError(f"Passing in a functional optimizer {cls} when "
@@ -103,10 +106,16 @@ def optimizer_class(cls: Any, overlap_with_ddp: bool):
 
 
 def _describe(value: Any) -> Any:
+    """A value as the ranks compare it: plain data by value, anything else by its type only
+    (a function's or an object's repr holds its address, which differs between processes)."""
     if isinstance(value, torch.Tensor):
         shown = value.tolist() if value.numel() <= 16 else "..."
         return ("tensor", tuple(value.shape), str(value.dtype), shown)
-    return repr(value)
+    if isinstance(value, (tuple, list)):
+        return type(value).__name__, [_describe(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+        return repr(value)
+    return f"a {type(value).__module__}.{type(value).__qualname__}"
 
 
 def describe_groups(param_groups: list[dict]) -> list:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import warnings
 from itertools import chain
 from typing import Any
 
@@ -137,8 +136,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             if self._overlap_with_ddp:
                 raise RuntimeError("ZeroRedundancyOptimizer with `overlap_with_ddp=True` does "
                                    "not support changing parameter trainability at run time")
-            warnings.warn("ZeroRedundancyOptimizer detected that the trainable parameters "
-                          "changed; rebuilding the parameter buckets if enabled", stacklevel=3)
+            logger.warning("ZeroRedundancyOptimizer detected that the trainable parameters "
+                           "changed; rebuilding the parameter buckets if enabled")  # as torch
             self._build_param_buckets()
             self._is_trainable_mask = mask
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)  # e.g. a scheduler's lr
