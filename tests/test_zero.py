@@ -45,6 +45,7 @@ import miniddp
 from miniddp.optim import hook_with_zero_step, hook_with_zero_step_interleaved
 from miniddp.options import comm_hooks
 
+
 class DuckSGD:
     """An optimizer that does not subclass torch.optim.Optimizer (torch's ZeRO builds any
     callable it is given; what it uses is ``param_groups`` and ``step``)."""
@@ -652,6 +653,9 @@ def errors(which: str) -> dict:
                                                   {"params": params[2:]}),
         "state_before_overlap_is_ready": lambda z: z(params, torch.optim.SGD, lr=0.1,
                                                      overlap_with_ddp=True).state_dict(),
+        # (torch gathers the state nowhere and says nothing)
+        "consolidate_to_no_rank": lambda z: z(params, torch.optim.SGD,
+                                              lr=0.1).consolidate_state_dict(to=5),
     }
     if which == "disagreeing_ranks":  # collectives: miniddp's only (torch does not check)
         return {
@@ -686,6 +690,7 @@ EXPECTED = {
     "state_dict_before_consolidating": "Optimizer state has not been consolidated on this rank",
     "add_group_with_overlap": "only supports a single parameter group",
     "state_before_overlap_is_ready": "should not be called until",
+    "consolidate_to_no_rank": "`to` is a rank of the optimizer's process group",
     "hook_without_overlap": "must be constructed with `overlap_with_ddp=True`",
     "interleaved_hook_without_overlap": "must be constructed with `overlap_with_ddp=True`",
 }

@@ -218,6 +218,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather every rank's share of the state on rank ``to`` (a rank of the group), for
         :meth:`state_dict` there. Every rank must call it."""
         self._check_initialized()
+        if not (isinstance(to, int) and 0 <= to < self.world_size):  # (torch: nothing happens)
+            raise ValueError(f"consolidate_state_dict(to={to!r}): `to` is a rank of the "
+                             f"optimizer's process group, an int in [0, {self.world_size - 1}]")
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)
         self._all_state_dicts = state.gather_local_states(
             state.local_state_dict(self.optim), to, self.rank, self.world_size, self.process_group)
