@@ -29,8 +29,9 @@ Run it:
     python lessons/14_uneven_inputs.py --nproc 3
     torchrun --standalone --nproc_per_node=2 lessons/14_uneven_inputs.py
 
-What you will see: the batches each rank has; the hang: which ranks waited, the error they got
-after 3 s and what it means; join by hand, close to the real one; the loss falling on every
+What you will see: the hang: which ranks waited, in which collective, the error they got after
+3 s and what it means; the batches each rank has, and why only their total over the epochs
+matters; join by hand, close to the real one; the loss falling on every
 rank while the ranks that ran out shadow the others; miniddp equal to torch's DDP bit for bit
 after every step, for both divisors; the same model on every rank at the end, equal to torch's
 bit for bit; and ``OK: ...``. 10-20 seconds, 3 of them waiting for the timeout. Gloo on the CPU
@@ -40,6 +41,7 @@ even where there are GPUs: the hang is shown with gloo's timeout.
 import argparse
 import re
 import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -79,13 +81,24 @@ def step(model, optimizer, x, y) -> torch.Tensor:
 
 # ----- 1. the hang -----
 
+def collective_of(error: Exception) -> str:
+    """Which of DDP's collectives raised ``error``, read from the functions it passed through:
+    the bucket rebuild's broadcast runs at the start of the second forward
+    (``miniddp.buckets.rebuilt_assignment``), the gradients' all_reduce in backward."""
+    functions = [frame.name for frame in traceback.extract_tb(error.__traceback__)]
+    if "rebuilt_assignment" in functions:
+        return "the bucket rebuild's broadcast, at the start of its second forward"
+    if "backward" in functions:
+        return "the gradient all_reduce, in its second backward"
+    return f"a collective under {functions[-1]}"
+
 def the_hang(rank: int, world: int) -> str | None:
     """Rank 0 has one batch, the others two, without join. Returns the error this rank got."""
     group = dist.new_group(backend="gloo", timeout=timedelta(seconds=HANG_TIMEOUT))
     ddp = miniddp.DistributedDataParallel(make_model(seed=0), process_group=group)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
     x, y = make_dataset(n=2 * BATCH_SIZE, seed=rank).tensors
-    start, error = time.monotonic(), None
+    start, error, where = time.monotonic(), None, None
     try:
         for k in range(1 if rank == 0 else 2):
             step(ddp, optimizer, x[k * BATCH_SIZE:(k + 1) * BATCH_SIZE],
@@ -93,20 +106,23 @@ def the_hang(rank: int, world: int) -> str | None:
     except RuntimeError as caught:
         message = re.sub(r"^\[[^]]*\]\s*", "", str(caught).splitlines()[0])  # gloo's file:line
         error = f"{type(caught).__name__} after {time.monotonic() - start:.1f} s: {message[:80]}"
+        where = collective_of(caught)
     errors = [None] * world
-    dist.all_gather_object(errors, error)  # on the default group, which still works
+    dist.all_gather_object(errors, (error, where))  # on the default group, which still works
     dist.destroy_process_group(group)  # a group that timed out is broken for good
     print0(f"\n1. without join: rank 0 has 1 batch, the others 2; the demo group's timeout is "
            f"{HANG_TIMEOUT:g} s")
-    for r, e in enumerate(errors):
-        print0(f"  rank {r}: {e or 'finished its loop and left'}")
+    for r, (e, w) in enumerate(errors):
+        print0(f"  rank {r}: " + (f"{e}\n          waiting in {w}" if e else
+                                  "finished its loop and left"))
     print0("  rank 0 left after its last step; the others' second step waited in a collective\n"
-           "  (the bucket rebuild's broadcast or the gradient all_reduce) that rank 0 never\n"
-           "  called, until the timeout (by default 10 to 30 minutes of nothing).")
-    check(errors[0] is None, f"rank 0 had nothing left to wait for, yet got: {errors[0]}")
+           "  that rank 0 never called, until the timeout (by default 10 to 30 minutes of\n"
+           "  nothing). gloo's message names a recv: its broadcast and all_reduce are made of\n"
+           "  sends and receives between ranks, and it is a receive that timed out.")
+    check(errors[0][0] is None, f"rank 0 had nothing left to wait for, yet got: {errors[0][0]}")
     for r in range(1, world):
-        check(errors[r] is not None and "time" in errors[r].lower(),
-              f"rank {r} should have timed out waiting for rank 0, got: {errors[r]}")
+        check(errors[r][0] is not None and "time" in errors[r][0].lower(),
+              f"rank {r} should have timed out waiting for rank 0, got: {errors[r][0]}")
     return error
 
 
@@ -176,7 +192,11 @@ def on_every_rank():
     loader = uneven_loader(rank, world)
     counts = [0] * world
     dist.all_gather_object(counts, len(loader))
-    print0(f"\nbatches per epoch on each rank: {counts} ({EPOCHS} epochs)")
+    print0(f"\nbatches per epoch on each rank: {counts} ({EPOCHS} epochs)\n  A rank goes straight "
+           "on to its next epoch (all the epochs run inside one join), so only\n  each rank's "
+           f"total counts: rank 0 trains {EPOCHS} x {counts[0]} = {EPOCHS * counts[0]} steps, "
+           f"then shadows the last rank's\n  other {EPOCHS} x {counts[-1] - counts[0]} = "
+           f"{EPOCHS * (counts[-1] - counts[0])}.")
 
     print0("\n2. join by hand: count the ranks still training, shadow with zeros, "
            "broadcast the last one's model")

@@ -134,8 +134,8 @@ def compare(order: str, steps: int = 2, backend: str = "aot_eager",
 
 
 def mark_compiled_pieces(loss, reducer) -> None:
-    """Record ("compute", k) in the reducer's timeline as each compiled piece of backward
-    starts (the CompiledFunctionBackward nodes of the autograd graph)."""
+    """Record ("returns", k) in the reducer's timeline as compiled piece k of backward returns
+    its gradients (a post-hook on each CompiledFunctionBackward node of the autograd graph)."""
     seen, todo, pieces = set(), [loss.grad_fn], []
     while todo:
         node = todo.pop()
@@ -146,16 +146,17 @@ def mark_compiled_pieces(loss, reducer) -> None:
             pieces.append(node)
         todo.extend(next_node for next_node, _ in node.next_functions)
     for k, node in enumerate(pieces):
-        node.register_prehook(lambda _grads, k=k: reducer._record("compute", k))
+        node.register_hook(lambda _inputs, _outputs, k=k: reducer._record("returns", k))
 
 
 def launched_during_backward(events) -> int:
-    """All_reduces launched before the last compiled piece of backward started computing:
-    communication that overlaps computation. (With one compiled graph, every gradient is
-    ready only when the whole backward has been computed: none.)"""
-    starts = [k for k, (event, _) in enumerate(events) if event == "compute"]
-    assert starts, "no compiled piece of backward was seen"
-    return sum(1 for event, _ in events[:starts[-1]] if event == "launch")
+    """All_reduces launched before the last compiled piece of backward returned: communication
+    that overlaps computation. (With one compiled graph, every gradient is ready only when the
+    whole backward has been computed and the piece returns: none, as measured, not by
+    construction.)"""
+    returns = [k for k, (event, _) in enumerate(events) if event == "returns"]
+    assert returns, "no compiled piece of backward was seen"
+    return sum(1 for event, _ in events[:returns[-1]] if event == "launch")
 
 
 @needs_is_compiling

@@ -4,7 +4,9 @@ A lesson's version is the minimal one and the library's the complete one; these 
 together, so neither can drift: the ring of lesson 01 against ``dist.all_reduce``, the buckets
 of lesson 05 against ``miniddp.buckets`` and torch's assignment, the ``SmallReducer`` of lesson
 06 against ``miniddp.DistributedDataParallel`` and torch's DDP, the ``no_sync`` by hand of
-lesson 07 against torch's DDP. Each has a control that shows the comparison can fail.
+lesson 07 against torch's DDP, lesson 14's reading of where a rank waited, lesson 16's count
+of all_reduces launched during a compiled backward. Each has a control that shows the
+comparison can fail.
 """
 
 import os
@@ -28,6 +30,8 @@ ring = load_lesson("01")
 buckets = load_lesson("05")
 overlap = load_lesson("06")
 accumulation = load_lesson("07")
+uneven = load_lesson("14")
+compiled = load_lesson("16")
 
 
 # ----- lesson 01: the ring -----
@@ -372,3 +376,58 @@ def test_trace_check_names_what_a_wrong_trace_shows(case):
     events, words = TRACES[case]
     problems = overlap.trace_problems(trace_lines(events), NAMES, len(BUCKETS))
     assert any(words in p for p in problems), problems
+
+
+# ----- lesson 14: which collective a rank waited in -----
+
+def test_collective_of_tells_the_rebuild_broadcast_from_the_gradient_all_reduce():
+    def rebuilt_assignment():  # where miniddp broadcasts the rebuilt bucket order
+        raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+
+    with pytest.raises(RuntimeError) as in_forward:
+        rebuilt_assignment()
+    assert "rebuild's broadcast" in uneven.collective_of(in_forward.value)
+
+    class FailsInBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            raise RuntimeError("Timed out waiting 3000ms for recv operation to complete")
+
+    with pytest.raises(RuntimeError) as in_backward:
+        FailsInBackward.apply(torch.ones(2, requires_grad=True)).sum().backward()
+    assert "gradient all_reduce" in uneven.collective_of(in_backward.value)
+
+
+# ----- lesson 16: all_reduces launched while a compiled backward still computes -----
+
+def test_overlapping_counts_launches_before_the_last_compiled_piece_returns():
+    one_piece = [("compute", 0), ("returns", 0), ("ready", 0), ("launch", 0), ("done", 0)]
+    assert compiled.overlapping(one_piece) == 0
+    # one piece too, but the launch before it returned: counted (before, it could not be)
+    inside = [("compute", 0), ("ready", 0), ("launch", 0), ("returns", 0), ("done", 0)]
+    assert compiled.overlapping(inside) == 1
+    pieces = [("compute", 0), ("returns", 0), ("ready", 0), ("launch", 0), ("compute", 1),
+              ("returns", 1), ("ready", 1), ("launch", 1), ("done", 0), ("done", 1)]
+    assert compiled.overlapping(pieces) == 1
+
+
+@pytest.mark.lesson
+def test_lesson_16_fails_when_its_one_graph_is_cut_into_pieces(tmp_path):
+    """Section 1 with dynamo's splitting on: the graph it calls one is in pieces, all_reduces are
+    launched between them, and the lesson's overlap check (not only its count of graphs) says
+    so."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env["MINIDDP_RUNS"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", RUN_EDITED,
+                           str(next(LESSONS_DIR.glob("16_*.py"))),
+                           "backend,\n                  split=False)",
+                           "backend,\n                  split=True)"],
+                          env=env, capture_output=True, text=True, timeout=180,
+                          cwd=LESSONS_DIR.parent)
+    assert done.returncode != 0, done.stdout
+    assert "one compiled graph cannot overlap, yet [0, " in done.stderr, done.stderr[-2000:]
+    assert "OK:" not in done.stdout

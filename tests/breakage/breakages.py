@@ -248,6 +248,20 @@ def compiled_ddp_unrecognised(module):
                                                       {"_active_ddp_module": None}))
 
 
+def buckets_launched_after_backward(module):
+    """Lesson 16: the reducer launches every bucket's all_reduce after backward (``overlap=False``,
+    as ``AllReduceBucketsAfterBackward``) instead of as each bucket fills."""
+    def init(original):
+        def after_backward(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            if not hasattr(self, "overlap"):
+                raise AttributeError("breakage: Reducer.overlap no longer exists; update "
+                                     "tests/breakage/breakages.py for the new code")
+            self.overlap = False
+        return after_backward
+    _patch(module.Reducer, "__init__", init)
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -274,6 +288,7 @@ BREAKAGES = {
     "reducer_records_no_waits": ("miniddp.reducer", reducer_records_no_waits),
     "write_back_before_wait": ("miniddp.reducer", write_back_before_wait),
     "compiled_ddp_unrecognised": ("miniddp.options.compiled", compiled_ddp_unrecognised),
+    "buckets_launched_after_backward": ("miniddp.reducer", buckets_launched_after_backward),
 }
 
 
