@@ -43,7 +43,7 @@ CASES = [
     ("08_miniddp_vs_torch_ddp", "divide_instead_of_multiply",
      "at 3 ranks miniddp differs from torch's DDP"),
     ("09_checkpoints_and_restarts", "write_not_atomic", "should still hold the previous snapshot"),
-    ("10_mixed_precision", "no_grad_scaler", "gradients still flushed to zero"),
+    ("10_mixed_precision", "no_grad_scaler", "gradients still rounded to zero"),
     ("11_benchmarking_buckets", "bucket_cap_ignored", "miniddp's buckets differ from torch's"),
     ("12_many_machines", "averages_not_written_back",
      "the workers ended with different parameters"),

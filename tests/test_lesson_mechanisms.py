@@ -242,9 +242,9 @@ def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_tim
     assert "OK:" not in done.stdout
 
 
-# ----- lessons 08 and 13: "bit for bit" means the bits -----
+# ----- lessons 08, 10 and 13: "bit for bit" means the bits -----
 
-@pytest.mark.parametrize("number", ["08", "13"])
+@pytest.mark.parametrize("number", ["08", "10", "13"])
 def test_lessons_bit_comparison_tells_signed_zeros_apart_and_a_nan_equal(number):
     lessons_same_bits = load_lesson(number).same_bits
     zero, minus_zero = torch.tensor([1.0, 0.0]), torch.tensor([1.0, -0.0])
