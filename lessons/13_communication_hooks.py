@@ -209,7 +209,7 @@ def on_every_rank():
                                ("fp16 mean", fp16_mean, torch_hooks.fp16_compress_hook)]:
         log = []
         if name == "fp16 mean":
-            print0(f"  {name}, training:")
+            print0(f"  {name}, training (ms/step: miniddp's and torch's DDP, a step each):")
         runs[name] = r = train(rank, world, device, (log, ours), (None, theirs),
                                verbose=name == "fp16 mean")
         sent[name] = sum(log) // r["steps"]
