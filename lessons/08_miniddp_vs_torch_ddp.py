@@ -4,12 +4,15 @@ What this adds since lesson 07: no new mechanism, the proof that all of them tog
 torch's DDP. Lessons 03-07 built the pieces (averaging gradients, buckets, overlap, no_sync);
 ``miniddp.DistributedDataParallel`` puts them behind torch's constructor, and here it trains next
 to ``torch.nn.parallel.DistributedDataParallel`` on every rank: same model, same batches, same
-optimizer. After every step, every parameter and every buffer must be equal (``torch.equal``,
-not ``allclose``). Three things come along that a simple reimplementation gets wrong:
+optimizer. After every step, every parameter, gradient and buffer must be equal bit for bit
+(compared as raw bits, not with ``allclose``, nor even ``torch.equal``, for which ``0.0`` equals
+``-0.0``). Three things come along that a simple reimplementation gets wrong:
 
 * **the bucket rebuild.** At construction DDP cannot know in which order gradients will become
   ready, so the first backward uses one bucket per dtype and device with the parameters in model
-  order. During that backward it records the order the gradients arrive in (last layer first,
+  order (so torch does without ``find_unused_parameters``; with it, and no ``static_graph``, torch
+  cuts buckets by size already at construction, in reverse model order, the first at 1 MiB by
+  default). During that backward it records the order the gradients arrive in (last layer first,
   and for ``nn.Linear`` the bias before the weight) and, at the next forward, rebuilds the
   buckets in that order, cutting them at ``bucket_cap_mb``. Printed before and after, and
   compared with the buckets inside torch's C++ reducer at every step.
@@ -20,8 +23,12 @@ not ``allclose``). Three things come along that a simple reimplementation gets w
   the sum of the other ranks' gradients divided by the *whole* world size (the ranks that did not
   use it count as zeros), one unused everywhere keeps ``.grad = None``.
 * **buffers.** BatchNorm's running statistics are not gradients: each rank updates its own in
-  forward. DDP broadcasts rank 0's buffers before every synchronized forward, so whoever
-  evaluates through the wrapper uses rank 0's statistics.
+  forward. DDP broadcasts rank 0's buffers at the start of the first forward and of every forward
+  that follows a synchronized one (grad enabled, outside ``no_sync``): torch's ``_post_forward``
+  records whether this forward was one (``require_forward_param_sync``), and the next
+  ``_pre_forward`` reads it (``will_sync_module_buffers``). So after training the ranks'
+  statistics differ, and an evaluation forward through the wrapper starts by giving every rank
+  rank 0's; a forward after a ``no_grad`` or ``no_sync`` forward broadcasts nothing.
 
 Why 3 ranks are the harder test: at 2 ranks an all_reduce computes ``a + b`` or ``b + a``, the
 same float either way, and halving is exact, so ``grad / 2`` and ``grad * (1 / 2)`` are the same
@@ -29,9 +36,10 @@ bits too. At 3 or more, neither holds. ``grad / 3`` and ``grad * (1 / 3)`` round
 (``1 / 3`` is itself rounded), and torch's built-in reducer multiplies by the reciprocal. And
 gloo's ring adds the ranks' values in an order that depends on the element's offset inside the
 flat bucket and on the bucket's size, so the bits match only if the bucket layout is exactly
-torch's. Two controls show it: a miniddp whose buckets are cut differently, and a torch DDP with
-torch's own ``allreduce_hook`` (a communication hook that divides, then sums). Both match at 2
-ranks; at 3, neither does, while miniddp still matches bit for bit. A lesson run on 2 ranks
+torch's. Two controls show it, one cause each: a miniddp whose buckets are cut differently (the
+ring's order), and a torch DDP with torch's own ``allreduce_hook``, a communication hook that
+divides, then sums, on torch's very buckets (the division). Both match at 2 ranks; at 3, neither
+does, while miniddp still matches bit for bit. A lesson run on 2 ranks
 therefore forks 3 more for that part (a second or two); under torchrun it needs
 ``--nproc_per_node=3``.
 
@@ -109,17 +117,27 @@ def wrap(ddp_class, module, device, **kwargs):
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
+
+
 def differences(ours, theirs) -> list[str]:
     """Names of the parameters, gradients and buffers that are not equal bit for bit."""
     found = []
     for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
-        if not torch.equal(a, b):
+        if not same_bits(a, b):
             found.append(name)
         if (a.grad is None) != (b.grad is None) or (
-                a.grad is not None and not torch.equal(a.grad, b.grad)):
+                a.grad is not None and not same_bits(a.grad, b.grad)):
             found.append(f"{name}.grad")
     for (name, a), b in zip(ours.module.named_buffers(), theirs.module.buffers()):
-        if not torch.equal(a, b):
+        if not same_bits(a, b):
             found.append(name)
     return found
 
@@ -176,7 +194,7 @@ def the_plain_student(rank, world, device, verbose=True):
     dividing = wrap(TorchDDP, student, device, bucket_cap_mb=BUCKET_CAP_MB)
     dividing.register_comm_hook(None, allreduce_hook)  # grad / world_size, then a SUM
     rank0_init = make_model(seed=0).to(device)
-    check(all(torch.equal(p, q) for p, q in zip(ours.parameters(), rank0_init.parameters())),
+    check(all(same_bits(p, q) for p, q in zip(ours.parameters(), rank0_init.parameters())),
           f"rank {rank}: after construction the parameters are not rank 0's")
     loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
                         batch_size=BATCH_SIZE, drop_last=True)
@@ -186,7 +204,8 @@ def the_plain_student(rank, world, device, verbose=True):
         print0("every rank built its own random model; after construction all hold rank 0's\n")
         show_buckets("buckets at construction (iteration 0): one bucket, parameters in model "
                      "order", ours)
-        print0()
+        print0("\ntraining four DDPs side by side on the same batches: miniddp, torch's, and the "
+               "two controls below;\nms/step is one step of all four")
     first_difference, layouts = train_side_by_side([ours, theirs, other_buckets, dividing],
                                                    loader, device, progress=progress)
     if verbose:
@@ -210,9 +229,12 @@ def the_plain_student(rank, world, device, verbose=True):
     print0(f"parameters and gradients equal to torch's DDP bit for bit after each of the "
            f"{len(layouts)} steps, at {world} ranks")
     controls = {"a miniddp with default buckets (one bucket after the rebuild)":
-                first_difference[2],
+                (first_difference[2], "other buckets from step 1 on (at step 0 both had the one "
+                 "bucket of construction): the ring adds the ranks' values in an order set by "
+                 "an element's offset in its bucket and the bucket's size"),
                 "torch's DDP with torch's own allreduce_hook (grad / world_size, then sum)":
-                first_difference[3]}
+                (first_difference[3], f"torch's very buckets, but it divides by {world} where "
+                 f"the built-in reducer multiplies by 1 / {world}, and those round differently")}
     return controls, len(layouts), losses
 
 
@@ -262,17 +284,18 @@ def with_buffers_and_unused_heads(rank, world, device):
     bn = [m.module.body[1].running_mean for m in (ours, theirs)]
     before = rank_agreement(bn[0])
     ours.eval(), theirs.eval()
-    with torch.no_grad():  # an evaluation forward through the wrappers broadcasts rank 0's
+    with torch.no_grad():  # the forward before was synchronized: this one broadcasts first
         x = make_dataset(n=BATCH_SIZE, seed=20 + rank).tensors[0].to(device)
         ours(x), theirs(x)
     after = rank_agreement(bn[0])
     say = {True: "yes", False: "no"}
     print0(f"  BatchNorm running_mean equal on every rank? after the last training forward: "
            f"{say[before]} (each rank updated its own);\n  after one evaluation forward through "
-           f"the wrapper: {say[after]} (rank 0's, broadcast before the forward)")
+           f"the wrapper: {say[after]} (rank 0's, broadcast at its start, since the forward "
+           "before it was a synchronized one)")
     check(not before or world == 1, "each rank updated its running statistics with its own "
                                     "batch: they should differ after training")
-    check(after and torch.equal(bn[0], bn[1]),
+    check(after and same_bits(bn[0], bn[1]),
           "an evaluation forward through DDP should give every rank rank 0's statistics")
 
 
@@ -280,32 +303,36 @@ def rank_agreement(t) -> bool:
     """Is ``t`` the same on every rank (a collective)?"""
     everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, t)
-    return all(torch.equal(everyone[0], other) for other in everyone)
+    return all(same_bits(everyone[0], other) for other in everyone)
 
 
 def judge_the_controls(world: int, controls: dict, steps: int) -> None:
-    """Both controls match torch at 2 ranks and neither does at 3 or more (gloo's ring)."""
+    """Both controls match torch at 2 ranks and neither does at 3 or more on gloo: one for the
+    ring's order of additions, one for the division."""
     print0(f"\nthe controls at {world} ranks, against torch's DDP with bucket_cap_mb="
            f"{BUCKET_CAP_MB} (two buckets, grad * (1 / world_size) before the sum):")
-    for name, differs in controls.items():
+    for name, (differs, cause) in controls.items():
         if differs is None:
             print0(f"  {name}: equal after all {steps} steps")
         else:
             step, names = differs
-            print0(f"  {name}: differs from step {step} on ({', '.join(names[:3])}, ...)")
+            print0(f"  {name}: differs from step {step} on ({', '.join(names[:3])}, ...);\n"
+                   f"    why: {cause}")
     if dist.get_backend() != "gloo" or world < 2:
         return  # NCCL's sums follow other rules: nothing to claim
     if world == 2:
         print0("  at 2 ranks a + b == b + a and halving is exact: neither can show")
-        check(all(d is None for d in controls.values()),
+        check(all(d is None for d, _ in controls.values()),
               "at 2 ranks a + b == b + a and x / 2 == x * 0.5: neither control may differ, "
               f"got {controls}")
     else:
-        print0(f"  at {world} ranks the ring's order of additions depends on where an element "
-               f"sits in its bucket, and x / {world} is not x * (1 / {world}): both show")
-        for name, differs in controls.items():
+        for name, (differs, _) in controls.items():
             check(differs is not None, f"at {world} ranks {name} still matched torch's "
                                        "built-in reducer bit for bit: the control shows nothing")
+        [(other_buckets, _), _] = controls.values()
+        check(other_buckets[0] >= 1, f"at {world} ranks the miniddp with default buckets differed "
+                                     f"at step {other_buckets[0]}, when its one bucket of "
+                                     "construction was torch's: not the buckets' doing")
 
 
 def on_every_rank():

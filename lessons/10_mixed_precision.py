@@ -14,8 +14,10 @@ The two 16-bit formats differ where it matters:
 * **bf16** keeps fp32's 8 exponent bits (same range, down to 1e-38) and has 8 bits of mantissa
   (2 to 3 significant digits). Gradients do not underflow, so bf16 needs nothing more than the
   ``autocast`` block. It is what the CPU (and recent GPUs) use.
-* **fp16** has 11 bits of mantissa but only 5 of exponent: the smallest number it holds is
-  6e-8, and a gradient of 1e-8 flushes to zero. ``torch.amp.GradScaler`` multiplies the loss by a
+* **fp16** has 11 bits of mantissa but only 5 of exponent: its normal numbers stop at 6.1e-5;
+  below that, subnormal numbers keep ever fewer significant bits down to 6e-8, the smallest it
+  holds, and a gradient of 1e-8 rounds to zero (it underflows). ``torch.amp.GradScaler`` multiplies
+  the loss by a
   large scale (65536 at first) so that the gradients computed in fp16 stay representable, divides
   the fp32 ``.grad`` by it before ``optimizer.step``, and skips the step (halving the scale) if
   any gradient is inf or NaN. With DDP every rank holds the same averaged gradients when the
@@ -23,11 +25,14 @@ The two 16-bit formats differ where it matters:
   The lesson counts what the scaler saves: one backward, through miniddp's DDP, of a loss
   ``1e-5`` times this task's (a loss averaged over 10^5 times more elements, as a language
   model's is over its tokens and vocabulary, or the small loss late in training), in fp32, in
-  fp16, and in fp16 with a GradScaler. fp16 alone flushes about a third of the gradient elements
-  to exactly zero (their parameters would not move); with the scaler, none.
+  fp16, in fp16 with a GradScaler, and in bf16. fp16 alone rounds about a third of the gradient
+  elements to zero (their parameters would not move), and the rest, subnormal, are a quarter off
+  (relative error); with the scaler, none is zero and the error is fp16's usual 3e-4; bf16, with
+  no scaler, rounds none to zero either (its error, 3e-3, is its shorter mantissa's).
 
-What this lesson proves, on every rank: fp16 without a scaler flushes gradients to zero that the
-scaler keeps (so removing the scaler fails the lesson); the loss falls under bf16 (and fp16);
+What this lesson proves, on every rank: fp16 without a scaler rounds gradients to zero, and the
+others far off, where the scaler keeps them (so removing the scaler fails the lesson), and bf16
+keeps them without a scaler; the loss falls under bf16 (and fp16);
 miniddp's DDP and
 torch's DDP, run side by side under the same autocast, stay equal bit for bit after every step;
 buckets and gradients are fp32; and the bf16 run ends close to an fp32 run of the same training
@@ -45,10 +50,11 @@ On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_
 one rank per GPU with NCCL, fp16 with its scaler and bf16 where the GPU supports it.
 
 What you will see: why fp16 needs the scaler (1e-8 in fp16 and in bf16, then the gradient elements
-flushed to zero without and with the scaler, counted), the bf16 training's loss
-falling, the dtypes of the output, the gradients and the buckets, "equal bit for bit" for each
-precision, the scale and skipped steps of the fp16 run, the held-out loss of the fp32, bf16 and
-fp16 runs side by side, and ``OK: ...``. A few seconds.
+rounded to zero, counted, and the gradients' error, in fp16 without and with the scaler and in
+bf16), the bf16 training's loss falling (each step timed for both DDPs), the dtypes of the output,
+the gradients and the buckets, "equal bit for bit" for each precision, the scale and skipped steps
+of the fp16 run, the held-out loss of the fp32, bf16 and fp16 runs side by side, and ``OK: ...``. A
+few seconds.
 """
 
 import argparse
@@ -84,6 +90,12 @@ def wrap(ddp_class, model, device):
     """Wrap a copy of ``model`` in a DDP class (miniddp's or torch's), one GPU per rank on GPU."""
     ids = [device.index] if device.type == "cuda" else None
     return ddp_class(copy.deepcopy(model).to(device), device_ids=ids)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.detach().view(as_int), b.detach().view(as_int))
 
 
 def grad_scaler(device):
@@ -136,7 +148,7 @@ def train(rank, world, device, dtype, side_by_side=True, verbose=False):
                     progress(loss)
                     out_dtype = out.dtype
             if side_by_side and first_difference is None and not all(
-                    torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models))):
+                    same_bits(a, b) for a, b in zip(*(m.parameters() for m in models))):
                 first_difference = step
             step += 1
     ours = models[0]
@@ -156,19 +168,23 @@ def why_fp16_needs_a_scaler():
            f"scaling by 65536: {scaled.item():.4g} (= {scaled.float().item() / 65536:.4g} "
            "once unscaled in fp32)")
     check(fp16 == 0 and bf16 > 0 and scaled.item() > 0,
-          f"expected fp16 to flush 1e-8 to zero and bf16 and scaled fp16 to keep it; got "
+          f"expected fp16 to round 1e-8 to zero and bf16 and scaled fp16 to keep it; got "
           f"{fp16}, {bf16}, {scaled.item()}")
 
 
-def gradients_flushed_to_zero(rank, world, device):
-    """One backward of a small loss through miniddp's DDP, in fp32, in fp16 and in fp16 with a
-    GradScaler: how many gradient elements fp16 flushed to zero where fp32 has a value."""
+def gradients_rounded_to_zero(rank, world, device, formats):
+    """One backward of a small loss through miniddp's DDP, in fp32 and in each 16-bit format of
+    ``formats`` (fp16 also with a GradScaler): how many gradient elements round to zero where fp32
+    has a value, and how far the gradients are from fp32's (relative error, all elements)."""
     model = make_model(seed=0)
     x, y = (t.to(device) for t in make_dataset(n=BATCH_SIZE * world, seed=3).tensors)
     x, y = x[rank::world], y[rank::world]
+    cases = [("fp32", None, False), ("fp16", torch.float16, False),
+             ("fp16 + GradScaler", torch.float16, True)]
+    if torch.bfloat16 in formats:
+        cases.append(("bf16", torch.bfloat16, False))
     grads = {}
-    for name, dtype, use_scaler in (("fp32", None, False), ("fp16", torch.float16, False),
-                                    ("fp16 + GradScaler", torch.float16, True)):
+    for name, dtype, use_scaler in cases:
         ddp = wrap(miniddp.DistributedDataParallel, model, device)
         optimizer = torch.optim.SGD(ddp.parameters(), lr=LR)
         scaler = grad_scaler(device) if use_scaler else None
@@ -178,21 +194,37 @@ def gradients_flushed_to_zero(rank, world, device):
         (scaler.scale(loss) if scaler else loss).backward()
         if scaler:
             scaler.unscale_(optimizer)  # .grad / scale, in fp32, as scaler.step would
-        grads[name] = [p.grad for p in ddp.parameters()]
-    reference, total = grads.pop("fp32"), sum(p.numel() for p in model.parameters())
-    zeros = {name: sum(((g == 0) & (r != 0)).sum().item() for g, r in zip(gs, reference))
-             for name, gs in grads.items()}
+        grads[name] = torch.cat([p.grad.flatten() for p in ddp.parameters()])
+    reference = grads.pop("fp32")
+    zeros = {name: ((g == 0) & (reference != 0)).sum().item() for name, g in grads.items()}
+    errors = {name: relative_error(g, reference) for name, g in grads.items()}
+    survivors = {name: relative_error(g[g != 0], reference[g != 0]) for name, g in grads.items()}
     print0(f"one backward of a loss {SMALL_LOSS:g} times this task's (gradients near 1e-8), "
-           f"{total} gradient elements, averaged by miniddp's DDP:")
-    for name, count in zeros.items():
-        print0(f"  {name:<18} {count:>4} flushed to exactly zero ({100 * count / total:.0f}%) "
-               "where fp32 has a value")
+           f"{reference.numel()} gradient elements, averaged by miniddp's DDP, against fp32:")
+    for name in grads:
+        share = 100 * zeros[name] / reference.numel()
+        print0(f"  {name:<18} {zeros[name]:>4} rounded to zero ({share:>2.0f}%) where fp32 has a "
+               f"value; relative error {errors[name]:.1e} ({survivors[name]:.1e} on the rest)")
     unscaled, scaled = zeros["fp16"], zeros["fp16 + GradScaler"]
     check(unscaled > 0, f"fp16 kept every gradient of a loss {SMALL_LOSS:g} times smaller: "
                         "nothing for the scaler to save here")
     check(10 * scaled < unscaled,
-          f"with the GradScaler {scaled} of {total} gradients still flushed to zero in fp16 "
-          f"(without it {unscaled}): the scaler did not lift them into fp16's range")
+          f"with the GradScaler {scaled} of {reference.numel()} gradients still rounded to zero "
+          f"in fp16 (without it {unscaled}): the scaler did not lift them into fp16's range")
+    check(survivors["fp16"] > 10 * survivors["fp16 + GradScaler"],
+          f"fp16's gradients not rounded to zero are {survivors['fp16']:.1e} from fp32's "
+          f"without the scaler and {survivors['fp16 + GradScaler']:.1e} with it: the scaler did "
+          "not keep their digits")
+    if "bf16" in grads:
+        check(10 * zeros["bf16"] < unscaled and errors["bf16"] < errors["fp16"] / 10,
+              f"bf16 rounded {zeros['bf16']} gradients to zero, {errors['bf16']:.1e} from fp32's"
+              f" (fp16 without a scaler: {unscaled}, {errors['fp16']:.1e}): bf16's range should "
+              "keep them without a scaler")
+    return zeros, errors
+
+
+def relative_error(approx, exact) -> float:
+    return ((approx - exact).norm() / exact.norm()).item()
 
 
 def available_precisions(device):
@@ -216,11 +248,12 @@ def on_every_rank():
     why_fp16_needs_a_scaler()
     runs, notes = available_precisions(device)
     if ("fp16", torch.float16) in runs:
-        gradients_flushed_to_zero(rank, world, device)
+        gradients_rounded_to_zero(rank, world, device, [dtype for _, dtype in runs])
     reference = train(rank, world, device, None, side_by_side=False)
     results = {}
     for name, dtype in runs:
-        print0(f"\n{name} autocast on {device.type}, miniddp's DDP and torch's DDP side by side:")
+        print0(f"\n{name} autocast on {device.type}, miniddp's DDP and torch's DDP side by side"
+               + (" (ms/step: one step of both):" if not results else ":"))
         r = results[name] = train(rank, world, device, dtype, verbose=not results)
         print0(f"  output {r['out_dtype']}, gradients {sorted(map(str, r['grad_dtypes']))}, "
                f"buckets {sorted(map(str, r['bucket_dtypes']))}")

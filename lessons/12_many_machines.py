@@ -8,22 +8,33 @@ workers of its node. Before that, the agents meet in a **rendezvous**: with
 ``--rdzv_backend=c10d`` the agent on the host named in ``--rdzv_endpoint=HOST:PORT`` serves a
 small key-value store (a TCPStore) there, every agent connects to it with the same
 ``--rdzv_id``, and once ``--nnodes`` of them have joined they agree on who is who. Each node gets
-a ``GROUP_RANK`` (in no particular order: the host of the store is not necessarily node 0), and
-each worker gets these variables, which ``init_process_group()`` reads:
+a ``GROUP_RANK`` (torch sorts the agents by address, then process id, and numbers them in that
+order: the host of the store is not necessarily node 0), and each worker gets these variables,
+which ``init_process_group()`` reads:
 
     RANK               this worker's rank among all workers, 0 .. WORLD_SIZE - 1
     LOCAL_RANK         its rank on this node: which GPU to use (``cuda:LOCAL_RANK``)
     WORLD_SIZE         workers in all: nnodes x nproc_per_node
     LOCAL_WORLD_SIZE   workers on this node (nproc_per_node)
     GROUP_RANK         this node's rank among the nodes, 0 .. nnodes - 1
-    MASTER_ADDR/PORT   where the workers' store lives (torchrun chooses; recent versions hand
-                       the workers the rendezvous store itself)
+    MASTER_ADDR/PORT   where the workers' own store lives: not the rendezvous endpoint, but a
+                       second TCPStore, on the node of GROUP_RANK 0 at a port free there
 
 With one worker count per node, ``RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``; the lesson
-checks it. (The hyphenated spellings, ``--rdzv-endpoint`` and so on, are the same options.) One
-known trap when that store is shared: with ``--max_restarts`` and gloo, restarted workers can
+checks it. (The hyphenated spellings, ``--rdzv-endpoint`` and so on, are the same options.)
+
+Who serves that second store: in torch 2.13 (``dynamic_rendezvous.py``, ``next_rendezvous``),
+once the rendezvous is done, the agent that came out of it as node 0 opens a new TCPStore on a
+port the system picks and publishes its address and port through the rendezvous store; every
+agent hands them to its workers as ``MASTER_ADDR``/``MASTER_PORT``, with
+``TORCHELASTIC_USE_AGENT_STORE=True``, which tells ``init_process_group`` to connect to that
+agent's store rather than open one (``torch/distributed/rendezvous.py``). The store outlives the
+workers, across restarts. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (and in older torch) the
+agent only picks a free port and worker 0 opens the store there. So the output shows two ports:
+the rendezvous endpoint's, in the agents' commands, and ``MASTER_PORT``, in the workers' table.
+One known trap of the agent's store: with ``--max_restarts`` and gloo, restarted workers can
 read the previous attempt's keys and fail or hang (pytorch issue 135712);
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives the workers a store of their own.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt's workers a store of their own.
 
 Why it matters: past one machine there is no parent process to fork from, no shared file
 system to be sure of, and no one to hand out ranks, so the processes must discover each other
@@ -62,8 +73,10 @@ Without a second machine, the lesson plays both nodes on this one, over the loop
 Run plainly, it starts one agent per simulated node itself, each as
 ``python -m torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d
 --rdzv_endpoint=127.0.0.1:PORT --rdzv_id=... --rdzv_conf=is_host=1 (or 0)
-lessons/12_many_machines.py --backend gloo``: no ``--node_rank``, the rendezvous assigns it;
-``is_host`` says which agent serves the store, which real nodes work out from their addresses.
+lessons/12_many_machines.py --backend gloo --agent N``: no ``--node_rank``, the rendezvous assigns
+it; ``is_host`` says which agent serves the rendezvous store (agent 0), which real nodes work out
+from their addresses; ``--agent`` only tells the workers which agent started them, for the table
+(on real nodes the host column tells).
 A free port is picked, and picked again if another program takes it first. The agents have a
 deadline; if anything fails, all are stopped with everything they started (no orphan
 processes, even if this script is killed), and the lesson exits non-zero after their output.
@@ -75,7 +88,8 @@ The simulated nodes use gloo even on a GPU machine: two "nodes" on one machine w
 ``cuda:0`` for ``LOCAL_RANK`` 0, which NCCL refuses.
 
 What you will see: the command of each agent, then their output, prefixed ``[agent N]``: the
-variables every worker received, the loss falling over a few training steps of miniddp's DDP,
+variables every worker received and which agent started it, who serves the workers' store, the
+loss falling over a few training steps of miniddp's DDP,
 the parameters equal on every rank and close to a one-process oracle; and ``OK: ...``. Each
 worker is a fresh ``python`` that imports torch, so this takes 5-15 seconds, most of it start-up.
 """
@@ -112,6 +126,7 @@ LR = 0.2
 ORACLE_TOLERANCE = dict(rtol=1e-4, atol=1e-5)
 VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
              "MASTER_ADDR", "MASTER_PORT")
+AGENT = "-"  # which simulated agent started this worker: its --agent, "-" on a real node
 
 
 # ----- in every worker: what torchrun told it, then a few checked training steps -----
@@ -120,14 +135,28 @@ def meet_the_nodes():
     """Every worker reports torchrun's variables; rank 0 prints them; all check them."""
     world = dist.get_world_size()
     mine = {k: os.environ.get(k, "-") for k in VARIABLES}
-    mine.update(host=socket.gethostname(), pid=os.getpid())
+    mine.update(agent=AGENT, host=socket.gethostname(), pid=os.getpid(),
+                agent_store=os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "-"))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
-    print0("what torchrun told each worker:")
-    print0("  " + "  ".join(f"{k:>{len(k)}}" for k in VARIABLES) + "  host, pid")
+    print0("what torchrun told each worker (agent: which torchrun started it):")
+    print0("  agent  " + "  ".join(f"{k:>{len(k)}}" for k in VARIABLES) + "  host, pid")
     for env in everyone:
-        print0("  " + "  ".join(f"{env[k]:>{len(k)}}" for k in VARIABLES)
+        print0(f"  {env['agent']:>5}  " + "  ".join(f"{env[k]:>{len(k)}}" for k in VARIABLES)
                + f"  {env['host']}, {env['pid']}")
+    if everyone[0]["agent"] != "-":
+        node = {env["GROUP_RANK"] for env in everyone if env["agent"] == "0"}
+        print0(f"  agent 0 serves the rendezvous store (is_host=1); its workers are on node "
+               f"{', '.join(sorted(node))}: the nodes are numbered by address, then process id "
+               "(here all share one address), not by who serves the store")
+    where = f"{everyone[0]['MASTER_ADDR']}:{everyone[0]['MASTER_PORT']}"
+    if everyone[0]["agent_store"] == "True":
+        print0(f"  MASTER_ADDR:MASTER_PORT {where} is a second store, not the rendezvous "
+               "endpoint: the agent of node 0 (GROUP_RANK 0) opened it after the rendezvous, "
+               "and every worker connects to it (TORCHELASTIC_USE_AGENT_STORE=True)")
+    else:
+        print0(f"  MASTER_ADDR:MASTER_PORT {where}: a port that the agent of node 0 picked; "
+               "worker 0 opens the store there (TORCHELASTIC_USE_AGENT_STORE is not True)")
     for rank, env in enumerate(everyone):
         check(env["RANK"] == str(rank) and env["WORLD_SIZE"] == str(world),
               f"worker {rank} was told RANK={env['RANK']}, WORLD_SIZE={env['WORLD_SIZE']}")
@@ -139,8 +168,10 @@ def meet_the_nodes():
 
 
 def sgd_step(model, velocities, momentum=0.9):
-    """SGD with momentum, as torch.optim.SGD computes it, written out: torch.optim's first step
-    imports torch._dynamo, a second or two in every fresh worker that this lesson would wait for.
+    """SGD with momentum, as torch.optim.SGD computes it, written out: the constructor of a
+    torch.optim optimizer imports torch._dynamo (its ``add_param_group`` is wrapped in
+    ``torch._disable_dynamo``), a second or two in every fresh worker that this lesson would wait
+    for.
     """
     with torch.no_grad():
         for p, v in zip(model.parameters(), velocities):
@@ -161,6 +192,7 @@ def train_and_check(device):
     oracle = make_model(seed=0).to(device)
     velocities = {m: [torch.zeros_like(p) for p in m.parameters()] for m in (ddp, oracle)}
     progress = Progress(STEPS, every=STEPS // 4)
+    print0("training (ms/step: miniddp's DDP and the one-process oracle, a step each):")
     step = 0
     while step < STEPS:
         for (x, y), (big_x, big_y) in zip(loader, everything):
@@ -181,7 +213,8 @@ def train_and_check(device):
     flat = torch.cat([p.detach().reshape(-1) for p in ddp.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(everyone, flat)
-    check(all(torch.equal(everyone[0], other) for other in everyone),
+    bits = [t.view(torch.int32) for t in everyone]  # fp32 bits: 0.0 and -0.0 differ here
+    check(all(torch.equal(bits[0], other) for other in bits),
           "the workers ended with different parameters: gradients were not averaged across "
           "nodes")
     expected = torch.cat([p.detach().reshape(-1) for p in oracle.parameters()])
@@ -202,7 +235,7 @@ def on_every_rank():
 
 # ----- run plainly: play every node on this machine, one torchrun agent per node -----
 
-def agent_command(nnodes, nproc_per_node, port, hosts_the_store):
+def agent_command(nnodes, nproc_per_node, port, hosts_the_store, agent):
     """The torchrun command of one simulated node.
 
     Real nodes all run the same command, and the one whose address is the endpoint's hosts the
@@ -215,14 +248,16 @@ def agent_command(nnodes, nproc_per_node, port, hosts_the_store):
     return torchrun(f"--nnodes={nnodes}", f"--nproc_per_node={nproc_per_node}",
                     "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                     f"--rdzv_id=lesson12-{port}", f"--rdzv_conf=is_host={int(hosts_the_store)}",
-                    "--monitor_interval=0.1", str(Path(__file__).resolve()), "--backend", "gloo")
+                    "--monitor_interval=0.1", str(Path(__file__).resolve()), "--backend", "gloo",
+                    "--agent", str(agent))
 
 
 def simulate_nodes(nnodes, nproc_per_node, timeout):
     """Play ``nnodes`` machines on this one; return the port and the workers' OK message."""
     for attempt in range(3):
         port = free_port()  # another program may take it before the host agent does
-        commands = [agent_command(nnodes, nproc_per_node, port, i == 0) for i in range(nnodes)]
+        commands = [agent_command(nnodes, nproc_per_node, port, i == 0, i)
+                    for i in range(nnodes)]
         for i, command in enumerate(commands):
             print(f"agent {i}: {shown(command)}", flush=True)
         done = run_agents(commands, [f"[agent {i}] " for i in range(nnodes)], timeout)
@@ -243,7 +278,11 @@ def main():
     parser.add_argument("--backend", default=None,
                         help="process group backend for the workers (default: NCCL when every "
                              "worker of a node has a GPU, gloo otherwise)")
+    parser.add_argument("--agent", default="-",
+                        help="which simulated agent started this worker (set by the simulation)")
     args = parser.parse_args()
+    global AGENT
+    AGENT = args.agent
     if started_by_torchrun():  # on a real node or a simulated one
         nodes, world, first, last = as_worker(lambda: launch(on_every_rank,
                                                              backend=args.backend)[0])

@@ -21,12 +21,14 @@ What this lesson proves, on every rank:
 1. the two hooks written here send 4 and 2 bytes per gradient (counted in their ``state``) and
    give torch's DDP bits exactly: ``mean`` on miniddp equals torch's DDP with torch's
    ``allreduce_hook``, ``fp16_mean`` equals it with ``fp16_compress_hook``, after every step
-   (and at 3 ranks ``mean`` is *not* hook-less DDP to the last bit: it divides by 3, where the
-   reducer multiplies by 1/3, and those round differently);
+   (and ``mean`` is hook-less DDP to the last bit only where the world size is a power of two:
+   it divides by 3 at 3 ranks, where the reducer multiplies by 1/3, and those round differently;
+   at 2 ranks halving is exact either way);
 2. what fp16 costs: the averaged gradients differ from the exact fp32 average by about 3e-4
    (relative), bf16's by about 3e-3, and training still converges to a held-out loss close to
-   the fp32 run's (bf16 with miniddp's own ``miniddp.options.comm_hooks.bf16_compress``: torch's DDP
-   accepts torch's bf16 hooks only on a CUDA build with NCCL, and miniddp refuses them likewise);
+   the fp32 run's (bf16 with miniddp's own ``miniddp.options.comm_hooks.bf16_compress``: torch's
+   DDP accepts torch's bf16 hooks only on a CUDA build with NCCL, or XPU with XCCL, and miniddp
+   refuses them likewise: both refusals are shown);
 3. torch's own hook functions run on miniddp unchanged and give torch's DDP bits:
    ``allreduce_hook``, ``fp16_compress_hook``, ``fp16_compress_wrapper``, PowerSGD (one bucket:
    on gloo, torch's DDP itself aborts PowerSGD with several buckets in flight) and ``noop_hook``,
@@ -89,6 +91,12 @@ def fp16_mean(sent: list, bucket):
         lambda done: buffer.copy_(compressed))
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
+    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.detach().view(as_int), b.detach().view(as_int))
+
+
 # ----- training with a hook, on miniddp and (when given one) on torch's DDP beside it -----
 
 def train(rank, world, device, our_hook, torch_hook=None, verbose=False, epochs=EPOCHS):
@@ -115,7 +123,7 @@ def train(rank, world, device, our_hook, torch_hook=None, verbose=False, epochs=
                 if model is models[0]:
                     progress(loss)
             if torch_hook and first_difference is None and not all(
-                    torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models))):
+                    same_bits(a, b) for a, b in zip(*(m.parameters() for m in models))):
                 first_difference = step
             step += 1
     held_out_x, held_out_y = (t.to(device) for t in make_dataset(n=1024, seed=1).tensors)
@@ -149,8 +157,18 @@ def relative_error(approx, exact) -> float:
     return ((approx - exact).norm() / exact.norm()).item()
 
 
+def refusal_of_torchs_bf16_hook(wrapper, device) -> str | None:
+    """Why ``wrapper`` refuses torch's ``bf16_compress_hook`` (its first words), or None."""
+    try:
+        wrapper(make_model(seed=0).to(device)).register_comm_hook(
+            None, torch_hooks.bf16_compress_hook)
+    except TypeError as refusal:
+        return f"refused, TypeError: {str(refusal).split('(')[0].strip()}"
+    return None
+
+
 def torch_hooks_on_miniddp(rank, world, device):
-    """Each of torch's hooks on miniddp and on torch's DDP, side by side for 3 steps."""
+    """Each of torch's hooks on miniddp and on torch's DDP, side by side for one epoch."""
     def powersgd_pair():
         return [(powersgd.PowerSGDState(None, matrix_approximation_rank=1,
                                         start_powerSGD_iter=2), powersgd.powerSGD_hook)
@@ -169,7 +187,7 @@ def torch_hooks_on_miniddp(rank, world, device):
         results[name] = r = train(rank, world, device, ours, theirs, epochs=1)
         gathered = [None] * world
         dist.all_gather_object(gathered, [p.detach().cpu() for p in r["model"].parameters()])
-        replicas_equal = all(torch.equal(a, b) for other in gathered[1:]
+        replicas_equal = all(same_bits(a, b) for other in gathered[1:]
                              for a, b in zip(gathered[0], other))
         print0(f"  {name:<38} equal to torch's DDP bit for bit: "
                f"{r['first_difference'] is None}; replicas on every rank equal: {replicas_equal}")
@@ -190,6 +208,8 @@ def on_every_rank():
     for name, ours, theirs in [("fp32 mean", mean, torch_hooks.allreduce_hook),
                                ("fp16 mean", fp16_mean, torch_hooks.fp16_compress_hook)]:
         log = []
+        if name == "fp16 mean":
+            print0(f"  {name}, training (ms/step: miniddp's and torch's DDP, a step each):")
         runs[name] = r = train(rank, world, device, (log, ours), (None, theirs),
                                verbose=name == "fp16 mean")
         sent[name] = sum(log) // r["steps"]
@@ -206,13 +226,13 @@ def on_every_rank():
                                         f"{losses[-1]:.4f}, not below 20% of it")
 
     print0("\n2. What compression costs in bits (one step, same weights and batch):")
-    try:
-        miniddp.DistributedDataParallel(make_model(seed=0).to(device)).register_comm_hook(
-            None, torch_hooks.bf16_compress_hook)
-        print0("  torch's bf16_compress_hook is accepted on this torch build")
-    except TypeError as refusal:
-        print0(f"  torch's bf16_compress_hook refused here, as torch's DDP refuses it: "
-               f"{str(refusal).split('(')[0].strip()}")
+    refusals = {name: refusal_of_torchs_bf16_hook(cls, device)
+                for name, cls in [("torch's DDP", TorchDDP),
+                                  ("miniddp", miniddp.DistributedDataParallel)]}
+    for name, refusal in refusals.items():
+        print0(f"  torch's bf16_compress_hook on {name}: {refusal or 'accepted'}")
+    check((refusals["miniddp"] is None) == (refusals["torch's DDP"] is None),
+          f"torch's bf16_compress_hook: miniddp and torch's DDP disagree on it: {refusals}")
     compressions = [("fp16", comm_hooks.fp16_compress)]
     if sums_bf16():
         compressions.append(("bf16", comm_hooks.bf16_compress))
@@ -231,21 +251,39 @@ def on_every_rank():
         check(errors["fp16"] < errors["bf16"] < 1e-2,
               f"bf16's error {errors['bf16']:.1e}: expected above fp16's (bf16 keeps 8 "
               "significant bits) and below 1e-2")
-        runs["bf16 (miniddp.options.comm_hooks)"] = train(rank, world, device,
-                                                  (None, comm_hooks.bf16_compress))
+        runs["bf16 mean (comm_hooks.bf16_compress)"] = train(rank, world, device,
+                                                    (None, comm_hooks.bf16_compress))
     reference = train(rank, world, device, (None, None))
     print0(f"  after training, held-out loss without a hook {reference['held_out']:.6f}; "
            "with each hook, and its parameters' distance (relative) from that run's:")
+    width = max(len(name) for name in runs)
     for name, r in runs.items():
         ratio = r["held_out"] / reference["held_out"]
         drift = max((a - b).norm() / b.norm() for a, b in zip(
             r["model"].parameters(), reference["model"].parameters())).item()
-        print0(f"    {name:<26} held-out loss {r['held_out']:.6f}, parameters {drift:.1e} away")
+        print0(f"    {name:<{width}}  held-out loss {r['held_out']:.6f}, "
+               f"parameters {drift:.1e} away")
         check(1 / LOSS_RATIO < ratio < LOSS_RATIO,
               f"{name}: held-out loss {ratio:.2f}x the hook-less run's, outside "
               f"[1/{LOSS_RATIO}, {LOSS_RATIO}]")
-        check(drift > 0 or name == "fp32 mean", f"{name}: compression left no trace in the "
-                                                 "parameters; was the hook used at all?")
+        if name != "fp32 mean":
+            check(drift > 0, f"{name}: compression left no trace in the parameters; was the "
+                             "hook used at all?")
+    # x / W and x * (1 / W) are the same float for every x only when W is a power of two
+    exact_scale = world & (world - 1) == 0
+    pairs = list(zip(runs["fp32 mean"]["model"].parameters(), reference["model"].parameters()))
+    same = all(same_bits(a, b) for a, b in pairs)
+    largest = max((a - b).abs().max().item() for a, b in pairs)
+    check(same == exact_scale,
+          f"at {world} ranks fp32 mean ended {'bit for bit equal to' if same else 'apart from'} "
+          f"the hook-less run (largest difference {largest:.1e}); expected "
+          f"{'equal' if exact_scale else 'apart'}: dividing by {world} and multiplying by "
+          f"1/{world} round {'alike' if exact_scale else 'differently'}")
+    print0(f"  fp32 mean and no hook at {world} ranks: " + (
+        f"equal bit for bit, since the hook divides by {world}, the reducer multiplies by "
+        f"1/{world}, and at a power of two those are the same float" if same else
+        f"apart (largest difference {largest:.1e}), since the hook divides by {world}, the reducer "
+        f"multiplies by 1/{world}, and those round differently"))
 
     print0("\n3. torch's own hook functions, unchanged, on miniddp and on torch's DDP:")
     torch_runs = torch_hooks_on_miniddp(rank, world, device)
