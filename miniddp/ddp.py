@@ -133,12 +133,10 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         self.batched_grad_copy = batched_grad_copy
         # torch's private opt-out list: these are neither broadcast nor averaged
         self.ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        # Where the buffers live, found once (as torch finds its buffers once): each forward
-        # reads the tensors anew from their modules, so a reassigned buffer is still synced,
-        # without a walk over every module per forward (0.3 ms for 120 modules on a CPU).
-        self._buffer_slots = [(m, name) for prefix, m in module.named_modules()
-                              for name in m._buffers
-                              if (f"{prefix}.{name}" if prefix else name) not in self.ignored]
+        # torch's rule for buffers: whether there are any at construction decides whether
+        # buffers are ever synced; each sync then reads them anew (a module may reassign a
+        # buffer, or register one), as torch's _sync_buffers does.
+        self._modules_buffers = self._read_buffers()
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.require_backward_grad_sync = True
@@ -192,11 +190,14 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
             StaticGraph.attach(reducer, initial_buckets=True)
         return reducer
 
+    def _read_buffers(self) -> list[torch.Tensor]:
+        """The module's buffers now (a tensor registered under two names once), but ignored."""
+        return [b for name, b in self.module.named_buffers() if name not in self.ignored]
+
     def _buffers_to_sync(self) -> list[torch.Tensor]:
-        # re-read every time: a module may reassign its buffers (a tensor shared by two, once)
-        buffers = {id(b): b for m, name in self._buffer_slots
-                   if (b := m._buffers.get(name)) is not None}
-        return list(buffers.values())
+        if self._modules_buffers:  # none at construction: never (torch's will_sync_module_buffers)
+            self._modules_buffers = self._read_buffers()
+        return self._modules_buffers
 
     @property
     def broadcast_buffers(self) -> bool:

@@ -450,3 +450,79 @@ def after_two_backwards():
 def test_a_second_backward_leaves_no_stale_used_flag(ranks):
     """torch fails here with an internal assertion; miniddp keeps the unused .grad None."""
     assert ranks(2).run(after_two_backwards) == [None, None]
+
+
+class LateBuffers(nn.Module):
+    """A module whose buffers change after wrapping: ``late`` is None at construction and set
+    in the first forward; ``extra`` (with ``with_buffer``) is registered in the first forward."""
+
+    def __init__(self, with_buffer: bool):
+        super().__init__()
+        self.body = nn.Linear(4, 2)
+        self.register_buffer("late", None)
+        if with_buffer:
+            self.register_buffer("existing", torch.zeros(2))
+
+    def forward(self, x):
+        if self.late is None:  # each rank its own value
+            self.late = torch.full((2,), float(dist.get_rank()))
+            if hasattr(self, "existing"):
+                self.register_buffer("extra", torch.full((2,), float(dist.get_rank())))
+        return self.body(x)
+
+
+def late_buffers(with_buffer: bool):
+    """The buffers after two forwards, gathered from every rank, for both DDPs."""
+    found = {}
+    for kind, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        ddp = cls(LateBuffers(with_buffer))
+        for _ in range(2):
+            ddp(torch.ones(3, 4)).sum().backward()
+        found[kind] = {name: [p.tolist() for p in gathered_tensor(b)]
+                       for name, b in ddp.module.named_buffers()}
+    return found
+
+
+def gathered_tensor(t):
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t)
+    return parts
+
+
+@pytest.mark.parametrize("with_buffer", [False, True])
+def test_buffers_that_appear_after_wrapping_are_synced_as_torch_syncs_them(ranks, with_buffer):
+    """torch reads the buffers anew at each sync, but syncs none if there were none at
+    construction: with another buffer there, the new ones follow rank 0; without, each rank
+    keeps its own."""
+    for found in ranks(2).run(late_buffers, with_buffer):
+        assert found["miniddp"] == found["torch"]
+        late = found["miniddp"]["late"]
+        assert (late[0] == late[1]) is with_buffer, late
+
+
+def scripted(how: str):
+    """A TorchScript module trained two steps by each DDP: the parameters' bits."""
+    results = []
+    for cls in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        model = (torch.jit.script(model) if how == "script"
+                 else torch.jit.trace(model, torch.randn(3, 4)))
+        ddp = cls(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 * step + dist.get_rank())
+            opt.zero_grad()
+            F.mse_loss(ddp(torch.randn(6, 4, generator=g)), torch.randn(6, 2, generator=g)
+                       ).backward()
+            opt.step()
+        results.append([t.detach().clone() for t in [*model.parameters(), *model.buffers()]])
+    return all(same_bits(a, b) for a, b in zip(*results)), len(results[0])
+
+
+@pytest.mark.parametrize("how", ["script", "trace"])
+def test_a_torchscript_module_trains_as_under_torchs_ddp(ranks, how):
+    for same, count in ranks(2).run(scripted, how):
+        assert same and count == 9  # 6 parameters, 3 BatchNorm buffers
