@@ -484,12 +484,41 @@ def test_device_arguments_follow_torch():
     assert check(None, None, cpu) == (None, None)
     assert check([1], None, gpu) == ([1], 1)
     assert check(["cuda:1"], torch.device("cuda", 1), gpu) == ([1], 1)
-    with pytest.raises(ValueError, match="device_ids must be None for CPU"):
+    with pytest.raises(ValueError, match="must be None for CPU or multi-device modules"):
         check([0], None, cpu)
-    with pytest.raises(ValueError, match="output_device only works together with device_ids"):
-        check(None, 0, cpu)
+    with pytest.raises(ValueError, match="only work for a module on one GPU"):
+        check(None, 1, cpu)
+    assert check(None, 0, cpu) == check([], 0, cpu) == (None, None)  # torch tests for truth
+    with pytest.raises(ValueError, match="device_ids can only be None or contain a single"):
+        check([0, 1], None, gpu)
+    with pytest.raises(TypeError):  # torch takes len(device_ids) too
+        check(0, None, gpu)
     with pytest.raises(ValueError, match="one kind of device"):
         check(None, None, cpu | gpu)
+
+
+def cpu_device_arguments() -> dict:
+    """What each DDP makes of device arguments on a CPU module: accepted, or the error."""
+    found = {}
+    for kind, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        for name, kwargs in (("output_device=0", {"output_device": 0}),
+                             ("output_device=1", {"output_device": 1}),
+                             ("device_ids=[0, 1]", {"device_ids": [0, 1]}),
+                             ("device_ids=0", {"device_ids": 0})):
+            try:
+                ddp = cls(nn.Linear(3, 3), **kwargs)
+                found[kind, name] = ("accepted", ddp.device_ids, ddp.output_device)
+            except (TypeError, ValueError) as error:
+                found[kind, name] = (type(error).__name__,)
+    return found
+
+
+def test_device_arguments_on_a_cpu_module_as_torch(ranks):
+    found = ranks(2).run(cpu_device_arguments)[0]
+    for name in ("output_device=0", "output_device=1", "device_ids=[0, 1]", "device_ids=0"):
+        assert found["miniddp", name] == found["torch", name], name
+    assert found["miniddp", "output_device=0"] == ("accepted", None, None)
 
 
 def positional_like_torch():

@@ -148,22 +148,24 @@ def refuse_unsupported_layers(module: nn.Module, devices: set) -> None:
 
 def device_ids_of(device_ids, output_device, devices: set):
     """torch's ``device_ids`` / ``output_device`` checked against the module's devices:
-    ``(None, None)`` for a CPU module, ``([gpu], gpu)`` for a module on one GPU."""
+    ``(None, None)`` for a CPU module, ``([gpu], gpu)`` for a module on one GPU. As torch does,
+    it tests them for truth (``output_device=0`` on a CPU module passes, as it does there) and
+    takes ``len(device_ids)`` (an int is a TypeError there too)."""
+    if device_ids is not None and len(device_ids) > 1:  # torch's words first
+        raise ValueError("device_ids can only be None or contain a single element: one process "
+                         f"drives one GPU, got device_ids={device_ids}.")
     if len({d.type for d in devices}) > 1:
         raise ValueError(
             "DistributedDataParallel needs a module whose parameters are all on one kind "
             f"of device, got {sorted(map(str, devices))}: move the module with .to(device).")
     on_gpu = all(d.type == "cuda" for d in devices)
-    if not device_ids:
-        if output_device is not None:
-            raise ValueError("output_device only works together with device_ids, for a "
-                             f"module on one GPU; got output_device={output_device}.")
+    if not device_ids or not on_gpu or len(devices) > 1:
+        if device_ids or output_device:
+            raise ValueError(
+                "device_ids and output_device only work for a module on one GPU; they must be "
+                f"None for CPU or multi-device modules: got device_ids={device_ids}, "
+                f"output_device={output_device} for a module on {sorted(map(str, devices))}.")
         return None, None
-    if not on_gpu or len(devices) > 1 or len(device_ids) != 1:
-        raise ValueError(
-            "device_ids must be None for CPU or multi-device modules and a single GPU "
-            f"for a module on one GPU; got device_ids={device_ids} for a module on "
-            f"{sorted(map(str, devices))}.")
 
     def index(d):  # torch keeps GPU indices: 0, "cuda:0" and torch.device("cuda", 0) alike
         return d if isinstance(d, int) else torch.device(d).index
