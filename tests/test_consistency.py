@@ -252,6 +252,8 @@ def out_of_step(case, mode, steps=4):
         for step in range(steps - 1 if case == "fewer" and odd else steps):
             train_step(ddp, opt, step, sync=not (case == "no_sync" and odd and step == 2),
                        backward=not (case == "skip_backward" and odd and step == 2))
+            if case == "extra_forward" and not odd:  # a metric, without torch.no_grad()
+                ddp(data(step)[0]).sum().item()
 
     return caught(run)
 
@@ -319,6 +321,15 @@ def test_debug_mode_names_a_rank_that_ran_no_sync_alone_at_once():
                in message
         assert "after running forward(s) [3] inside no_sync()" in message
         assert "use no_sync() for the same forwards on every rank" in message
+
+
+def test_a_rank_whose_last_record_is_its_error_is_described_by_it():
+    """A rank that raised (and went on, as a script catching errors may) has its error as its
+    last record; a report that waits for it describes it by that error (it raised KeyError)."""
+    from miniddp.checks import out_of_step
+    message = out_of_step.missing("synchronized step 3", {0: {"forward": 3}}, [1],
+                                  {1: {"message": "rank 1: ranks out of step at ..."}}, 2.0)
+    assert "rank 1's last record: it had stopped with this error: rank 1: ranks out" in message
 
 
 def test_debug_mode_names_a_rank_that_ran_one_step_fewer():

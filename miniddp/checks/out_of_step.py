@@ -44,6 +44,8 @@ def odd_ranks(records: dict[int, dict], signature) -> tuple[list[int], list[int]
 
 def describe(record: dict) -> str:
     """What a rank was doing, in words."""
+    if "message" in record:  # its last record is the error it raised (Checks.fail)
+        return f"it had stopped with this error: {record['message']}"
     if "what" in record:
         text = f"about to launch {record['what']}"
         if record.get("bucket") is not None:
