@@ -526,3 +526,30 @@ def scripted(how: str):
 def test_a_torchscript_module_trains_as_under_torchs_ddp(ranks, how):
     for same, count in ranks(2).run(scripted, how):
         assert same and count == 9  # 6 parameters, 3 BatchNorm buffers
+
+
+def public_attributes() -> dict:
+    """torch's public DDP attributes, read from both DDPs around the forwards that change them."""
+    found = {}
+    for kind, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        for with_buffers in (False, True):
+            torch.manual_seed(0)
+            module = nn.Sequential(nn.Linear(4, 4), *([nn.BatchNorm1d(4)] if with_buffers else []))
+            ddp = cls(module)
+            seen = [ddp.device_type, ddp.is_multi_device_module, ddp.mixed_precision,
+                    ddp.will_sync_module_buffers()]
+            with ddp.no_sync():
+                ddp(torch.ones(3, 4)).sum().backward()
+            seen.append(ddp.will_sync_module_buffers())  # not right after a no_sync forward
+            ddp(torch.ones(3, 4)).sum().backward()
+            seen.append(ddp.will_sync_module_buffers())
+            found[kind, with_buffers] = seen
+    return found
+
+
+def test_torchs_public_attributes_mean_what_they_mean_in_torch(ranks):
+    found = ranks(2).run(public_attributes)[0]
+    for with_buffers in (False, True):
+        assert found["miniddp", with_buffers] == found["torch", with_buffers], with_buffers
+    assert found["miniddp", True] == ["cpu", False, None, True, False, True]

@@ -4,6 +4,8 @@ They are not part of torch's documented API, but torch's own tests use them, and
 parts of torch (the compiler's DDP support, FSDP, ``_sync_module_states``) and some libraries.
 Each has the meaning it has in torch, in miniddp's terms:
 
+* ``device_type``, ``is_multi_device_module``, ``mixed_precision`` (always None here) and
+  ``will_sync_module_buffers()``, which torch's DDP has as public attributes;
 * ``parameters_to_ignore`` (the names DDP leaves alone), ``broadcast_bucket_size`` (the size of
   torch's coalesced broadcasts), ``bucket_bytes_cap_list`` (``bucket_cap_mb_list`` in bytes, ``[]``
   without one), ``modules_buffers`` / ``named_module_buffers``;
@@ -62,6 +64,22 @@ class TorchPrivateDDP:
     @property
     def parameters_to_ignore(self) -> set[str]:
         return self.ignored
+
+    mixed_precision = None  # torch's experimental DDP-native mixed precision: refused if given
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def is_multi_device_module(self) -> bool:
+        return len({p.device for p in self.module.parameters()}) > 1
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch's rule: right after a
+        synchronized forward, with buffer sync on, and buffers at construction)."""
+        return (self.require_forward_param_sync and self.forward_sync_buffers
+                and bool(self._modules_buffers))
 
     @property
     def bucket_bytes_cap_list(self) -> list[int]:
