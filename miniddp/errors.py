@@ -42,6 +42,13 @@ def unfinished_reduction(reducer) -> RuntimeError:
     missing = [i for i in range(len(reducer.params)) if i not in reducer.ready]
     rank = dist.get_rank()
     names = ", ".join(reducer.names[i] for i in missing)
+    if not missing:  # every gradient arrived, but that backward raised before it finished
+        return RuntimeError(
+            "Expected to have finished reduction in the prior iteration before starting a new "
+            f"one: on rank {rank} the last synchronized backward raised an error before its "
+            "gradients were averaged (see that error, e.g. a parameter marked ready twice), "
+            "so the reducer is in an unknown state. Build a new DistributedDataParallel (and "
+            "make sure every rank does the same) before training on.")
     if reducer.static_graph is not None:
         advice = (f"{reducer.static_graph.changed_graph_advice}\nIn torch's words: "
                   f"{STATIC_GRAPH_UNFINISHED}")

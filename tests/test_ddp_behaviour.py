@@ -547,3 +547,35 @@ def construction_sync(init_sync):
 def test_construction_broadcasts_unless_init_sync_is_false(ranks):
     assert ranks(2).run(construction_sync, True) == [True, True]
     assert ranks(2).run(construction_sync, False) == [False, False]
+
+
+class TwoBranches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, which):
+        return self.a(x) if which == "a" else self.b(x)
+
+
+def two_branch_forwards_one_backward() -> list[str]:
+    """Two synchronized forwards through different branches, one backward of both outputs
+    (find_unused_parameters: the first forward marks b unused, then b's gradient arrives)."""
+    ddp = miniddp.DistributedDataParallel(TwoBranches(), find_unused_parameters=True)
+    errors = []
+    for step in range(2):
+        x, y = data(step)
+        try:
+            F.mse_loss(ddp(x[:, :4], "a") + ddp(x[:, :4], "b"), y[:, :2]).backward()
+        except RuntimeError as error:
+            errors.append(str(error))
+    return errors
+
+
+def test_after_a_backward_that_raised_the_next_forward_says_so(ranks):
+    """It said "got no gradient ... for these parameters: ." with an empty list."""
+    for errors in ranks(2).run(two_branch_forwards_one_backward):
+        assert len(errors) == 2 and "marked ready twice" in errors[0], errors
+        assert "the last synchronized backward raised an error before its gradients were " \
+               "averaged" in errors[1], errors[1]
+        assert "Expected to have finished reduction in the prior iteration" in errors[1]
