@@ -190,14 +190,14 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
             StaticGraph.attach(reducer, initial_buckets=True)
         return reducer
 
-    def _read_buffers(self) -> list[torch.Tensor]:
+    def _read_buffers(self) -> dict[str, torch.Tensor]:
         """The module's buffers now (a tensor registered under two names once), but ignored."""
-        return [b for name, b in self.module.named_buffers() if name not in self.ignored]
+        return {name: b for name, b in self.module.named_buffers() if name not in self.ignored}
 
     def _buffers_to_sync(self) -> list[torch.Tensor]:
         if self._modules_buffers:  # none at construction: never (torch's will_sync_module_buffers)
             self._modules_buffers = self._read_buffers()
-        return self._modules_buffers
+        return list(self._modules_buffers.values())
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -329,8 +329,8 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         checks = self.reducer.consistency  # miniddp.checks
         if grad_enabled and checks is not None:
             checks.at_forward(self.require_backward_grad_sync)
-        sync_buffers = self.require_forward_param_sync and self.forward_sync_buffers
-        if sync_buffers and not self._run_buffer_hook(BufferCommHookLocation.PRE_FORWARD):
+        if (self.will_sync_module_buffers()  # (torch's rule: miniddp.options.torch_private)
+                and not self._run_buffer_hook(BufferCommHookLocation.PRE_FORWARD)):
             buffers = self._buffers_to_sync()
             if buffers:  # from rank 0, or under join the last rank training (miniddp.options.join)
                 if checks is not None:
@@ -346,7 +346,7 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         """After the module ran: a buffer hook registered to run now (torch_private); when a
         synced backward will follow, prepare the reducer."""
         grad_enabled = torch.is_grad_enabled()
-        if self.require_forward_param_sync and self.forward_sync_buffers:
+        if self.will_sync_module_buffers():
             self._run_buffer_hook(BufferCommHookLocation.POST_FORWARD)
         sync = grad_enabled and self.require_backward_grad_sync
         self.require_forward_param_sync = sync

@@ -116,6 +116,12 @@ class DistributedSampler(Sampler[int]):
     def _stop(self) -> int:
         return self.total_size if self._end is None else self._end
 
+    @property
+    def _resharded(self) -> bool:
+        """Dealing the rest of an epoch resumed with another number of ranks (or one loaded
+        from such a state), not a whole epoch of ``total_size``."""
+        return self._begin > 0 or self._end is not None
+
     def _epoch_indices(self) -> list[int]:
         """This rank's whole share of the current epoch."""
         if self.shuffle:
@@ -127,14 +133,14 @@ class DistributedSampler(Sampler[int]):
         if self._stop > self.dataset_len:  # pad by cycling: the first total_size of order * k
             order = order * -(-self._stop // self.dataset_len)
         dealt = order[self._begin:self._stop]
-        if 0 < len(dealt) < self.num_replicas:  # too few left for one each: repeat them
-            dealt = (dealt * self.num_replicas)[:self.num_replicas]
+        if self._resharded and 0 < len(dealt) < self.num_replicas:  # too few for one each:
+            dealt = (dealt * self.num_replicas)[:self.num_replicas]  # repeat them
         return dealt[self.rank::self.num_replicas]
 
     def _share(self, rank: int) -> int:
         """How many indices ``rank`` gets in the current epoch (all the same, unless resharded)."""
         left = self._stop - self._begin
-        if 0 < left < self.num_replicas:
+        if self._resharded and 0 < left < self.num_replicas:
             return 1
         return len(range(rank, left, self.num_replicas))
 

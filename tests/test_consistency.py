@@ -252,8 +252,6 @@ def out_of_step(case, mode, steps=4):
         for step in range(steps - 1 if case == "fewer" and odd else steps):
             train_step(ddp, opt, step, sync=not (case == "no_sync" and odd and step == 2),
                        backward=not (case == "skip_backward" and odd and step == 2))
-            if case == "extra_forward" and not odd:  # a metric, without torch.no_grad()
-                ddp(data(step)[0]).sum().item()
 
     return caught(run)
 

@@ -502,6 +502,44 @@ def test_buffers_that_appear_after_wrapping_are_synced_as_torch_syncs_them(ranks
         assert (late[0] == late[1]) is with_buffer, late
 
 
+def buffers_around_join_and_hooks() -> dict:
+    """For both DDPs: the late buffer after ``join()``'s final sync; how often a buffer comm
+    hook runs, and with what, on modules without buffers at construction; the buffer lists
+    torch keeps as attributes."""
+    location = nn.parallel.distributed._BufferCommHookLocation
+    found = {}
+    for kind, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        torch.manual_seed(0)
+        ddp = cls(LateBuffers(with_buffer=False))
+        with ddp.join():
+            ddp(torch.ones(3, 4)).sum().backward()
+        found[kind, "after join"] = [p.tolist() for p in gathered_tensor(ddp.module.late)]
+        found[kind, "kept"] = (len(ddp.modules_buffers), sorted(ddp.named_module_buffers))
+        for where in (location.PRE_FORWARD, location.POST_FORWARD):
+            for module in (nn.Linear(4, 2), LateBuffers(False), LateBuffers(True)):
+                calls = []
+                ddp = cls(module)
+                ddp._register_buffer_comm_hook(
+                    None, lambda _state, buffers, calls=calls: calls.append(sorted(buffers)),
+                    where)
+                for _ in range(2):
+                    ddp(torch.ones(3, 4)).sum().backward()
+                found[kind, str(where), type(module).__name__, len(calls)] = calls
+    return found
+
+
+def test_join_and_buffer_hooks_see_the_buffers_torch_sees(ranks):
+    """join's final sync reads the buffers anew (the late one follows the last joiner); a
+    buffer hook runs only where torch's would (never without buffers at construction), with
+    the buffers read anew; the kept lists are those of the last sync."""
+    found = ranks(2).run(buffers_around_join_and_hooks)[0]
+    ours = {k[1:]: v for k, v in found.items() if k[0] == "miniddp"}
+    theirs = {k[1:]: v for k, v in found.items() if k[0] == "torch"}
+    assert ours == theirs
+    assert ours["after join",] == [[1.0, 1.0], [1.0, 1.0]]
+
+
 def scripted(how: str):
     """A TorchScript module trained two steps by each DDP: the parameters' bits."""
     results = []
@@ -553,3 +591,16 @@ def test_torchs_public_attributes_mean_what_they_mean_in_torch(ranks):
     for with_buffers in (False, True):
         assert found["miniddp", with_buffers] == found["torch", with_buffers], with_buffers
     assert found["miniddp", True] == ["cpu", False, None, True, False, True]
+
+
+def multi_device_with_an_ignored_parameter() -> bool:
+    module = nn.Sequential(nn.Linear(4, 2))
+    module.register_parameter("far", nn.Parameter(torch.zeros(2, device="meta")))
+    miniddp.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ["far"])
+    return miniddp.DistributedDataParallel(module).is_multi_device_module
+
+
+def test_is_multi_device_module_leaves_ignored_parameters_out_as_torchs(ranks):
+    """torch counts the devices of the parameters it manages (torch's own DDP cannot be built
+    here: it refuses the meta parameter in its check of shapes across ranks)."""
+    assert ranks(2).run(multi_device_with_an_ignored_parameter) == [False, False]

@@ -330,6 +330,28 @@ def unpadded(base):
     return Unpadded
 
 
+def unpadded_dealing(base):
+    """The same subclass keeping the base class's __iter__: the dealing must read the
+    subclass's total_size (and give a rank nothing where there is nothing left for it)."""
+
+    class Unpadded(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.total_size = len(self.dataset)
+            self.num_samples = len(range(self.rank, self.total_size, self.num_replicas))
+
+    return Unpadded
+
+
+@pytest.mark.parametrize("n, world", [(10, 3), (7, 4), (2, 3), (1, 2), (12, 4)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_a_subclass_s_total_size_deals_as_torchs(n, world, shuffle):
+    for rank in range(world):
+        mine = unpadded_dealing(DistributedSampler)(range(n), world, rank, shuffle=shuffle)
+        theirs = unpadded_dealing(TorchSampler)(range(n), world, rank, shuffle=shuffle)
+        assert list(mine) == list(theirs) and len(mine) == len(theirs), (n, world, rank)
+
+
 @pytest.mark.parametrize("n, world", [(10, 3), (7, 4), (2, 3), (12, 4)])
 def test_len_is_num_samples_as_torchs_is(n, world):
     for rank in range(world):

@@ -228,6 +228,12 @@ def test_step_with_a_closure(ranks):
     check(ranks(2).run(beside_torch, "sgd", closure=True), "closure")
 
 
+def test_consolidating_to_a_numpy_integer_rank(ranks):
+    """torch takes any integer for ``to`` (a rank read from numpy, say)."""
+    import numpy as np
+    check(ranks(2).run(beside_torch, "sgd", consolidate_to=np.int64(1)), "numpy rank")
+
+
 def test_an_optimizer_class_that_is_not_a_torch_optimizer(ranks):
     """torch's ZeRO builds any class with a step(); so does miniddp's (it refuses one without)."""
     check(ranks(2).run(beside_torch, "duck_sgd"), "duck-typed optimizer")
@@ -276,6 +282,8 @@ def test_ranks_compare_group_options_by_value_and_other_objects_by_type():
     assert groups(lr=0.1) != groups(lr=0.2)
     assert groups(betas=(0.9, 0.99)) != groups(betas=(0.9, 0.98))
     assert groups(name="a") != groups(name="b")
+    assert groups(dtype=torch.float32) != groups(dtype=torch.float64)  # a repr without address
+    assert groups(extra={"k": 1}) != groups(extra={"k": 2})
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

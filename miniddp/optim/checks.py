@@ -6,8 +6,8 @@
 * ``optimizer_class``: a class that builds an optimizer, not an optimizer already built, nor a
   class of something else; with ``overlap_with_ddp`` one that torch has a functional version of
   (the step takes the gradients as arguments: ``torch.distributed.optim.utils``);
-* every rank must hold the same parameter groups (shapes, dtypes, hyperparameters: numbers and
-  strings by value, other objects by type): a rank that disagrees would own other parameters,
+* every rank must hold the same parameter groups (shapes, dtypes, hyperparameters: by value,
+  objects whose repr is their address by type): a rank that disagrees would own other parameters,
   and the broadcasts would pair up wrong tensors or hang.
   torch does not check this; here it costs one ``all_gather_object`` at construction and at
   each ``add_param_group``.
@@ -106,16 +106,17 @@ def optimizer_class(cls: Any, overlap_with_ddp: bool):
 
 
 def _describe(value: Any) -> Any:
-    """A value as the ranks compare it: plain data by value, anything else by its type only
-    (a function's or an object's repr holds its address, which differs between processes)."""
+    """A value as the ranks compare it: by its repr, unless that holds an address (a function's
+    or an object's default repr, which differs between processes): then by its type only."""
     if isinstance(value, torch.Tensor):
         shown = value.tolist() if value.numel() <= 16 else "..."
         return ("tensor", tuple(value.shape), str(value.dtype), shown)
     if isinstance(value, (tuple, list)):
         return type(value).__name__, [_describe(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
-        return repr(value)
-    return f"a {type(value).__module__}.{type(value).__qualname__}"
+    shown = repr(value)
+    if " at 0x" in shown:
+        return f"a {type(value).__module__}.{type(value).__qualname__}"
+    return shown
 
 
 def describe_groups(param_groups: list[dict]) -> list:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import operator
 from itertools import chain
 from typing import Any
 
@@ -218,7 +219,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather every rank's share of the state on rank ``to`` (a rank of the group), for
         :meth:`state_dict` there. Every rank must call it."""
         self._check_initialized()
-        if not (isinstance(to, int) and 0 <= to < self.world_size):  # (torch: nothing happens)
+        to = operator.index(to)  # an int, or an integer such as numpy's
+        if not 0 <= to < self.world_size:  # (torch gathers nowhere and says nothing)
             raise ValueError(f"consolidate_state_dict(to={to!r}): `to` is a rank of the "
                              f"optimizer's process group, an int in [0, {self.world_size - 1}]")
         _copy_hyperparameters(self.param_groups, self.optim.param_groups)

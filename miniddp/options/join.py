@@ -66,9 +66,10 @@ class DDPJoinHook(JoinHook):
         """Shadow one step of the ranks still training (after ``Join`` counted them)."""
         ddp, reducer = self.ddp, self.ddp.reducer
         reducer.begin_forward()  # the bucket rebuild, with its broadcast, if it is due
-        buffers = _synced_buffers(ddp)
-        if ddp.require_forward_param_sync and buffers:
-            broadcast_from(buffers, _common_rank(ddp, candidate=False), ddp.process_group)
+        if ddp.will_sync_module_buffers():  # as at a forward of the ranks still training
+            buffers = ddp._buffers_to_sync()
+            if buffers:
+                broadcast_from(buffers, _common_rank(ddp, candidate=False), ddp.process_group)
         flag, work = _all_reduce_flag(ddp, False)
         work.wait()
         someone_syncs = flag.item() > 0
@@ -146,7 +147,9 @@ def _common_rank(ddp, candidate: bool) -> int:
 
 
 def _synced_buffers(ddp) -> list[torch.Tensor]:
-    return ddp._buffers_to_sync() if ddp.forward_sync_buffers else []
+    """The buffers the final sync broadcasts: all the module has now (torch reads them anew
+    there, whether or not it had any at construction), unless buffer sync is off."""
+    return list(ddp._read_buffers().values()) if ddp.forward_sync_buffers else []
 
 
 def _shadow_buckets(reducer) -> None:

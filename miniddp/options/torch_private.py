@@ -73,7 +73,8 @@ class TorchPrivateDDP:
 
     @property
     def is_multi_device_module(self) -> bool:
-        return len({p.device for p in self.module.parameters()}) > 1
+        return len({p.device for name, p in self.module.named_parameters()
+                    if name not in self.ignored}) > 1
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers (torch's rule: right after a
@@ -87,11 +88,12 @@ class TorchPrivateDDP:
 
     @property
     def named_module_buffers(self) -> dict[str, torch.Tensor]:
-        return {name: b for name, b in self.module.named_buffers() if name not in self.ignored}
+        """The buffers as of the last sync (or construction), as torch keeps them."""
+        return dict(self._modules_buffers)
 
     @property
     def modules_buffers(self) -> list[torch.Tensor]:
-        return list(self.named_module_buffers.values())
+        return list(self._modules_buffers.values())
 
     def _build_params_for_reducer(self):
         params = list(self.reducer.params)
@@ -133,6 +135,7 @@ class TorchPrivateDDP:
             return False
         state, hook, where = self.buffer_hook
         if where == location:
+            self._buffers_to_sync()  # read anew, as torch's _sync_buffers does
             futures = hook(state, self.named_module_buffers)
             if futures is not None:
                 torch.futures.wait_all(list(futures))
