@@ -118,8 +118,9 @@ class DistributedSampler(Sampler[int]):
 
     @property
     def _resharded(self) -> bool:
-        """Dealing the rest of an epoch resumed with another number of ranks (or one loaded
-        from such a state), not a whole epoch of ``total_size``."""
+        """Dealing part of an epoch loaded from a state (a resume, perhaps with another number
+        of ranks), not a whole epoch of ``total_size``: only then can fewer positions be left
+        than there are ranks."""
         return self._begin > 0 or self._end is not None
 
     def _epoch_indices(self) -> list[int]:
