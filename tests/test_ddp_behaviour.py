@@ -495,6 +495,12 @@ def test_device_arguments_follow_torch():
         check(0, None, gpu)
     with pytest.raises(ValueError, match="one kind of device"):
         check(None, None, cpu | gpu)
+    # on a GPU module, as torch's helper reads them: a CPU output_device refused
+    with pytest.raises(ValueError, match="cpu"):
+        check([1], "cpu", gpu)
+    with pytest.raises(ValueError, match="cpu"):
+        check([1], torch.device("cpu"), gpu)
+    assert check([1], 0.0, gpu) == ([1], None)
 
 
 def cpu_device_arguments() -> dict:

@@ -20,9 +20,9 @@ import functools
 import inspect
 import warnings
 
-import torch
 import torch.distributed as dist
 from torch import nn
+from torch._utils import _get_device_index
 
 #: The installed torch's DDP constructor, ``self`` first: the one miniddp's DDP follows.
 TORCH_DDP_SIGNATURE = inspect.signature(nn.parallel.DistributedDataParallel.__init__)
@@ -167,8 +167,8 @@ def device_ids_of(device_ids, output_device, devices: set):
                 f"output_device={output_device} for a module on {sorted(map(str, devices))}.")
         return None, None
 
-    def index(d):  # torch keeps GPU indices: 0, "cuda:0" and torch.device("cuda", 0) alike
-        return d if isinstance(d, int) else torch.device(d).index
-
-    return [index(device_ids[0])], index(device_ids[0] if output_device is None
-                                         else output_device)
+    # torch keeps GPU indices (0, "cuda:0" and torch.device("cuda", 0) alike) through its own
+    # private helper, whose rules (a CPU device refused, a number that is not an int read as
+    # no device) this takes as they are
+    return ([_get_device_index(d, True) for d in device_ids],
+            _get_device_index(device_ids[0] if output_device is None else output_device, True))
