@@ -133,3 +133,28 @@ def copy_on_a_subgroup():
 def test_copying_a_ddp_on_another_group_is_refused_clearly(ranks):
     for message in ranks(2).run(copy_on_a_subgroup):
         assert message and "default process group" in message
+
+
+def copied_logging_data(how):
+    """``_get_ddp_logging_data()`` of a copy made after three steps and trained one more."""
+    found = {}
+    for kind, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        for static_graph in (False, True):
+            torch.manual_seed(0)
+            ddp = cls(nn.Linear(4, 2), static_graph=static_graph)
+            for _ in range(3):
+                ddp(torch.ones(2, 4)).sum().backward()
+            twin = duplicate(ddp, how)
+            twin(torch.ones(2, 4)).sum().backward()
+            data = twin._get_ddp_logging_data()
+            found[kind, static_graph] = (data.get("iteration"), data.get("static_graph"))
+    return found
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_logs_its_own_iterations_as_torchs_copy_does(ranks, how):
+    found = ranks(2).run(copied_logging_data, how)[0]
+    for static_graph in (False, True):
+        assert found["miniddp", static_graph] == found["torch", static_graph], static_graph
+    assert found["miniddp", False][0] == 0  # not the original's 3

@@ -4,10 +4,10 @@ A process group cannot be pickled, and a reducer's hooks belong to the parameter
 for. So, as torch's DDP does, a copy leaves out the process group and the reducer; when it is
 restored it takes the default process group of the process it is restored in (its
 ``process_group``, as torch's copy's, is that group, never ``None``) and builds a fresh reducer
-for its own parameters: iteration 0's buckets, rebuilt after the copy's first synchronized
-backward, like a new DDP's. Nothing is broadcast: on each rank the copy is what the original
-was. Only a DDP on the default process group can be copied (torch's rule too): a restored copy
-could not know which group it belonged to.
+for its own parameters (iteration 0's buckets, rebuilt after the copy's first synchronized
+backward, like a new DDP's) and a new logger. Nothing is broadcast: on each rank the copy is
+what the original was. Only a DDP on the default process group can be copied (torch's rule
+too): a restored copy could not know which group it belonged to.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.options.arguments import is_default_group
+from miniddp.options.logging_data import DDPLogging
 
 
 def state_to_copy(ddp) -> dict:
@@ -34,6 +35,10 @@ def state_to_copy(ddp) -> dict:
 
 def restore_copy(ddp, state: dict) -> None:
     """``ddp.__setstate__``: the state back, the default process group (as torch's copy takes
-    it), and a new reducer for the copy's parameters."""
+    it), and a new reducer for the copy's parameters, with a new logger (the copy's
+    ``_get_ddp_logging_data()`` counts its own iterations from 0, as torch's copy does)."""
     nn.Module.__setstate__(ddp, {**state, "process_group": dist.group.WORLD})
     ddp.reducer = ddp._make_reducer()
+    ddp.logger = DDPLogging(ddp)
+    if ddp.static_graph:
+        ddp.logger.set_static_graph()
