@@ -150,6 +150,12 @@ class DistributedSampler(Sampler[int]):
         return self._share(self.num_replicas - 1) - (self._position if self._resume_pending else 0)
 
     def __iter__(self) -> Iterator[int]:
+        if len(self.dataset) != self.dataset_len:  # (torch's sampler fails an assertion)
+            raise ValueError(
+                f"the dataset has {len(self.dataset)} samples now and had {self.dataset_len} when "
+                "this DistributedSampler was built: its layout (how many samples each rank "
+                "gets, and a saved position) depends on that length. Build a new sampler for "
+                "the new dataset, on every rank.")
         # Claimed now rather than on the first next(), so iter() alone decides where it starts.
         start = self._position if self._resume_pending else 0
         self._resume_pending = False

@@ -420,3 +420,15 @@ def test_world_and_rank_come_from_the_process_group(ranks, world):
                             drop_last=drop_last)
             assert (got_world, got_rank) == (world, rank)
             assert length == len(theirs) and got == list(theirs)
+
+
+def test_a_dataset_that_changed_length_since_construction_is_refused():
+    """torch's sampler fails an assertion there; miniddp's said nothing and dealt the old
+    length."""
+    data = list(range(10))
+    mine, theirs = DistributedSampler(data, 2, 0), TorchSampler(data, 2, 0)
+    data.extend(range(10, 15))
+    with pytest.raises(ValueError, match="has 15 samples now and had 10"):
+        iter(mine)
+    with pytest.raises(AssertionError):
+        list(theirs)
