@@ -328,3 +328,39 @@ def test_cuda_replicas_match_the_plain_module():
         torch.testing.assert_close(p.grad.cpu(), q.grad, rtol=1e-7, atol=1e-9)
     with torch.autocast("cuda", dtype=torch.float16):
         assert DataParallel(model.float(), device_ids=ids)(x.float().cuda()).dtype == torch.float16
+
+
+class Returns(nn.Module):
+    """Returns what torch's DataParallel would never gather: a tensor and a number, a dict with
+    a string; takes a 0-dim tensor and a mask of another batch size; raises on request."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x, scale, mask=None, fail=False):
+        if fail:
+            raise IndexError("asked to fail")
+        y = self.lin(x) * scale
+        return (y, 5), {"y": y, "name": "hi", "masked": None if mask is None else mask.sum()}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="torch's DataParallel on a CPU-only machine")
+def test_one_replica_calls_the_module_itself_as_torchs_does():
+    """torch's DataParallel without GPUs (and with one) calls the module: no split, no gather,
+    no thread; so ours with one device must too."""
+    torch.manual_seed(0)
+    ours, theirs = DataParallel(Returns()), nn.DataParallel(Returns())
+    theirs.load_state_dict(ours.state_dict())
+    x, mask = torch.randn(6, 4), torch.ones(3)
+    a, b = ours(x, torch.tensor(2.0), mask=mask), theirs(x, torch.tensor(2.0), mask=mask)
+    assert a[0][1] == b[0][1] == 5 and a[1]["name"] == b[1]["name"] == "hi"
+    assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1]["masked"], b[1]["masked"])
+    assert ours.last_forward.replicas == 1
+    for dp in (ours, theirs):  # the module's own exception, unchanged
+        with pytest.raises(IndexError, match="^asked to fail$"):
+            dp(x, 1.0, fail=True)
+    packed = []  # thread-local state (here a saved-tensors hook) reaches the module
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+        ours(x.requires_grad_(), 2.0)
+    assert packed

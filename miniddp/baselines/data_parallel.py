@@ -18,6 +18,9 @@ Without a GPU, ``"cpu"`` devices run the same mechanism as threads on the CPU::
 
     dp = DataParallel(model, device_ids=["cpu", "cpu", "cpu"])
     loss_fn(dp(x), y).backward()  # x is split 3 ways; model's .grad is the full-batch gradient
+
+With one device there is nothing to split or gather: it calls the module itself (after moving
+the arguments to a GPU), as torch's DataParallel does, whatever the module returns.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ class DataParallel(nn.Module):
                     f"DataParallel needs the module's parameters and buffers on the first device "
                     f"({first}), which replica 0 uses in place and the others copy from, but one "
                     f"is on {t.device}: move it with module.to({str(first)!r})")
+        if len(self.device_ids) == 1:  # nothing to split or gather: the module itself, as torch
+            self.last_forward = ForwardStats(replicas=1)
+            if first.type != "cpu":
+                args, kwargs = _to_device((args, kwargs), first)
+            return self.module(*args, **kwargs)
         inputs = _scatter((args, kwargs), self.device_ids, self.dim)
         devices = self.device_ids[: len(inputs)]
         stats = ForwardStats(replicas=len(devices))
@@ -112,6 +120,18 @@ def _as_device(d) -> torch.device:
         raise ValueError(f"DataParallel was asked for {d!r}, but this machine has {n_gpus} "
                          f"visible GPU(s); without one, pass device_ids=['cpu', 'cpu']")
     return device
+
+
+def _to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor inside it (nested tuples, lists and dicts) moved to ``device``."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (tuple, list)):
+        moved = [_to_device(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
+    return obj
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
