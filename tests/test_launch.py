@@ -482,3 +482,60 @@ def test_a_lesson_runs_in_a_process_that_ran_a_backward_with_a_device_beside_the
                           timeout=240, env=env)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     assert proc.stdout.strip().splitlines()[-1].startswith("OK")
+
+
+def destroys_its_group():
+    """The end of torch's tutorials' rank function: cleanup() destroys the group itself."""
+    rank = dist.get_rank()
+    dist.destroy_process_group()
+    return rank
+
+
+def test_a_rank_function_that_destroys_the_group_itself_ends_cleanly(capfd):
+    from miniddp.launch import launch
+    assert launch(destroys_its_group, 2, timeout=60) == [0, 1]
+    time.sleep(0.5)  # the ranks leave after reporting: their stderr, if any, arrives by now
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_rank_function_that_destroys_the_group_under_torchrun_ends_cleanly(tmp_path):
+    """One rank, as torchrun would start it: launch joins the group from the environment."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "job.py"
+    script.write_text("import torch.distributed as dist\n"
+                      "from miniddp.launch import launch\n"
+                      "def main():\n"
+                      "    dist.destroy_process_group()\n"
+                      "    return 'done'\n"
+                      "if __name__ == '__main__':\n"
+                      "    print(launch(main))\n")
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+           "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "['done']" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("timeout", [0, -1])
+def test_a_timeout_that_is_not_positive_is_refused(timeout):
+    with pytest.raises(ValueError, match="timeout must be a number of seconds > 0"):
+        spawn(destroys_its_group, 2, timeout=timeout)
+
+
+def launch_from_a_rank():
+    from miniddp.launch import launch
+    try:
+        launch(destroys_its_group, 2, timeout=30)
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_launch_from_a_process_that_has_a_process_group_says_what_to_do(ranks):
+    for message in ranks(2).run(launch_from_a_rank):
+        assert message and "this process already has one" in message, message

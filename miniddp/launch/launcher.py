@@ -179,6 +179,12 @@ def launch(fn, world_size: int = 2, args=(), backend: str | None = None,
     ``backend=None`` picks NCCL when every rank on this machine gets a GPU, gloo otherwise.
     """
     if not launched_by_torchrun():
+        if dist.is_available() and dist.is_initialized():
+            raise RuntimeError(
+                "launch() starts ranks that each create their own process group, but this "
+                "process already has one (torch.distributed.init_process_group was called "
+                "here, or this is a rank itself): call launch from a process without one, or "
+                "call torch.distributed.destroy_process_group() first.")
         backend = backend or default_backend(world_size)
         return spawn(fn, world_size, args, backend, timeout, pg_timeout)
     join_torchrun_group(backend, pg_timeout)

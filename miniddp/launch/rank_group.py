@@ -121,6 +121,8 @@ def leave_group() -> None:
     Where torch's destructor holds the GIL (:data:`miniddp.torch_versions.DESTROY_HOLDS_THE_GIL`)
     a short sleep first lets gloo's threads finish with the GIL free.
     """
+    if not dist.is_initialized():  # the rank's function destroyed it itself, as torch's
+        return                       # tutorials' cleanup() does
     gc.collect()
     if DESTROY_HOLDS_THE_GIL:
         time.sleep(0.2)
@@ -197,6 +199,9 @@ class RankGroup:
         """
         if not self._procs:
             raise RuntimeError("this RankGroup is closed (a rank failed earlier); start a new one")
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout must be a number of seconds > 0, or None for no limit; "
+                             f"got {timeout!r}")
         try:
             if not self.alive:  # a rank died before this call, e.g. joining the group: say why
                 self._collect(self.GRACE_S)
@@ -238,7 +243,7 @@ class RankGroup:
                 if failures:
                     break
                 raise RankError(pending[0], self.world_size,
-                                f"did not finish within {timeout:.0f} s (still running: ranks "
+                                f"did not finish within {timeout:g} s (still running: ranks "
                                 f"{pending})", self._stacks(pending))
             for obj in ready:
                 rank = by_conn.get(obj, by_sentinel.get(obj))
