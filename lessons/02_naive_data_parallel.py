@@ -24,7 +24,8 @@ What the numbers on a CPU do and do not show: without a GPU the replicas are thr
 releases Python's global interpreter lock (GIL) inside each operation, but this model's
 operations last microseconds and the Python between them holds the lock, so the threads mostly
 take turns: DataParallel is slower than the plain module here, and slower with every replica
-added. That measures its overheads (threads, copies, scatter and gather), not parallel compute;
+added (one replica is the module itself, called directly as torch's DataParallel calls it: there
+is nothing to split, copy or gather). That measures its overheads (threads, copies, scatter and gather), not parallel compute;
 the times are shown, not checked (what the lesson checks is that DataParallel computes the plain
 module's steps and copies the weights every step).
 On GPUs the replicas do compute at the same time, so a large model gets some speed-up, but the
