@@ -391,3 +391,19 @@ def test_gradbucket_views_follow_set_buffer():
     assert first.dtype == torch.float16 and first.shape == (2, 3)
     assert torch.equal(second, torch.arange(6.0, 10.0).half())
     assert second.data_ptr() == half[6:].data_ptr()
+
+
+def builtin_hook_by_name():
+    found = {}
+    for kind, cls in (("miniddp", miniddp.DistributedDataParallel),
+                      ("torch", nn.parallel.DistributedDataParallel)):
+        try:
+            cls(nn.Linear(2, 2))._register_builtin_comm_hook("ALLREDUCE")
+            found[kind] = None
+        except Exception as error:  # noqa: BLE001 (the type is what is compared)
+            found[kind] = type(error).__name__
+    return found
+
+
+def test_a_builtin_hook_given_by_name_is_a_type_error_as_in_torch(ranks):
+    assert ranks(2).run(builtin_hook_by_name)[0] == {"miniddp": "TypeError", "torch": "TypeError"}

@@ -154,6 +154,10 @@ class TorchPrivateDDP:
         """torch's C++ hooks: ``ALLREDUCE`` (divide, then sum) and ``FP16_COMPRESS``."""
         builtin = {dist.BuiltinCommHookType.ALLREDUCE: comm_hooks.allreduce,
                    dist.BuiltinCommHookType.FP16_COMPRESS: comm_hooks.fp16_compress}
+        if not isinstance(comm_hook_type, dist.BuiltinCommHookType):  # a TypeError, as torch's
+            raise TypeError(f"_register_builtin_comm_hook takes a "
+                            f"torch.distributed.BuiltinCommHookType (ALLREDUCE or "
+                            f"FP16_COMPRESS), got {comm_hook_type!r}")
         comm_hooks.register(self.reducer, self.process_group, builtin[comm_hook_type])
         self.reducer.comm_hook.name = str(comm_hook_type)
 
