@@ -25,9 +25,9 @@ releases Python's global interpreter lock (GIL) inside each operation, but this 
 operations last microseconds and the Python between them holds the lock, so the threads mostly
 take turns: DataParallel is slower than the plain module here, and slower with every replica
 added (one replica is the module itself, called directly as torch's DataParallel calls it: there
-is nothing to split, copy or gather). That measures its overheads (threads, copies, scatter and gather), not parallel compute;
-the times are shown, not checked (what the lesson checks is that DataParallel computes the plain
-module's steps and copies the weights every step).
+is nothing to split, copy or gather). That measures its overheads (threads, copies, scatter and
+gather), not parallel compute; the times are shown, not checked (what the lesson checks is that
+DataParallel computes the plain module's steps and copies the weights every step).
 On GPUs the replicas do compute at the same time, so a large model gets some speed-up, but the
 overheads stay and grow with the GPUs: the weights are copied from GPU 0 every step, outputs,
 loss and gradients all meet on GPU 0 (it works and holds more than the others), and one Python

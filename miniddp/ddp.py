@@ -41,15 +41,15 @@ from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from, broadcast_from_rank0, verify_same_shapes
 
 
-def _move_to(obj, device):
-    """Move every tensor in a (nested) input to ``device``."""
+def move_to(obj, device):
+    """Move every tensor in a (nested) input to ``device`` (also the one-device DataParallel's)."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
     if isinstance(obj, (list, tuple)):
-        moved = [_move_to(x, device) for x in obj]
+        moved = [move_to(x, device) for x in obj]
         return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
     if isinstance(obj, dict):
-        return type(obj)((k, _move_to(v, device)) for k, v in obj.items())
+        return type(obj)((k, move_to(v, device)) for k, v in obj.items())
     return obj
 
 
@@ -339,7 +339,7 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         announce_backward_sync(self)  # miniddp.options.join
         if self.device_ids:
             device = torch.device("cuda", self.device_ids[0])
-            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+            inputs, kwargs = move_to(inputs, device), move_to(kwargs, device)
         return inputs, kwargs
 
     def _post_forward(self, output):

@@ -230,16 +230,20 @@ exec(compile(source.replace(old, new), path, "exec"), __main__.__dict__)
 """
 
 
-@pytest.mark.lesson
-def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_time(tmp_path):
+def run_edited(lesson: str, old: str, new: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run the lesson ``lesson`` (a glob) with ``old`` replaced by ``new`` in its source."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", RUN_EDITED,
-                           str(next(LESSONS_DIR.glob("07_*.py"))),
-                           "        if self.sync_this_backward:  # what forward noted",
-                           "        if self.require_backward_grad_sync:  # what forward noted"],
-                          env=env, capture_output=True, text=True, timeout=180,
+    return subprocess.run([sys.executable, "-c", RUN_EDITED, str(next(LESSONS_DIR.glob(lesson))),
+                           old, new], env=env, capture_output=True, text=True, timeout=180,
                           cwd=LESSONS_DIR.parent)
+
+
+@pytest.mark.lesson
+def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_time(tmp_path):
+    done = run_edited("07_*.py", "        if self.sync_this_backward:  # what forward noted",
+                      "        if self.require_backward_grad_sync:  # what forward noted",
+                      tmp_path)
     assert done.returncode != 0, done.stdout
     assert "by hand: after a forward inside no_sync and its backward outside, every rank held " \
            "the same gradients" in done.stderr, done.stderr[-2000:]
@@ -437,14 +441,8 @@ def test_lesson_16_fails_when_its_one_graph_is_cut_into_pieces(tmp_path):
     """Section 1 with dynamo's splitting on: the graph it calls one is in pieces, all_reduces are
     launched between them, and the lesson's overlap check (not only its count of graphs) says
     so."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["MINIDDP_RUNS"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", RUN_EDITED,
-                           str(next(LESSONS_DIR.glob("16_*.py"))),
-                           "backend,\n                  split=False)",
-                           "backend,\n                  split=True)"],
-                          env=env, capture_output=True, text=True, timeout=180,
-                          cwd=LESSONS_DIR.parent)
+    done = run_edited("16_*.py", "backend,\n                  split=False)",
+                      "backend,\n                  split=True)", tmp_path)
     assert done.returncode != 0, done.stdout
     assert "one compiled graph cannot overlap, yet [0, " in done.stderr, done.stderr[-2000:]
     assert "OK:" not in done.stdout

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from miniddp.ddp import move_to
+
 __all__ = ["DataParallel", "ForwardStats"]
 
 
@@ -91,7 +93,7 @@ class DataParallel(nn.Module):
         if len(self.device_ids) == 1:  # nothing to split or gather: the module itself, as torch
             self.last_forward = ForwardStats(replicas=1)
             if first.type != "cpu":
-                args, kwargs = _to_device((args, kwargs), first)
+                args, kwargs = move_to((args, kwargs), first)
             return self.module(*args, **kwargs)
         inputs = _scatter((args, kwargs), self.device_ids, self.dim)
         devices = self.device_ids[: len(inputs)]
@@ -120,18 +122,6 @@ def _as_device(d) -> torch.device:
         raise ValueError(f"DataParallel was asked for {d!r}, but this machine has {n_gpus} "
                          f"visible GPU(s); without one, pass device_ids=['cpu', 'cpu']")
     return device
-
-
-def _to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor inside it (nested tuples, lists and dicts) moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, (tuple, list)):
-        moved = [_to_device(x, device) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
-    if isinstance(obj, dict):
-        return type(obj)((k, _to_device(v, device)) for k, v in obj.items())
-    return obj
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
