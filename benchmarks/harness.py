@@ -50,7 +50,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from miniddp.ddp import _move_to as move_to  # noqa: E402  (what DDP does to inputs)
+from miniddp.ddp import move_to  # noqa: E402  (what DDP does to inputs)
 from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
 from miniddp.train.report import print0, save_figure  # noqa: E402
 
