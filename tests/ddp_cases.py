@@ -253,8 +253,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     if copy_at_end is not None:
         ours.reducer.copy_buckets_at_end(copy_at_end)
     if sabotage == "divide":
-        def divide_instead(source, out):  # gradient by gradient, or a whole bucket at once
-            torch.div(source, dist.get_world_size(), out=out)
+        def divide_instead(source, out=None):  # by gradient, a whole bucket, a new tensor
+            return torch.div(source, dist.get_world_size(), out=out)
         ours.reducer._scale = divide_instead
     if sabotage == "nan_in_ours":
         _put_nan(ours.module)

@@ -244,6 +244,96 @@ def test_backward_returns_only_once_every_bucket_is_averaged(ranks):
         assert torch.equal(per_rank[0], per_rank[1]), "ranks left backward with other gradients"
 
 
+# ----- a bucket of one small gradient: its tensor becomes .grad (Reducer.lone_gradients) -----
+
+def lone_gradient_tensors():
+    """One bucket per parameter, all of them small: what becomes of each ``.grad`` tensor."""
+    torch.manual_seed(0)
+    model = MLP()
+    with first_bucket_as_small_as(0.00001):
+        ours = miniddp.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.00001)
+        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.00001)
+
+    def step(ddp, n, set_to_none=True):
+        ddp.zero_grad(set_to_none=set_to_none)
+        x, y = data(n)
+        F.mse_loss(ddp(x), y).backward()
+
+    out = {}
+    for n in range(2):  # the second backward runs on the rebuilt buckets, one per parameter
+        step(ours, n)
+    buffers = {b.param_indices[0]: b.buffer.data_ptr() for b in ours.reducer.buckets}
+    out["handed_over"] = [p.grad.data_ptr() == buffers[i] for i, p in enumerate(ours.parameters())]
+
+    for n in range(2, 4):  # .grad kept from step to step: written into, as torch's
+        kept = {}
+        for name, ddp in (("ours", ours), ("torch", theirs)):
+            before = [p.grad for p in ddp.parameters()] if n == 3 else None
+            step(ddp, n, set_to_none=False)
+            kept[name] = before and [p.grad is g for p, g in zip(ddp.parameters(), before)]
+    out["kept"] = kept
+    out["kept_bits"] = all_same_bits([p.grad for p in ours.parameters()],
+                                     [p.grad for p in theirs.parameters()])
+
+    saved = {"ours": [], "torch": []}  # what a post-accumulate-grad hook keeps: the average
+    for name, ddp in (("ours", ours), ("torch", theirs)):
+        for p in ddp.parameters():
+            p.register_post_accumulate_grad_hook(lambda p, kept=saved[name]: kept.append(p.grad))
+        step(ddp, 4)
+    out["hook_kept_grad"] = {  # (saved in the order the gradients arrived)
+        name: sorted(any(g is p.grad for p in ddp.parameters()) for g in saved[name])
+        for name, ddp in (("ours", ours), ("torch", theirs))}
+    out["hook_bits"] = all_same_bits(saved["ours"], saved["torch"])
+    return out
+
+
+def test_a_lone_gradients_tensor_becomes_its_grad(ranks):
+    """The mechanism: without it, .grad is the backward's tensor, copied into."""
+    for result in ranks(2).run(lone_gradient_tensors):
+        assert all(result["handed_over"]), result["handed_over"]
+
+
+def test_a_grad_that_existed_before_the_backward_is_written_into_as_torchs(ranks):
+    for result in ranks(2).run(lone_gradient_tensors):
+        assert all(result["kept"]["torch"]), "control: torch's DDP keeps .grad in place"
+        assert all(result["kept"]["ours"]), ".grad was replaced: code holding it sees stale values"
+        assert result["kept_bits"]
+
+
+def test_a_grad_kept_by_a_post_accumulate_grad_hook_gets_the_average_as_torchs(ranks):
+    for result in ranks(2).run(lone_gradient_tensors):
+        assert result["hook_kept_grad"]["torch"] == [True] * 6, "control"
+        assert result["hook_kept_grad"]["ours"] == [True] * 6, (
+            "the .grad a hook kept is no longer the parameter's: it holds this rank's gradient")
+        assert result["hook_bits"]
+
+
+def handed_over_then_unused():
+    """A tensor handed over as .grad is the user's: a later step in which its parameter is
+    unused (its bucket then holds zeros) must not write into it."""
+    torch.manual_seed(0)
+    with first_bucket_as_small_as(0.00001):
+        ddp = miniddp.DistributedDataParallel(Branchy(), bucket_cap_mb=0.00001,
+                                              find_unused_parameters=True)
+    kept, handed_over = [], None
+    for n, use_branch in enumerate([True, False]):
+        ddp.zero_grad()
+        x, y = data(n)
+        F.mse_loss(ddp(x, use_branch), y).backward()
+        if use_branch:
+            kept = [(p.grad, p.grad.clone()) for p in ddp.module.sometimes.parameters()]
+            handed_over = [g.data_ptr() == ddp.reducer.locate[i][0].buffer.data_ptr()
+                           for (g, _), i in zip(kept, (2, 3))]  # sometimes.weight, .bias
+    return {"untouched": [torch.equal(g, copy) for g, copy in kept],
+            "handed_over": handed_over}
+
+
+def test_a_handed_over_grad_is_never_written_again(ranks):
+    for result in ranks(2).run(handed_over_then_unused):
+        assert result["handed_over"] == [True, True], "precondition: they were handed over"
+        assert result["untouched"] == [True, True], "the reducer wrote into a user's tensor"
+
+
 # ----- clear errors, never a hang -----
 
 def construction_error(build, *args, **ddp_kwargs):
