@@ -181,9 +181,6 @@ class Bucket:
             self.views.append(view)
             offset += p.numel()
         self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
-        self.lone = False  # one small gradient, reduced in a tensor of its own
-        self.lent = False  # its buffer became a parameter's .grad: take a new one before writing
-        self.hand_over = False  # this step's buffer is to become the parameter's .grad
         self.reset()
 
     def reset(self) -> None:
@@ -192,15 +189,6 @@ class Bucket:
         self.work = None  # the in-flight all_reduce, once launched
         self.recorded = None  # with a timeline: the future of its "done" record
         self.copy_later = [] if self.copy_at_end else None  # (grad, view) pairs, copied at once
-
-    def take(self, tensor: torch.Tensor) -> None:
-        """A bucket of one gradient: ``tensor`` (its parameter's shape, contiguous) is its buffer
-        for this step (``miniddp.options.small_gradients``)."""
-        self.views[0], self.buffer, self.lent = tensor, tensor.view(-1), False
-
-    def renew(self) -> None:
-        """A new buffer, once the old one became a ``.grad``: never write into a user's tensor."""
-        self.take(torch.empty_like(self.views[0]))
 
     def info(self, names: list[str]) -> BucketInfo:
         return BucketInfo(self.index, [names[i] for i in self.param_indices],

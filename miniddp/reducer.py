@@ -11,10 +11,10 @@ The life of one synchronized step:
    it reduces the gradient those hooks leave), and it also fires when the gradient that arrives
    is undefined (how parameters behind outputs the loss ignored are found). It copies
    ``grad * (1 / world_size)`` into the parameter's slot of its bucket (multiplying by the
-   reciprocal before a SUM is exactly what torch does, and what makes the bits match). Small
-   gradients take cheaper paths to the same bits (``miniddp.options.small_gradients``): in a
-   bucket of several they wait for the last one, copied in by one call and scaled by another;
-   alone in a bucket, the product is a tensor of its own that later becomes ``.grad``.
+   reciprocal before a SUM is exactly what torch does, and what makes the bits match). In a
+   bucket of small gradients (on a GPU, in every bucket) they wait for the last one instead:
+   then one call copies them all in and one multiplies the bucket by the same reciprocal (the
+   same bits, and two calls per bucket instead of one per parameter: see ``copy_buckets_at_end``).
    When a bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets
    strictly in order, so every rank issues the same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
@@ -59,10 +59,14 @@ from miniddp.buckets import (
     bucket_limits,
     rebuilt_assignment,
 )
-from miniddp.options import create_graph, small_gradients
+from miniddp.options import create_graph
 from miniddp.options.gradient_views import GradientsAsBucketViews
 from miniddp.options.torch_private import TorchPrivateReducer
 from miniddp.options.unused import UnusedParameters
+
+#: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
+#: its last one (``Reducer.copy_buckets_at_end``).
+COPY_AT_END_BYTES_CPU = 64 * 1024
 
 
 class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.torch_private
@@ -106,8 +110,9 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.buckets_fresh = True  # no hook has touched the buckets since their last reset
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
         self.plain = False  # no option needs to see each hook this backward (prepare_for_backward)
-        # Buckets of small gradients take cheaper paths (miniddp.options.small_gradients).
-        self.copy_at_end_bytes, self.lone_bytes = small_gradients.default_bytes(params)
+        # A bucket of gradients of at most this many bytes each waits for its last one.
+        on_gpu = bool(params) and params[0].device.type != "cpu"
+        self.copy_at_end_bytes = float("inf") if on_gpu else COPY_AT_END_BYTES_CPU
         self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
         # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
         # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
@@ -141,21 +146,28 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         if self.views is not None:
             self.views.move_into(self.buckets, self.params)
         self.copy_buckets_at_end(self.copy_at_end_bytes)
-        self.lone_gradients(self.lone_bytes)
 
     def copy_buckets_at_end(self, max_bytes: float) -> None:
-        """Buckets of several gradients of at most ``max_bytes`` each have them copied in with
-        their last one (``miniddp.options.small_gradients``). inf: every bucket; -1: none."""
+        """A bucket whose gradients are all of at most ``max_bytes`` has them wait for its
+        last one: then one call copies them all in, and one scales the whole bucket.
+
+        Every element is multiplied by the same operand as it would be on the way in, so the
+        bits are the same (dividing the bucket, as torch's ``batched_grad_copy`` does, is
+        another operation and gives other bits). The slots of parameters without a gradient
+        were zeroed, and stay zero.
+
+        Each copy on the way in is one call into torch from this thread: about 2 µs of
+        dispatch on a CPU, and on a GPU a kernel launched from the thread that also launches
+        the backward's kernels. Waiting trades those calls for one more pass over the bucket,
+        which on a CPU pays only where the gradients are small (benchmarks/README.md, "Changes
+        made to the engine", 4); on a GPU it always pays. ``float("inf")``: every bucket (a GPU's
+        default); -1: none.
+        """
         self.copy_at_end_bytes = max_bytes
         self.buckets_fresh = False  # their next reset sets them up for it
-        small_gradients.mark_copy_at_end(self.buckets, max_bytes, self.views is not None)
-
-    def lone_gradients(self, max_bytes: float) -> None:
-        """Buckets of one gradient of at most ``max_bytes`` have it reduced in a tensor of its
-        own, which becomes ``.grad`` (``miniddp.options.small_gradients``). -1: none."""
-        self.lone_bytes = max_bytes
-        self.lone_buckets = small_gradients.mark_lone(self.buckets, max_bytes,
-                                                      self.views is not None)
+        for bucket in self.buckets:
+            bucket.copy_at_end = len(bucket.views) > 1 and self.views is None and all(
+                view.numel() * view.element_size() <= max_bytes for view in bucket.views)
 
     def bucket_info(self) -> list[BucketInfo]:
         return [bucket.info(self.names) for bucket in self.buckets]
@@ -188,10 +200,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             for bucket in self.buckets:
                 bucket.reset()
         self.buckets_fresh = False  # (each backward's _finalize resets them as it goes)
-        lone = self.comm_hook is None and self.batched_copy is None  # options.small_gradients
-        for bucket in self.lone_buckets:
-            bucket.hand_over = lone and small_gradients.may_hand_over(
-                self.params[bucket.param_indices[0]])
         # The options that see every hook first; without them a hook goes straight to its
         # bucket (a trace's timeline is checked at each hook: it may start after the forward).
         self.plain = (self.unused is None and self.static_graph is None and self.timer is None
@@ -258,20 +266,12 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         self.require_finalize = True
         bucket, slot = self.locate[index]
         param = self.params[index]
-        grad = param.grad
-        if bucket.hand_over and grad is not None and not grad.requires_grad \
-                and grad.is_contiguous():
-            bucket.take(self._scale(grad))  # a new tensor, to become .grad (small_gradients)
+        if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
+            self.batched_copy.copy_in(index, bucket, slot)
+        elif bucket.copy_later is not None and param.grad is not None:
+            bucket.copy_later.append((param.grad, bucket.views[slot]))  # with the bucket's last
         else:
-            bucket.hand_over = False
-            if bucket.lent:  # its buffer became a .grad (small_gradients): take a new one
-                bucket.renew()
-            if self.batched_copy is not None:  # copies now or later (options.batched_copy)
-                self.batched_copy.copy_in(index, bucket, slot)
-            elif bucket.copy_later is not None and grad is not None:
-                bucket.copy_later.append((grad, bucket.views[slot]))  # with the bucket's last
-            else:
-                self._copy_into_bucket(param, bucket.views[slot])
+            self._copy_into_bucket(param, bucket.views[slot])
         bucket.pending -= 1
         if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
             if self.batched_copy is not None:
@@ -306,11 +306,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         except RuntimeError as error:  # backward(create_graph=True)? miniddp.options.create_graph
             create_graph.copy_value(self, param, view, error)
 
-    def _scale(self, source: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``out = source * (1 / divisor)``: a gradient into its slot, a whole bucket in place
-        once its gradients are copied in (``copy_buckets_at_end``), or into a new tensor
-        (``out=None``: ``lone_gradients``)."""
-        return torch.mul(source, self._reciprocal(source.dtype), out=out)
+    def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
+        """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
+        place once its gradients are copied in (see ``copy_buckets_at_end``)."""
+        torch.mul(source, self._reciprocal(out.dtype), out=out)
 
     def _reciprocal(self, dtype: torch.dtype):
         """``1 / divisor`` as torch's reducer multiplies by it. For float32, a 0-dim float32
@@ -374,9 +373,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             for i, view in zip(bucket.param_indices, bucket.views):
                 if used is not None and not used[i]:  # unused on every rank: .grad stays
                     continue
-                if bucket.hand_over:  # its own new tensor becomes .grad (small_gradients)
-                    self._hand_over(i, bucket)
-                    continue
                 grad = self.params[i].grad
                 if grad is None or grad.requires_grad or self.views is not None:
                     self._write_back(i, view)
@@ -399,11 +395,6 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             param.grad = view.clone(memory_format=torch.preserve_format)
         else:  # create_graph=True (miniddp.options.create_graph)
             create_graph.write_back(self.names[index], param.grad, view)
-
-    def _hand_over(self, index: int, bucket: Bucket) -> None:
-        """A lone gradient's average becomes its ``.grad``, replacing the backward's."""
-        self.params[index].grad = bucket.views[0]
-        bucket.lent = True
 
     # ----- records, clean-up -----
 

@@ -218,7 +218,7 @@ def _diff(tag, step, name, a, b, problems):
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
                        penalty=False, user_hook=False, nan=False, copy_at_end=None,
-                       contiguous_grads=False, **ddp_kwargs) -> dict:
+                       contiguous_grads=False, clip=None, **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
     Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
@@ -234,7 +234,9 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     last one (``Reducer.copy_buckets_at_end``; -1: none, ``math.inf``: all, as on a GPU).
     ``contiguous_grads``: every ``.grad`` is set to contiguous
     zeros before the first step, whatever its parameter's layout (with ``set_to_none=False``,
-    backward then accumulates into them).
+    backward then accumulates into them). ``clip``: ``clip_grad_norm_`` to that norm before each
+    step (it scales .grads in place: .grads that share memory are scaled twice, in torch too).
+    Which .grads share memory must match torch's too.
     """
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
@@ -253,8 +255,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     if copy_at_end is not None:
         ours.reducer.copy_buckets_at_end(copy_at_end)
     if sabotage == "divide":
-        def divide_instead(source, out=None):  # by gradient, a whole bucket, a new tensor
-            return torch.div(source, dist.get_world_size(), out=out)
+        def divide_instead(source, out):  # gradient by gradient, or a whole bucket at once
+            torch.div(source, dist.get_world_size(), out=out)
         ours.reducer._scale = divide_instead
     if sabotage == "nan_in_ours":
         _put_nan(ours.module)
@@ -294,13 +296,28 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
                 problems.append(f"step {step} micro {micro}: bucket layout differs from torch's")
         for (name, a), b in zip(ours.module.named_parameters(), theirs.module.parameters()):
             _diff("grad", step, name, a.grad, b.grad, problems)
-        for _, opt in both:
+        if grads_sharing_memory(ours) != grads_sharing_memory(theirs):
+            problems.append(f"step {step}: .grads sharing memory {grads_sharing_memory(ours)}, "
+                            f"torch's {grads_sharing_memory(theirs)}")
+        for ddp, opt in both:
+            if clip is not None:
+                torch.nn.utils.clip_grad_norm_(ddp.parameters(), clip)
             opt.step()
         for (name, a), (_, b) in zip(state(ours), state(theirs)):
             _diff("param", step, name, a, b, problems)
         layouts.append([info.param_indices for info in ours.buckets])
     return {"problems": problems[:10], "layouts": layouts,
             "torch_layout": torch_bucket_layout(theirs)}
+
+
+def grads_sharing_memory(ddp) -> list[tuple[str, str]]:
+    """Pairs of parameters whose .grad overlap in memory."""
+    def span(g):
+        return g.data_ptr(), g.data_ptr() + g.numel() * g.element_size()
+    grads = [(n, span(p.grad)) for n, p in ddp.module.named_parameters()
+             if p.grad is not None and p.grad.numel()]
+    return [(a, b) for k, (a, (a0, a1)) in enumerate(grads) for b, (b0, b1) in grads[k + 1:]
+            if a0 < b1 and b0 < a1]
 
 
 def _put_nan(module: nn.Module) -> None:

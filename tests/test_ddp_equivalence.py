@@ -69,6 +69,8 @@ CASES = {
         "model_name": "strided", "bucket_cap_mb": 0.0001, "contiguous_grads": True,
         "set_to_none": False},
     "lone_gradients_sharing_memory": {"model_name": "shared_grads", "bucket_cap_mb": 0.00001},
+    "lone_gradients_sharing_memory_clipped": {"model_name": "shared_grads",
+                                              "bucket_cap_mb": 0.00001, "clip": 0.01},
     "lone_gradients_sharing_memory_zeroed_in_place": {"model_name": "shared_grads",
                                                       "bucket_cap_mb": 0.00001,
                                                       "set_to_none": False},

@@ -65,8 +65,8 @@ def divide_instead_of_multiply(module):
     (equal at 2 ranks, where halving is exact; not at 3)."""
     import torch
 
-    def scale(self, source, out=None):  # gradient by gradient, a whole bucket, a new tensor
-        return torch.div(source, getattr(self, "divisor", self.world_size), out=out)
+    def scale(self, source, out):  # gradient by gradient, or a whole bucket at once
+        torch.div(source, getattr(self, "divisor", self.world_size), out=out)
     _patch(module.Reducer, "_scale", lambda original: scale)
 
 
@@ -109,8 +109,6 @@ def bucket_cap_ignored(module):
 def averages_not_written_back(module):
     """Lesson 12: the reducer all_reduces the buckets but never writes the averages to .grad."""
     _patch(module.Reducer, "_write_back", lambda original: lambda self, index, view: None)
-    if hasattr(module.Reducer, "_hand_over"):  # a lone gradient's average, handed over
-        _patch(module.Reducer, "_hand_over", lambda original: lambda self, index, bucket: None)
     _patch(module, "_copy_all", lambda original: lambda destinations, sources: None)
 
 
