@@ -61,9 +61,13 @@ def unfinished_reduction(reducer) -> RuntimeError:
                   "parameter detection by passing the keyword argument "
                   "`find_unused_parameters=True` to DistributedDataParallel; otherwise make "
                   "sure all `forward` function outputs participate in calculating loss.")
+    opening = ("Expected to have finished reduction in the prior iteration before starting a "
+               "new one. ")
+    if reducer.static_graph is None:  # torch's next sentence, which its users search for
+        opening += ("This error indicates that your module has parameters that were not used "
+                    "in producing loss. ")
     return RuntimeError(
-        "Expected to have finished reduction in the prior iteration before starting a new "
-        f"one: rank {rank} got no gradient in the last backward for these parameters: "
+        f"{opening}Rank {rank} got no gradient in the last backward for these parameters: "
         f"{names}. {advice}\n"
         f"Parameter indices which did not receive grad for rank {rank}: "
         f"{' '.join(map(str, missing))}\n"
@@ -72,9 +76,10 @@ def unfinished_reduction(reducer) -> RuntimeError:
         "or DETAIL; miniddp always does).")
 
 
-def marked_ready_twice(name: str) -> RuntimeError:
+def marked_ready_twice(index: int, name: str) -> RuntimeError:
+    """Opens as torch's does, and names the parameter in torch's form, for code matching them."""
     return RuntimeError(
-        f"parameter {name!r} was marked ready twice in one backward. Is it used outside "
-        "forward, or in two reentrant backward passes (e.g. checkpointing the same layer "
-        "twice)? For the latter, and if the graph is the same every iteration, pass "
-        "static_graph=True.")
+        f"Expected to mark a variable ready only once. Parameter at index {index} with name "
+        f"{name} has been marked as ready twice in one backward. Is it used outside forward, "
+        "or in two reentrant backward passes (e.g. checkpointing the same layer twice)? For "
+        "the latter, and if the graph is the same every iteration, pass static_graph=True.")

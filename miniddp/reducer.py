@@ -261,7 +261,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
 
     def _mark_ready(self, index: int) -> None:
         if index in self.ready:
-            raise errors.marked_ready_twice(self.names[index])
+            raise errors.marked_ready_twice(index, self.names[index])
         self.ready.add(index)
         self.require_finalize = True
         bucket, slot = self.locate[index]

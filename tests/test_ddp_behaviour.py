@@ -374,8 +374,9 @@ def test_parameter_count_mismatch_raises_on_every_rank(ranks):
         assert message and "number of parameters differs" in message and "rank 1: 4" in message
 
 
-def unused_without_flag():
-    ddp = miniddp.DistributedDataParallel(Branchy())
+def unused_without_flag(cls=miniddp.DistributedDataParallel):
+    torch.manual_seed(0)
+    ddp = cls(Branchy())
     x, y = data()
     F.mse_loss(ddp(x, use_branch=False), y).backward()  # 'sometimes' and 'never' get no grad
     try:
@@ -391,6 +392,16 @@ def test_unused_parameters_without_the_flag_raise_at_next_forward(ranks):
         assert "sometimes.weight" in message and "never.bias" in message
         assert "find_unused_parameters=True" in message
         assert "trunk.weight" not in message
+
+
+def test_unused_parameters_message_opens_as_torchs(ranks):
+    """What users search for, and code matches: torch's first two sentences, word for word."""
+    ours = ranks(2).run(unused_without_flag, timeout=30)[0]
+    theirs = ranks(2).run(unused_without_flag, nn.parallel.DistributedDataParallel,
+                          timeout=30)[0]
+    opening = theirs[:theirs.index("loss.") + len("loss.")]
+    assert opening.startswith("Expected to have finished reduction") and "not used" in opening
+    assert ours.startswith(opening), (ours, theirs)
 
 
 def stride_mismatch():
@@ -677,7 +688,7 @@ def two_branch_forwards_one_backward() -> list[str]:
 def test_after_a_backward_that_raised_the_next_forward_says_so(ranks):
     """It said "got no gradient ... for these parameters: ." with an empty list."""
     for errors in ranks(2).run(two_branch_forwards_one_backward):
-        assert len(errors) == 2 and "marked ready twice" in errors[0], errors
+        assert len(errors) == 2 and "marked as ready twice" in errors[0], errors
         assert "the last synchronized backward raised an error before its gradients were " \
                "averaged" in errors[1], errors[1]
         assert "Expected to have finished reduction in the prior iteration" in errors[1]
