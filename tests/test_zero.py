@@ -732,3 +732,33 @@ def test_ranks_that_disagree_on_a_group_all_raise(ranks):
             assert "different parameter groups on different ranks" in ours, (rank, name, ours)
         assert "differs in lr" in found["lr"][0]
         assert "differs in params" in found["add_param_group"][0]
+
+
+def test_consolidating_to_a_float_rank_as_torch(ranks):
+    """torch compares ``to`` with the rank by ==, so 1.0 is rank 1 there too."""
+    check(ranks(2).run(beside_torch, "sgd", consolidate_to=1.0), "float rank")
+
+
+def overlap_with_two_groups() -> str | None:
+    """overlap_with_ddp shares parameters out by DDP's buckets: one parameter group only. torch
+    raises a RuntimeError when the partition is made (at the third backward)."""
+    torch.manual_seed(1234)
+    module = cases.MLP()
+    with cases.first_bucket_as_small_as(MANY_BUCKETS["bucket_cap_mb"]):
+        ddp = miniddp.DistributedDataParallel(module, **MANY_BUCKETS)
+    params = list(ddp.parameters())
+    zero = miniddp.ZeroRedundancyOptimizer([{"params": params[:2]}, {"params": params[2:]}],
+                                           torch.optim.SGD, lr=0.1, overlap_with_ddp=True)
+    ddp.register_comm_hook(None, hook_with_zero_step(comm_hooks.allreduce, ddp, zero))
+    try:
+        for step in range(3):
+            args, _, y = cases.batch("mlp", step, 0, dist.get_rank())
+            cases.loss_of("mlp", ddp(*args), y).backward()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def test_overlap_with_two_parameter_groups_is_a_runtime_error_as_torchs(ranks):
+    for message in ranks(2).run(overlap_with_two_groups):
+        assert message is not None and "supports a single parameter group" in message, message

@@ -98,6 +98,12 @@ class Overlap:
 
     def make_partition(self) -> None:
         zero = self.zero
+        if len(zero.param_groups) > 1:  # the buckets decide who owns what: one group only
+            raise RuntimeError(
+                "overlap_with_ddp=True partitions the parameters by DDP's buckets, which "
+                f"supports a single parameter group, and this optimizer has "
+                f"{len(zero.param_groups)} (torch's words: Specifying 'params_per_rank' only "
+                "supports a single parameter group)")
         self.status = Status.READY
         self.shares = assign_ddp_buckets(self.params_per_bucket, zero.world_size,
                                          self.shard_buckets)

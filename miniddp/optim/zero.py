@@ -219,7 +219,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather every rank's share of the state on rank ``to`` (a rank of the group), for
         :meth:`state_dict` there. Every rank must call it."""
         self._check_initialized()
-        to = operator.index(to)  # an int, or an integer such as numpy's
+        # An int or an integer such as numpy's; like torch, which compares it with ==, also a
+        # number equal to one (0.0).
+        to = int(to) if isinstance(to, float) and to.is_integer() else operator.index(to)
         if not 0 <= to < self.world_size:  # (torch gathers nowhere and says nothing)
             raise ValueError(f"consolidate_state_dict(to={to!r}): `to` is a rank of the "
                              f"optimizer's process group, an int in [0, {self.world_size - 1}]")
