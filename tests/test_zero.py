@@ -762,3 +762,59 @@ def overlap_with_two_groups() -> str | None:
 def test_overlap_with_two_parameter_groups_is_a_runtime_error_as_torchs(ranks):
     for message in ranks(2).run(overlap_with_two_groups):
         assert message is not None and "supports a single parameter group" in message, message
+
+
+def unfrozen_after_add_param_group(cls) -> bool:
+    """parameters_as_bucket_view: a parameter frozen before add_param_group and unfrozen after
+    it must still reach every rank. Returns whether the ranks agree after two steps."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    a, b = nn.Linear(4, 4), nn.Linear(4, 2)
+    zero = cls(a.parameters(), torch.optim.SGD, parameters_as_bucket_view=True, lr=0.1)
+    a.weight.requires_grad_(False)
+    zero.add_param_group({"params": list(b.parameters())})
+    a.weight.requires_grad_(True)
+    for step in range(2):
+        zero.zero_grad()
+        g = torch.Generator().manual_seed(100 * step + rank)
+        b(a(torch.randn(8, 4, generator=g))).sum().backward()
+        zero.step()
+    flat = torch.cat([p.detach().flatten() for p in [*a.parameters(), *b.parameters()]])
+    every = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, flat)
+    return all(torch.equal(every[0], other) for other in every)
+
+
+def test_a_parameter_unfrozen_after_add_param_group_reaches_every_rank(ranks):
+    """README: torch 2.13's ZeRO leaves it out (its ranks drift apart); miniddp's does not."""
+    assert ranks(2).run(unfrozen_after_add_param_group, miniddp.ZeroRedundancyOptimizer)[0]
+    if torch.__version__.startswith("2.13."):  # the control: the check can see ranks drift
+        assert not ranks(2).run(unfrozen_after_add_param_group, TorchZero)[0]
+
+
+def load_leaves_the_dict_alone(cls=miniddp.ZeroRedundancyOptimizer) -> bool:
+    """load_state_dict reads the consolidated dict and leaves it as it was (torch 2.13's writes
+    None into it for the state other ranks own)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    zero = cls(model.parameters(), torch.optim.Adam, lr=0.1)
+    model(torch.randn(8, 4, generator=torch.Generator().manual_seed(dist.get_rank()))).sum() \
+        .backward()
+    zero.step()
+    zero.consolidate_state_dict(to=0)
+    state = zero.state_dict() if dist.get_rank() == 0 else None
+    [state] = _broadcast([state])
+    before = copy.deepcopy(state)
+    cls(model.parameters(), torch.optim.Adam, lr=0.1).load_state_dict(state)
+    return repr(before) == repr(state)
+
+
+def _broadcast(objects: list) -> list:
+    dist.broadcast_object_list(objects, src=0)
+    return objects
+
+
+def test_load_state_dict_leaves_the_callers_dict_alone(ranks):
+    assert all(ranks(2).run(load_leaves_the_dict_alone))
+    if torch.__version__.startswith("2.13."):  # the control: torch's writes into it (README)
+        assert not all(ranks(2).run(load_leaves_the_dict_alone, TorchZero))
