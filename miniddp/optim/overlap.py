@@ -100,8 +100,8 @@ class Overlap:
         zero = self.zero
         if len(zero.param_groups) > 1:  # the buckets decide who owns what: one group only
             raise RuntimeError(
-                "overlap_with_ddp=True partitions the parameters by DDP's buckets, which "
-                f"supports a single parameter group, and this optimizer has "
+                "overlap_with_ddp=True shares the parameters out by DDP's buckets, so it "
+                f"supports a single parameter group; this optimizer has "
                 f"{len(zero.param_groups)} (torch's words: Specifying 'params_per_rank' only "
                 "supports a single parameter group)")
         self.status = Status.READY
