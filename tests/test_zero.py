@@ -802,16 +802,12 @@ def load_leaves_the_dict_alone(cls=miniddp.ZeroRedundancyOptimizer) -> bool:
         .backward()
     zero.step()
     zero.consolidate_state_dict(to=0)
-    state = zero.state_dict() if dist.get_rank() == 0 else None
-    [state] = _broadcast([state])
+    shared = [zero.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    state = shared[0]
     before = copy.deepcopy(state)
     cls(model.parameters(), torch.optim.Adam, lr=0.1).load_state_dict(state)
     return repr(before) == repr(state)
-
-
-def _broadcast(objects: list) -> list:
-    dist.broadcast_object_list(objects, src=0)
-    return objects
 
 
 def test_load_state_dict_leaves_the_callers_dict_alone(ranks):
