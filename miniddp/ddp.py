@@ -235,7 +235,9 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         """Turn ``static_graph`` on after construction, before the first forward (torch's
         older way, still used by some libraries). See ``miniddp.options.static_graph``."""
         if self.static_graph:
-            warnings.warn("static_graph is already True; nothing to do.", stacklevel=2)
+            warnings.warn("static_graph is already True; nothing to do. In torch's words: "
+                          "You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
             return
         try:
             StaticGraph.attach(self.reducer, initial_buckets)
@@ -247,7 +249,9 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         if self.find_unused_parameters:
             warnings.warn("find_unused_parameters=True is not needed with static_graph=True: "
                           "unused parameters are found in the first iteration (and must stay "
-                          "unused).", stacklevel=2)
+                          "unused). In torch's words: You passed find_unused_parameters=true to "
+                          "DistributedDataParallel, `_set_static_graph` will detect unused "
+                          "parameters automatically", stacklevel=2)
 
     def trace(self, all_ranks: bool = False):
         """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.checks.trace`."""

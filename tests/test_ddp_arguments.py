@@ -119,6 +119,38 @@ def test_check_reduction_warns_as_torch(ranks):
         assert any("check_reduction" in m for m in messages)
 
 
+
+def warnings_of_both(kwargs, set_static_graph_again):
+    """The warnings torch's DDP and miniddp's give for the same construction."""
+    out = []
+    for cls in (nn.parallel.DistributedDataParallel, miniddp.DistributedDataParallel):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp = cls(nn.Linear(2, 2), **kwargs)
+            if set_static_graph_again:
+                ddp._set_static_graph()
+        out.append([str(w.message) for w in caught])
+    return out
+
+
+@pytest.mark.parametrize("kwargs, again", [
+    ({"check_reduction": True}, False),
+    ({"broadcast_buffers": False}, False),
+    ({"broadcast_buffers": False, "forward_sync_buffers": True}, False),
+    ({"static_graph": True}, True),
+    ({"static_graph": True, "find_unused_parameters": True}, False),
+], ids=["check_reduction", "broadcast_buffers", "both_buffer_flags", "static_graph_twice",
+        "find_unused_with_static_graph"])
+def test_warnings_carry_torchs_opening_words(ranks, kwargs, again):
+    """Code that filters or matches torch's warnings by their text finds miniddp's too."""
+    if any(name not in HAS for name in kwargs):
+        pytest.skip("this torch lacks one of the arguments")
+    theirs, ours = ranks(2).run(warnings_of_both, kwargs, again)[0]
+    assert theirs, "torch gives no warning here: the case tests nothing"
+    for message in theirs:
+        assert any(message[:50] in mine for mine in ours), (message, ours)
+
+
 # ----- buffers: forward_sync_buffers and the deprecated broadcast_buffers -----
 
 class Stats(nn.Module):

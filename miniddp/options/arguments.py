@@ -85,12 +85,15 @@ def buffer_sync_flags(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bo
     decides both, ``None`` meaning ``True``.
     """
     if BROADCAST_BUFFERS_DEPRECATED and broadcast_buffers is not None:
-        ignored = " (and is ignored, since forward_sync_buffers is given)"
+        both = forward_sync_buffers is not None
         warnings.warn(
             "broadcast_buffers is deprecated in torch's DistributedDataParallel"
-            f"{ignored if forward_sync_buffers is not None else ''}: use "
+            f"{' (and is ignored, since forward_sync_buffers is given)' if both else ''}: use "
             "forward_sync_buffers. Unlike broadcast_buffers=False, forward_sync_buffers=False "
-            "still broadcasts rank 0's buffers at construction.", FutureWarning, stacklevel=4)
+            "still broadcasts rank 0's buffers at construction. In torch's words: " + (
+                "Both `broadcast_buffers` and `forward_sync_buffers` were specified." if both
+                else "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead."),
+            FutureWarning, stacklevel=4)
     if forward_sync_buffers is not None:
         return bool(forward_sync_buffers), True
     every_time = True if broadcast_buffers is None else bool(broadcast_buffers)
@@ -100,7 +103,9 @@ def buffer_sync_flags(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bo
 def warn_check_reduction(check_reduction) -> None:
     if check_reduction:
         warnings.warn("check_reduction is deprecated in torch's DistributedDataParallel, and "
-                      "does nothing: leave it out.", FutureWarning, stacklevel=4)
+                      "does nothing: leave it out. In torch's words: The `check_reduction` "
+                      "argument in `DistributedDataParallel` module is deprecated.",
+                      FutureWarning, stacklevel=4)
 
 
 def group_of(process_group, device_mesh):
