@@ -7,8 +7,10 @@
 
 Each lesson runs as its own process (``python NN_topic.py``), so it starts its own ranks exactly as
 it does by hand, and everything it prints is shown as it comes, indented under its name. A lesson
-passes when it exits with status 0 and its last line starts with ``OK``. A lesson still running
-after ``--timeout`` seconds is killed with every process it started.
+passes when it exits with status 0 and its last line starts with ``OK``; one that exits with 0
+after a last line starting ``SKIPPED:`` could not run here (lesson 16 on a torch older than 2.3)
+and is listed with its reason, not failed. A lesson still running after ``--timeout`` seconds is
+killed with every process it started.
 
 When a lesson fails, the line that matters can be far up its output, above a launcher's report
 (torchrun's is 20 lines of boilerplate), so the runner finds it: the failed check's message (or
@@ -57,9 +59,15 @@ def why_it_failed(lines: list[str]) -> str:
     return f"{where}{error.group(1).rsplit('.', 1)[-1]}: {error.group(2)}"
 
 
+def skipped_because(lines: list[str]) -> str:
+    """A skipped lesson's reason: its last line, after ``SKIPPED:``."""
+    return [line for line in lines if line.strip()][-1].split(":", 1)[1].strip()
+
+
 def run_lesson(path: Path, timeout: float, show) -> tuple[str, float, list[str]]:
     """Run one lesson, passing each line of its output to ``show`` as it comes; return its
-    result (OK, FAILED (exit N), FAILED (no OK line), TIMEOUT), seconds and output lines."""
+    result (OK, SKIPPED, FAILED (exit N), FAILED (no OK line), TIMEOUT), seconds and output
+    lines."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, str(path)], cwd=path.parent.parent,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -91,6 +99,8 @@ def run_lesson(path: Path, timeout: float, show) -> tuple[str, float, list[str]]
     printed = [line for line in lines if line.strip()]
     if proc.returncode != 0:
         return f"FAILED (exit {proc.returncode})", seconds, lines
+    if printed and printed[-1].startswith("SKIPPED:"):
+        return "SKIPPED", seconds, lines
     if not printed or not printed[-1].startswith("OK"):
         return "FAILED (no OK line)", seconds, lines
     return "OK", seconds, lines
@@ -118,7 +128,8 @@ def main() -> int:
         if not args.quiet:
             print(f"\n=== {path.name}", flush=True)
         result, seconds, lines = run_lesson(path, args.timeout, show)
-        why = "" if result == "OK" else why_it_failed(lines)
+        why = ("" if result == "OK" else skipped_because(lines) if result == "SKIPPED"
+               else why_it_failed(lines))
         if not args.quiet:
             print(f"=== {path.name}: {result} after {seconds:.1f} s"
                   + (f"\n{INDENT}why: {why}" if why else ""), flush=True)
@@ -128,10 +139,13 @@ def main() -> int:
     print(f"\n{'lesson':<{width}}  {'result':<18} {'seconds':>7}")
     for name, result, seconds, _ in results:
         print(f"{name:<{width}}  {result:<18} {seconds:7.1f}")
-    failed = [(name, why) for name, result, _, why in results if result != "OK"]
-    print(f"\n{len(results) - len(failed)} of {len(results)} lessons passed"
+    failed = [(name, why) for name, result, _, why in results if result not in ("OK", "SKIPPED")]
+    skipped = [(name, why) for name, result, _, why in results if result == "SKIPPED"]
+    passed = len(results) - len(failed) - len(skipped)
+    print(f"\n{passed} of {len(results)} lessons passed"
+          + (f"; skipped: {', '.join(name for name, _ in skipped)}" if skipped else "")
           + (f"; failed: {', '.join(name for name, _ in failed)}" if failed else ""))
-    for name, why in failed:
+    for name, why in skipped + failed:
         print(f"{name}: {why}")
     return 1 if failed else 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from lesson_modules import CANNOT_RUN_HERE, runnable_here
 from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
 
@@ -64,8 +65,8 @@ CASES = [
     # what the trace shows: waits and launches dropped or reordered, in the printing or the record
     ("06_overlap", "trace_drops_waits", "does not show the reducer's work: buckets waited for []"),
     ("06_overlap", "trace_drops_launches", "does not show the reducer's work: buckets launched []"),
-    ("06_overlap", "trace_waits_reversed",
-     "does not show the reducer's work: buckets waited for [4, 3, 2, 1, 0]"),
+    ("06_overlap", "trace_waits_reversed",  # (torch < 2.4 gives the lesson 4 buckets, not 5)
+     "1, 0], but launched [0, 1, "),
     ("06_overlap", "reducer_records_no_waits",
      "does not show the reducer's work: buckets waited for []"),
     ("06_overlap", "write_back_before_wait", "the overlapped gradients differ"),
@@ -120,15 +121,16 @@ def runs_ahead(request, tmp_path_factory):
         return lambda slot: ((lesson, breakage), run_broken(lesson, breakage, runs, env, slot))
 
     items = [item for item in selected(request, "test_lesson_fails_when_its_mechanism_is_broken")
-             if not no_scaler_to_break(item.callspec.params["breakage"])]
+             if not no_scaler_to_break(item.callspec.params["breakage"])
+             and item.callspec.params["lesson"] not in CANNOT_RUN_HERE]
     ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
     yield ahead
     ahead.close()
 
 
 @pytest.mark.lesson
-@pytest.mark.parametrize("lesson, breakage, message", CASES,
-                         ids=[f"{c[0]}-{c[1]}" for c in CASES])
+@pytest.mark.parametrize("lesson, breakage, message", [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}", marks=runnable_here(case[0])) for case in CASES])
 def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, runs_ahead,
                                                    request):
     if no_scaler_to_break(breakage):

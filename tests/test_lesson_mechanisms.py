@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from bits import same_bits
-from lesson_modules import LESSONS_DIR, load_lesson
+from lesson_modules import LESSONS_DIR, load_lesson, runnable_here
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
@@ -437,6 +437,7 @@ def test_overlapping_counts_launches_before_the_last_compiled_piece_returns():
 
 
 @pytest.mark.lesson
+@runnable_here("16_compile")
 def test_lesson_16_fails_when_its_one_graph_is_cut_into_pieces(tmp_path):
     """Section 1 with dynamo's splitting on: the graph it calls one is in pieces, all_reduces are
     launched between them, and the lesson's overlap check (not only its count of graphs) says

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from lesson_modules import CANNOT_RUN_HERE, runnable_here
 from runs_ahead import RunsAhead, selected
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
@@ -65,15 +66,17 @@ def runs_ahead(request, tmp_path_factory):
         command, env = lesson_command(item.originalname, lesson), learner_env(runs)
         return lambda slot: run(command, runs, env=env)
 
-    items = selected(request, "test_lesson_runs_and_ends_with_ok",
-                     "test_lesson_runs_under_its_documented_torchrun_command")
+    items = [item for item in selected(request, "test_lesson_runs_and_ends_with_ok",
+                                       "test_lesson_runs_under_its_documented_torchrun_command")
+             if item.callspec.params["lesson"].stem not in CANNOT_RUN_HERE]
     ahead = RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
     yield ahead
     ahead.close()
 
 
 @pytest.mark.lesson
-@pytest.mark.parametrize("lesson", LESSONS, ids=[p.stem for p in LESSONS])
+@pytest.mark.parametrize("lesson", [pytest.param(p, id=p.stem, marks=runnable_here(p.stem))
+                                    for p in LESSONS])
 def test_lesson_runs_and_ends_with_ok(lesson, runs_ahead, request):
     done = runs_ahead.result(request.node.nodeid)
     assert done.args == [sys.executable, str(lesson)]
@@ -84,7 +87,8 @@ def test_lesson_runs_and_ends_with_ok(lesson, runs_ahead, request):
 
 @pytest.mark.lesson
 @pytest.mark.slow
-@pytest.mark.parametrize("lesson", TORCHRUN_LESSONS, ids=[p.stem for p in TORCHRUN_LESSONS])
+@pytest.mark.parametrize("lesson", [pytest.param(p, id=p.stem, marks=runnable_here(p.stem))
+                                    for p in TORCHRUN_LESSONS])
 def test_lesson_runs_under_its_documented_torchrun_command(lesson, runs_ahead, request):
     command = torchrun_command(lesson)
     done = runs_ahead.result(request.node.nodeid)
@@ -93,6 +97,15 @@ def test_lesson_runs_under_its_documented_torchrun_command(lesson, runs_ahead, r
                                  f"{done.stderr[-3000:]}"
     assert last_line(done).startswith("OK"), f"{' '.join(command)}:\n{done.stdout}"
     assert done.stdout.count("OK:") == 1, "only rank 0 should print the OK line"
+
+
+@pytest.mark.lesson
+@pytest.mark.parametrize("stem", sorted(CANNOT_RUN_HERE))
+def test_a_lesson_this_torch_cannot_run_says_why_and_is_skipped(stem, tmp_path):
+    [lesson] = LESSONS_DIR.glob(f"{stem}.py")
+    done = run([sys.executable, str(lesson)], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert last_line(done).startswith("SKIPPED: ") and "torch" in last_line(done), done.stdout
 
 
 def write_lessons(directory: Path, lessons: dict[str, str]) -> Path:
@@ -199,3 +212,22 @@ def test_run_course_passes_when_every_lesson_passes(tmp_path):
     done = run_course(lessons, tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "2 of 2 lessons passed" in done.stdout
+
+
+def test_run_course_lists_a_lesson_that_cannot_run_here_as_skipped_not_failed(tmp_path):
+    """Lesson 16 on torch < 2.3 says why it cannot run and exits 0: skipped, with its reason.
+    A lesson that says SKIPPED and then fails is still a failure."""
+    lessons = write_lessons(tmp_path / "lessons", {
+        "00_a.py": "print('OK: a')\n",
+        "01_newer.py": "print('SKIPPED: this lesson needs torch >= 9.0; this is torch 2.1')\n",
+        "02_lies.py": "print('SKIPPED: not really'); raise SystemExit(3)\n"})
+    done = run_course(lessons, tmp_path, "--quiet")
+    assert done.returncode == 1, done.stdout + done.stderr
+    table = done.stdout.split("\nlesson")[-1]
+    assert re.search(r"01_newer\.py\s+SKIPPED\s", table)
+    assert re.search(r"02_lies\.py\s+FAILED \(exit 3\)", table)
+    assert "1 of 3 lessons passed; skipped: 01_newer.py; failed: 02_lies.py" in table
+    assert "01_newer.py: this lesson needs torch >= 9.0; this is torch 2.1" in table
+    alone = run_course(lessons, tmp_path, "00", "01")
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert "1 of 2 lessons passed; skipped: 01_newer.py" in alone.stdout

@@ -111,6 +111,13 @@ def train_with_complete_buckets_copied_at_once(dtype_name, sabotage=False):
 
     import miniddp
     dtype = getattr(torch, dtype_name)
+    try:  # torch 2.1's gloo sends no bfloat16, and its CPU has no float16 matmul
+        dist.broadcast(torch.zeros(1, dtype=dtype), 0)
+        nn.functional.linear(torch.zeros(1, 2, dtype=dtype), torch.zeros(2, 2, dtype=dtype))
+    except RuntimeError as error:
+        if "Invalid scalar type" in str(error) or "not implemented for" in str(error):
+            return None
+        raise
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 24), nn.ReLU(),
                           nn.Linear(24, 4)).to(dtype)
@@ -138,6 +145,8 @@ def train_with_complete_buckets_copied_at_once(dtype_name, sabotage=False):
 @pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16", "float16"])
 def test_complete_buckets_copied_at_once_match_torch_bit_for_bit(ranks, world_size, dtype):
     results = ranks(world_size).run(train_with_complete_buckets_copied_at_once, dtype)
+    if None in results:
+        pytest.skip(f"this torch cannot send {dtype} over gloo, or multiply it on a CPU")
     assert all(multi > 0 for _, multi in results), "no bucket held several parameters"
     assert all(same for same, _ in results), f"{dtype} at {world_size} ranks differs from torch"
 
