@@ -53,7 +53,8 @@ the layers compiled one by one (launches between pieces, other buckets); miniddp
 compiled DDP side by side in both orders (compiled graphs, graph breaks, all_reduces launched
 during backward, buckets by name, "equal bit for bit"), the loss falling; the refused
 cap with miniddp's reason; and ``OK: ...``. 10-25 s, most of it compiling. Gloo on the CPU even
-where there are GPUs.
+where there are GPUs. It needs torch 2.3 or later (``torch.compiler.is_compiling``): on an older
+torch it prints ``SKIPPED: ...`` with the reason, and ``run_course.py`` lists it as skipped.
 """
 
 import argparse
@@ -69,6 +70,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.launch import launch
+from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.train.report import check, ok, print0
 
@@ -312,7 +314,7 @@ def main():
     parser.add_argument("--backend", default="aot_eager",
                         help="torch.compile's backend: aot_eager (fast), inductor (C++ kernels)")
     args = parser.parse_args()
-    if not hasattr(getattr(torch, "compiler", None), "is_compiling"):
+    if not TORCH_HAS_IS_COMPILING:
         print(f"SKIPPED: this lesson needs torch >= 2.3 (torch.compiler.is_compiling); this is "
               f"torch {torch.__version__}")
         return

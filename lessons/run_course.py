@@ -2,7 +2,7 @@
 
     python lessons/run_course.py                  # every lessons/NN_*.py, from any directory
     python lessons/run_course.py 03 05            # only the lessons whose number is given
-    python lessons/run_course.py --quiet          # only the table (and why a lesson failed)
+    python lessons/run_course.py --quiet          # only the table (and why any did not pass)
     python lessons/run_course.py --timeout 60 --lessons-dir path/to/lessons
 
 Each lesson runs as its own process (``python NN_topic.py``), so it starts its own ranks exactly as
@@ -112,7 +112,7 @@ def main() -> int:
     parser.add_argument("--lessons-dir", type=Path, default=HERE)
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per lesson")
     parser.add_argument("--quiet", action="store_true",
-                        help="show only the table, and why a lesson failed")
+                        help="show only the table, and why a lesson failed or was skipped")
     args = parser.parse_args()
 
     lessons = sorted(args.lessons_dir.resolve().glob("[0-9][0-9]_*.py"))
@@ -143,9 +143,12 @@ def main() -> int:
     skipped = [(name, why) for name, result, _, why in results if result == "SKIPPED"]
     passed = len(results) - len(failed) - len(skipped)
     print(f"\n{passed} of {len(results)} lessons passed"
-          + (f"; skipped: {', '.join(name for name, _ in skipped)}" if skipped else "")
+          + (f", {len(skipped)} skipped ({', '.join(name for name, _ in skipped)})"
+             if skipped else "")
           + (f"; failed: {', '.join(name for name, _ in failed)}" if failed else ""))
-    for name, why in skipped + failed:
+    for name, why in skipped:
+        print(f"{name} (skipped): {why}")
+    for name, why in failed:
         print(f"{name}: {why}")
     return 1 if failed else 0
 

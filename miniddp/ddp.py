@@ -235,9 +235,8 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         """Turn ``static_graph`` on after construction, before the first forward (torch's
         older way, still used by some libraries). See ``miniddp.options.static_graph``."""
         if self.static_graph:
-            warnings.warn("static_graph is already True; nothing to do. In torch's words: "
-                          "You've set static_graph to be True, no need to set it again.",
-                          stacklevel=2)
+            warnings.warn("You've set static_graph to be True, no need to set it again: it is "
+                          "on, and this call changes nothing.", stacklevel=2)
             return
         try:
             StaticGraph.attach(self.reducer, initial_buckets)
@@ -247,11 +246,10 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         self.static_graph = True
         self.logger.set_static_graph()
         if self.find_unused_parameters:
-            warnings.warn("find_unused_parameters=True is not needed with static_graph=True: "
-                          "unused parameters are found in the first iteration (and must stay "
-                          "unused). In torch's words: You passed find_unused_parameters=true to "
-                          "DistributedDataParallel, `_set_static_graph` will detect unused "
-                          "parameters automatically", stacklevel=2)
+            warnings.warn("You passed find_unused_parameters=true to DistributedDataParallel, "
+                          "`_set_static_graph` will detect unused parameters automatically: "
+                          "those unused in the first iteration are found then, and must stay "
+                          "unused.", stacklevel=2)
 
     def trace(self, all_ranks: bool = False):
         """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.checks.trace`."""

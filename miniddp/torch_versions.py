@@ -44,6 +44,11 @@ TORCHRUN_CAN_RESTART_WORKERS = TORCH_RELEASE != (2, 3)
 #: lesson 07) and 2.4; ``miniddp.launch.leave_group`` works around it (tests/test_launch.py).
 DESTROY_HOLDS_THE_GIL = TORCH_RELEASE < (2, 8)
 
+#: A missing API: ``torch.compiler.is_compiling`` (torch 2.3 on), which tells miniddp's forward
+#: that dynamo is tracing it. Without it (2.1, 2.2), ``torch.compile`` of miniddp is unsupported:
+#: the compile tests and lesson 16 skip there.
+TORCH_HAS_IS_COMPILING = hasattr(getattr(torch, "compiler", None), "is_compiling")
+
 #: A missing API: torch 2.1's key-value stores have no ``check`` (is a key there, without
 #: waiting); 2.11 and 2.13 have it. ``miniddp.checks.ledger`` polls with ``check`` where it
 #: exists, and elsewhere counts a marker per key with ``add(name, 0)``, which every release has.

@@ -10,12 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
 
 #: Lessons the installed torch cannot run, and why: each prints ``SKIPPED: why`` and exits 0.
-CANNOT_RUN_HERE = {} if hasattr(getattr(torch, "compiler", None), "is_compiling") else {
+CANNOT_RUN_HERE = {} if TORCH_HAS_IS_COMPILING else {
     "16_compile": "lesson 16 needs torch >= 2.3 (torch.compiler.is_compiling)"}
 
 

@@ -26,9 +26,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
+from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 
 needs_is_compiling = pytest.mark.skipif(
-    not hasattr(getattr(torch, "compiler", None), "is_compiling"),
+    not TORCH_HAS_IS_COMPILING,
     reason="torch.compiler.is_compiling (torch 2.3+) tells miniddp's forward it is traced")
 
 

@@ -226,8 +226,8 @@ def test_run_course_lists_a_lesson_that_cannot_run_here_as_skipped_not_failed(tm
     table = done.stdout.split("\nlesson")[-1]
     assert re.search(r"01_newer\.py\s+SKIPPED\s", table)
     assert re.search(r"02_lies\.py\s+FAILED \(exit 3\)", table)
-    assert "1 of 3 lessons passed; skipped: 01_newer.py; failed: 02_lies.py" in table
-    assert "01_newer.py: this lesson needs torch >= 9.0; this is torch 2.1" in table
+    assert "1 of 3 lessons passed, 1 skipped (01_newer.py); failed: 02_lies.py" in table
+    assert "01_newer.py (skipped): this lesson needs torch >= 9.0; this is torch 2.1" in table
     alone = run_course(lessons, tmp_path, "00", "01")
     assert alone.returncode == 0, alone.stdout + alone.stderr
-    assert "1 of 2 lessons passed; skipped: 01_newer.py" in alone.stdout
+    assert "1 of 2 lessons passed, 1 skipped (01_newer.py)" in alone.stdout

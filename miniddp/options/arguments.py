@@ -86,13 +86,11 @@ def buffer_sync_flags(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bo
     """
     if BROADCAST_BUFFERS_DEPRECATED and broadcast_buffers is not None:
         both = forward_sync_buffers is not None
-        warnings.warn(
-            "broadcast_buffers is deprecated in torch's DistributedDataParallel"
-            f"{' (and is ignored, since forward_sync_buffers is given)' if both else ''}: use "
-            "forward_sync_buffers. Unlike broadcast_buffers=False, forward_sync_buffers=False "
-            "still broadcasts rank 0's buffers at construction. In torch's words: " + (
-                "Both `broadcast_buffers` and `forward_sync_buffers` were specified." if both
-                else "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead."),
+        warnings.warn(  # torch's opening words first: warning filters match from the start
+            "Both `broadcast_buffers` and `forward_sync_buffers` were specified: the deprecated "
+            "broadcast_buffers is ignored." if both else "`broadcast_buffers` is deprecated. Use "
+            "`forward_sync_buffers` instead. Unlike broadcast_buffers=False, "
+            "forward_sync_buffers=False still broadcasts rank 0's buffers at construction.",
             FutureWarning, stacklevel=4)
     if forward_sync_buffers is not None:
         return bool(forward_sync_buffers), True
@@ -102,9 +100,8 @@ def buffer_sync_flags(broadcast_buffers, forward_sync_buffers) -> tuple[bool, bo
 
 def warn_check_reduction(check_reduction) -> None:
     if check_reduction:
-        warnings.warn("check_reduction is deprecated in torch's DistributedDataParallel, and "
-                      "does nothing: leave it out. In torch's words: The `check_reduction` "
-                      "argument in `DistributedDataParallel` module is deprecated.",
+        warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                      "deprecated: it does nothing, in torch's DDP as in miniddp's; leave it out.",
                       FutureWarning, stacklevel=4)
 
 

@@ -45,10 +45,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
+from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
+
 #: True while dynamo traces the code that asks (it folds the call to a constant). torch 2.1
 #: and 2.2 have no ``torch.compiler.is_compiling``; there, ``torch.compile(ddp)`` traces
 #: miniddp's forward line by line (untested: the tests skip there).
-_is_compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+_is_compiling = torch.compiler.is_compiling if TORCH_HAS_IS_COMPILING else None
 
 FIRST_BUCKET_PHRASE = ("First bucket should be smaller/equal to other buckets to get comms "
                        "warmed up ASAP")
