@@ -218,7 +218,8 @@ def _diff(tag, step, name, a, b, problems):
 def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches=1,
                        set_to_none=True, width=32, depth=3, sabotage=None, device="cpu",
                        penalty=False, user_hook=False, nan=False, copy_at_end=None,
-                       contiguous_grads=False, clip=None, **ddp_kwargs) -> dict:
+                       contiguous_grads=False, clip=None, torch_bucket_cap_mb=None,
+                       **ddp_kwargs) -> dict:
     """Train both DDPs side by side on this rank; return mismatches and bucket layouts.
 
     Each micro-batch runs on our DDP, then on torch's, and the bucket layouts are compared
@@ -236,7 +237,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     zeros before the first step, whatever its parameter's layout (with ``set_to_none=False``,
     backward then accumulates into them). ``clip``: ``clip_grad_norm_`` to that norm before each
     step (it scales .grads in place: .grads that share memory are scaled twice, in torch too).
-    Which .grads share memory must match torch's too.
+    Which .grads share memory must match torch's too. ``torch_bucket_cap_mb`` gives torch's DDP
+    a cap of its own (where it refuses miniddp's).
     """
     rank = dist.get_rank()
     torch.manual_seed(1234 + rank)  # different on each rank: construction must broadcast
@@ -247,6 +249,8 @@ def compare_with_torch(model_name="mlp", steps=4, optimizer="sgd", micro_batches
     our_kwargs = dict(ddp_kwargs)
     if sabotage == "layout":
         our_kwargs["bucket_cap_mb"] = 0.0002
+    if torch_bucket_cap_mb is not None:
+        ddp_kwargs["bucket_cap_mb"] = torch_bucket_cap_mb
     if ddp_kwargs.get("bucket_cap_mb", 0) is None:
         del ddp_kwargs["bucket_cap_mb"]  # torch < 2.4 takes no None: its default is 25
     with first_bucket_as_small_as(ddp_kwargs.get("bucket_cap_mb")):

@@ -31,18 +31,20 @@ from miniddp.torch_versions import TORCH_AVERAGES_PARAMETERS_USED_ONLY_IN_NO_SYN
 # ----- bucket_cap_mb=0 -----
 
 #: torch 2.11's DDP refuses the cap ("bucket_cap_mb should be set by now": a falsy test meant
-#: for None); 2.1 and 2.13 accept it, and so does miniddp on every torch.
+#: for None); 2.1 and 2.13 accept it, and so does miniddp on every torch. Where torch refuses
+#: it, torch gets a 1-byte cap instead, which also closes a bucket at every parameter.
 TORCH_REFUSES_CAP_ZERO = "if not bucket_cap_mb:" in inspect.getsource(
     nn.parallel.DistributedDataParallel.__init__)
 
 
-@pytest.mark.skipif(TORCH_REFUSES_CAP_ZERO, reason="this torch's DDP refuses bucket_cap_mb=0")
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("case", [{}, {"find_unused_parameters": True, "model_name": "branchy"},
                                   {"gradient_as_bucket_view": True, "micro_batches": 2}])
 def test_bucket_cap_zero_trains_bit_identical_to_torch(ranks, world_size, case):
-    results = ranks(world_size).run(compare_with_torch, steps=3, bucket_cap_mb=0, **case)
+    theirs = {"torch_bucket_cap_mb": 1 / 2**20} if TORCH_REFUSES_CAP_ZERO else {}
+    results = ranks(world_size).run(compare_with_torch, steps=3, bucket_cap_mb=0, **theirs,
+                                    **case)
     for rank, result in enumerate(results):
         assert result["problems"] == [], f"rank {rank}"
         assert result["layouts"][-1] == result["torch_layout"]
