@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import miniddp
+from miniddp.torch_versions import TORCH_RELEASE
 
 CAP_MB = 0.002  # about 2 KB: the rebuilt layouts below have three to five buckets
 
@@ -333,7 +334,8 @@ def test_without_static_graph_a_layer_checkpointed_twice_is_refused(ranks):
 
 # ----- a first iteration that bypasses the static-graph DDP (README, "Known differences") -----
 
-TORCH_2_13 = torch.__version__.startswith("2.13.")
+TORCH_2_13 = TORCH_RELEASE == (2, 13)
+
 
 def first_iteration_bypassing_ddp(how: str) -> dict:
     """Step 0 does not go through DDP's forward (``ddp.module(x)``) or takes its gradients with
