@@ -5,7 +5,7 @@ installed. Where torch's DDP changed a *choice* between releases, miniddp follow
 torch; where an old release had a *bug*, miniddp does the right thing everywhere and the tests
 say which torch differs. Each flag below names the release that changed and why it matters.
 Checked by running the test suite under torch 2.1.2, 2.3.1, 2.4.1, 2.11.0 and 2.13.0 (the
-whole of today's suite on 2.1.2, 2.11.0 and 2.13.0, 2026-11-25).
+whole suite as it was on 2026-11-25 under 2.1.2, 2.11.0 and 2.13.0).
 """
 
 from __future__ import annotations
