@@ -50,6 +50,12 @@ DESTROY_HOLDS_THE_GIL = TORCH_RELEASE < (2, 8)
 #: the compile tests and lesson 16 skip there.
 TORCH_HAS_IS_COMPILING = hasattr(getattr(torch, "compiler", None), "is_compiling")
 
+#: A choice, seen on 2.3.1 (not on 2.4.1): importing inductor's code cache starts a pool of compile
+#: workers with ``multiprocessing``, which a daemonic process (each rank of ``miniddp.launch``)
+#: may not do: "daemonic processes are not allowed to have children". The ranks compile in their
+#: own process there (``miniddp.launch.rank_group``).
+INDUCTOR_STARTS_WORKERS_ON_IMPORT = TORCH_RELEASE < (2, 4)
+
 #: A missing API: torch 2.1's key-value stores have no ``check`` (is a key there, without
 #: waiting); 2.11 and 2.13 have it. ``miniddp.checks.ledger`` polls with ``check`` where it
 #: exists, and elsewhere counts a marker per key with ``add(name, 0)``, which every release has.

@@ -54,7 +54,7 @@ from miniddp.launch.start_methods import (
     dumps_task,
     loads_task,
 )
-from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL
+from miniddp.torch_versions import DESTROY_HOLDS_THE_GIL, INDUCTOR_STARTS_WORKERS_ON_IMPORT
 
 
 class RankError(RuntimeError):
@@ -87,6 +87,10 @@ def _rank_main(rank, world_size, conn, store_path, backend, pg_timeout, stack_pa
     for name in ("SIGTERM", "SIGHUP"):  # whatever handler the parent had: die as by default
         signal.signal(getattr(signal, name), signal.SIG_DFL)
     torch.set_num_threads(threads)
+    if INDUCTOR_STARTS_WORKERS_ON_IMPORT:  # a daemonic process may not start them
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
+        if "torch._inductor.config" in sys.modules:
+            sys.modules["torch._inductor.config"].compile_threads = 1
     with open(stack_path, "w") as stack_file:
         faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
         try:
