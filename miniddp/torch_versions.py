@@ -4,8 +4,8 @@ miniddp supports torch 2.1 and later, and is compared bit for bit with whichever
 installed. Where torch's DDP changed a *choice* between releases, miniddp follows the installed
 torch; where an old release had a *bug*, miniddp does the right thing everywhere and the tests
 say which torch differs. Each flag below names the release that changed and why it matters.
-Checked by running the test suite under torch 2.1.2, 2.3.1, 2.4.1, 2.11.0 and 2.13.0 (the
-whole suite as it was on 2026-11-25 under 2.1.2, 2.11.0 and 2.13.0).
+Checked by running the whole test suite, as it was on 2026-11-25, under torch 2.1.2, 2.3.1,
+2.4.1, 2.11.0 and 2.13.0.
 """
 
 from __future__ import annotations
