@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miniddp.launch import RankError, RankGroup, spawn
+from miniddp.launch import RankError, RankGroup, rank_group, spawn
 
 
 def rank_sum(offset):
@@ -539,3 +539,29 @@ def launch_from_a_rank():
 def test_launch_from_a_process_that_has_a_process_group_says_what_to_do(ranks):
     for message in ranks(2).run(launch_from_a_rank):
         assert message and "this process already has one" in message, message
+
+
+def inductor_compile_threads():
+    import torch._inductor.config as config
+    return os.environ.get("TORCHINDUCTOR_COMPILE_THREADS"), config.compile_threads
+
+
+@pytest.mark.parametrize("starts_workers", [True, False])
+def test_ranks_compile_in_their_own_process_where_inductor_would_start_workers(
+        monkeypatch, starts_workers):
+    """A rank is daemonic and may not start processes: where inductor would start its pool of
+    compile workers on import (torch 2.3), each rank compiles in its own process. Checked here
+    by making this torch look like one (the ranks are forked, so they see the patch); the
+    other case is the control, where the ranks keep inductor's setting."""
+    import torch._inductor.config as config
+    monkeypatch.setattr(rank_group, "INDUCTOR_STARTS_WORKERS_ON_IMPORT", starts_workers)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    saved, config.compile_threads = config.compile_threads, 4  # (a config object, not a module,
+    try:                                                       # on some torch: no monkeypatch)
+        with RankGroup(1) as group:
+            if group.start_method != "fork":
+                pytest.skip("the patch reaches the ranks only when they are forked")
+            seen = group.run(inductor_compile_threads)[0]
+    finally:
+        config.compile_threads = saved
+    assert seen == (("1", 1) if starts_workers else (None, 4))
