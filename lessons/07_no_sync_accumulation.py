@@ -56,6 +56,7 @@ trap, the same on both DDPs, with one sentence for the warning torch prints from
 
 import argparse
 import sys
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -325,8 +326,8 @@ class WithIgnoredHead(nn.Module):
         return self.body(x), self.ignored(x)
 
 
-def said_in_cpp(captured: list) -> bool:
-    """True when torch warned that it found no unused parameter; anything else captured is
+def warned_nothing_unused(captured: list) -> bool:
+    """True when this DDP warned that it found no unused parameter; anything else captured is
     passed on to stderr as it was, so that nothing unexpected is hidden."""
     lines = "".join(captured).splitlines(keepends=True)
     warned = [line for line in lines if "did not find any unused parameters" in line]
@@ -340,12 +341,17 @@ def the_forward_without_backward(rank, device):
     print0("\nthe second trap: a forward without backward (validation without no_grad), then "
            "a micro-batch inside no_sync")
     x, y = (t.to(device) for t in make_dataset(n=48, seed=20 + rank).tensors)
-    results, captured = {}, []
+    results, warned = {}, []
     for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
         ddp = ddp_class(WithIgnoredHead().to(device), find_unused_parameters=True,
                         device_ids=[device.index] if device.type == "cuda" else None)
-        with cpp_stderr(captured):  # torch's C++ warning, said in a sentence below
+        # Both DDPs warn here (torch from C++, miniddp as a Python warning): said below.
+        captured = []
+        with cpp_stderr(captured), warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             ddp(x[32:])  # "validation", grad enabled: it prepares a reduction no backward runs
+        if warned_nothing_unused(captured + [f"{w.message}\n" for w in caught]):
+            warned.append(name)
         with ddp.no_sync():  # ... so no_sync cancels nothing: this backward is reduced
             prediction, _ignored = ddp(x[:16])
             F.mse_loss(prediction, y[:16]).backward()
@@ -359,10 +365,10 @@ def the_forward_without_backward(rank, device):
         results[name] = (reduced_in_no_sync, [p.grad for p in ddp.module.body.parameters()],
                          ddp.module.ignored.weight.grad)
 
-    if said_in_cpp(captured):
-        print0("  (torch warned, from C++, that find_unused_parameters=True found no unused "
-               "parameter in the validation forward: true, every parameter is reached from an "
-               "output, the ignored head too; only the loss, after forward, ignores it)")
+    if warned:
+        print0(f"  ({' and '.join(warned)} warned that find_unused_parameters=True found no "
+               "unused parameter in the validation forward: true, every parameter is reached "
+               "from an output, the ignored head too; only the loss, after forward, ignores it)")
     for name, (reduced, _, _) in results.items():
         print0(f"  {name}: the no_sync micro-batch was "
                f"{'synchronized' if reduced else 'NOT synchronized'}")

@@ -2,6 +2,7 @@
 
 import copy
 import time
+import warnings
 
 import pytest
 import torch
@@ -401,6 +402,62 @@ def test_unused_parameters_message_opens_as_torchs(ranks):
     opening = theirs[:theirs.index("loss.") + len("loss.")]
     assert opening.startswith("Expected to have finished reduction") and "not used" in opening
     assert ours.startswith(opening), (ours, theirs)
+
+
+class TrunkAndBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.trunk, self.branch = nn.Linear(8, 4), nn.Linear(4, 4)
+
+    def forward(self, x, use_branch: bool):
+        h = self.trunk(x)
+        return h + self.branch(h) if use_branch else h
+
+
+def nothing_unused_warnings(cls, warn_always: bool):
+    """What a DDP with ``find_unused_parameters=True`` says about it over three synchronized
+    steps (two whose outputs reach every parameter, then one that skips the branch): Python
+    warnings, and lines on stderr (where torch's C++ reducer writes its warning)."""
+    from miniddp.options import unused
+    from miniddp.train.report import cpp_stderr
+    unused._warned_nothing_unused = False  # ranks live on across tests: start this one afresh
+    before = torch.is_warn_always_enabled()
+    torch.set_warn_always(warn_always)  # torch's once-per-process warning, every time
+    try:
+        ddp = cls(TrunkAndBranch(), find_unused_parameters=True)
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        per_step = []
+        for use_branch in (True, True, False):
+            printed = []
+            with warnings.catch_warnings(record=True) as caught, cpp_stderr(printed):
+                warnings.simplefilter("always")
+                F.mse_loss(ddp(x, use_branch=use_branch), y).backward()
+            said = [str(w.message) for w in caught] + printed[0].splitlines()
+            per_step.append([m[m.index("find_unused"):] for m in said
+                             if "find_unused_parameters=True was specified" in m])
+        return per_step
+    finally:
+        torch.set_warn_always(before)
+
+
+def test_find_unused_parameters_with_nothing_unused_warns_as_torch(ranks):
+    """Torch's reducer warns when ``find_unused_parameters=True`` finds nothing unused (on
+    stderr, from C++): every such step under ``set_warn_always``, never for a step that skips a
+    parameter. miniddp warns at the same steps (a UserWarning), opening with torch's sentence."""
+    ours = ranks(2).run(nothing_unused_warnings, miniddp.DistributedDataParallel, True)[0]
+    theirs = ranks(2).run(nothing_unused_warnings, nn.parallel.DistributedDataParallel,
+                          True)[0]
+    assert [len(step) for step in theirs] == [1, 1, 0], theirs
+    assert [len(step) for step in ours] == [1, 1, 0], ours
+    opening = theirs[0][0][:theirs[0][0].index("pass.") + len("pass.")]
+    assert "did not find any unused parameters" in opening
+    assert ours[0][0].startswith(opening), (ours, theirs)
+
+
+def test_nothing_unused_warning_comes_once_per_process(ranks):
+    for per_step in ranks(2).run(nothing_unused_warnings, miniddp.DistributedDataParallel,
+                                 False):
+        assert [len(step) for step in per_step] == [1, 0, 0], per_step
 
 
 def stride_mismatch():
