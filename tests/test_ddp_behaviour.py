@@ -415,12 +415,13 @@ class TrunkAndBranch(nn.Module):
 
 
 def nothing_unused_warnings(cls, warn_always: bool):
-    """What a DDP with ``find_unused_parameters=True`` says about it over three synchronized
-    steps (two whose outputs reach every parameter, then one that skips the branch): Python
-    warnings, and lines on stderr (where torch's C++ reducer writes its warning)."""
-    from miniddp.options import unused
+    """What a DDP with ``find_unused_parameters=True`` prints about it on stderr over three
+    synchronized steps (two whose outputs reach every parameter, then one that skips the
+    branch), with Python warnings made errors: torch's reducer prints from C++, untouched by
+    them, and so must miniddp."""
+    from miniddp.options import cpp_warnings, unused
     from miniddp.train.report import cpp_stderr
-    unused._warned_nothing_unused = False  # ranks live on across tests: start this one afresh
+    cpp_warnings._printed.discard(unused.NOTHING_UNUSED)  # ranks live on across tests: start afresh
     before = torch.is_warn_always_enabled()
     torch.set_warn_always(warn_always)  # torch's once-per-process warning, every time
     try:
@@ -429,12 +430,11 @@ def nothing_unused_warnings(cls, warn_always: bool):
         per_step = []
         for use_branch in (True, True, False):
             printed = []
-            with warnings.catch_warnings(record=True) as caught, cpp_stderr(printed):
-                warnings.simplefilter("always")
+            with warnings.catch_warnings(), cpp_stderr(printed):
+                warnings.simplefilter("error")
                 F.mse_loss(ddp(x, use_branch=use_branch), y).backward()
-            said = [str(w.message) for w in caught] + printed[0].splitlines()
-            per_step.append([m[m.index("find_unused"):] for m in said
-                             if "find_unused_parameters=True was specified" in m])
+            per_step.append([line[line.index("find_unused"):] for line in printed[0].splitlines()
+                             if "find_unused_parameters=True was specified" in line])
         return per_step
     finally:
         torch.set_warn_always(before)
@@ -443,7 +443,7 @@ def nothing_unused_warnings(cls, warn_always: bool):
 def test_find_unused_parameters_with_nothing_unused_warns_as_torch(ranks):
     """Torch's reducer warns when ``find_unused_parameters=True`` finds nothing unused (on
     stderr, from C++): every such step under ``set_warn_always``, never for a step that skips a
-    parameter. miniddp warns at the same steps (a UserWarning), opening with torch's sentence."""
+    parameter. miniddp prints at the same steps, opening with torch's sentence."""
     ours = ranks(2).run(nothing_unused_warnings, miniddp.DistributedDataParallel, True)[0]
     theirs = ranks(2).run(nothing_unused_warnings, nn.parallel.DistributedDataParallel,
                           True)[0]
@@ -452,6 +452,28 @@ def test_find_unused_parameters_with_nothing_unused_warns_as_torch(ranks):
     opening = theirs[0][0][:theirs[0][0].index("pass.") + len("pass.")]
     assert "did not find any unused parameters" in opening
     assert ours[0][0].startswith(opening), (ours, theirs)
+
+
+def test_printed_warnings_follow_torchs_cpp_switches(monkeypatch, capsys):
+    """``print_warning`` as torch's C++ warnings: once per process where asked, every time under
+    ``torch.set_warn_always(True)``, nothing under ``TORCH_CPP_LOG_LEVEL=ERROR``."""
+    from miniddp.options import cpp_warnings
+    message = "a warning of this test's own"
+    cpp_warnings._printed.discard(message)
+    before = torch.is_warn_always_enabled()
+    try:
+        torch.set_warn_always(False)
+        cpp_warnings.print_warning(message, once=True)
+        cpp_warnings.print_warning(message, once=True)
+        assert capsys.readouterr().err.count(message) == 1
+        torch.set_warn_always(True)
+        cpp_warnings.print_warning(message, once=True)
+        assert capsys.readouterr().err.count(message) == 1
+        monkeypatch.setenv("TORCH_CPP_LOG_LEVEL", "ERROR")
+        cpp_warnings.print_warning(message)
+        assert capsys.readouterr().err == ""
+    finally:
+        torch.set_warn_always(before)
 
 
 def test_nothing_unused_warning_comes_once_per_process(ranks):
@@ -525,36 +547,47 @@ def backward_with_create_graph(complete_buckets_at_once=False):
         def forward(self):
             return self.ps[0].pow(3) + sum(5 * p for p in self.ps[1:])
 
-    grads, messages = {}, []
+    from miniddp.train.report import cpp_stderr
+    grads, printed, python_warnings = {}, {}, []
     classes = [miniddp.DistributedDataParallel]
     if not complete_buckets_at_once:
         classes.append(nn.parallel.DistributedDataParallel)
     for cls in classes:
+        name = cls.__module__.split(".")[0]
         module = Cubes(2 if complete_buckets_at_once else 1)
         ddp = cls(module)
         if cls is miniddp.DistributedDataParallel:
             ddp.reducer.copy_buckets_at_end(float("inf") if complete_buckets_at_once else -1)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(2):
+        printed[name] = []
+        for _ in range(2):  # torch's reducer prints its warning at every such backward
+            captured = []
+            with warnings.catch_warnings(record=True) as caught, cpp_stderr(captured):
+                warnings.simplefilter("always")
                 ddp().backward(create_graph=True)
-        grads[cls.__module__.split(".")[0]] = [p.grad.detach().clone() for p in module.ps]
-        messages += [str(w.message) for w in caught]
-    return grads, messages
+            printed[name].append(" ".join(captured[0].split()))  # torch's has a double space
+            python_warnings += [str(w.message) for w in caught]
+        grads[name] = [p.grad.detach().clone() for p in module.ps]
+    return grads, printed, python_warnings
 
 
 def test_backward_with_create_graph_warns_and_runs_as_torch(ranks):
-    for grads, messages in ranks(2).run(backward_with_create_graph):
+    """Both DDPs print the warning on stderr at every such backward (torch's from C++), and
+    neither gives it as a Python warning (which ``-W error`` would turn into an error)."""
+    for grads, printed, python_warnings in ranks(2).run(backward_with_create_graph):
         assert torch.equal(grads["miniddp"][0], grads["torch"][0]), grads
         assert grads["torch"][0].item() == 2 * 3.0  # p is rank 0's 1.0 after the broadcast
-        assert any("create_graph=True is not well-supported" in m for m in messages), messages
+        for name in ("torch", "miniddp"):
+            assert all("Using DistributedDataParallel with create_graph=True is not "
+                       "well-supported" in step for step in printed[name]), printed
+        assert not any("DistributedDataParallel" in m for m in python_warnings), python_warnings
 
 
 def test_backward_with_create_graph_scales_once_when_buckets_are_copied_in_at_once(ranks):
-    for grads, messages in ranks(2).run(backward_with_create_graph, True):
+    for grads, printed, _ in ranks(2).run(backward_with_create_graph, True):
         # p is rank 0's 1.0 after the broadcast: two backwards of 3 p^2 and of 5
         assert [g.item() for g in grads["miniddp"]] == [2 * 3.0, 2 * 5.0], grads
-        assert any("create_graph=True is not well-supported" in m for m in messages), messages
+        assert all("create_graph=True is not well-supported" in step
+                   for step in printed["miniddp"]), printed
 
 
 def sparse_embedding():

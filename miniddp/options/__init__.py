@@ -10,7 +10,8 @@
 * ``pickling``: ``copy.deepcopy`` and pickling, as torch's;
 * ``compiled``: ``torch.compile``, where torch's compiler looks for the DDP module.
 * ``torch_private``: torch's private attributes and methods, for the code that reads them;
-* ``logging_data``: ``_get_ddp_logging_data()``, torch's record of a run.
+* ``logging_data``: ``_get_ddp_logging_data()``, torch's record of a run;
+* ``cpp_warnings``: the warnings torch's C++ reducer prints, printed as it prints them.
 
 They import the engine's bucket rules at most; the engine imports them where it attaches them.
 """

@@ -17,19 +17,20 @@ second a flag read per gradient in a bucket copied at once, the third the flag i
 
 from __future__ import annotations
 
-import warnings
-
 import torch
+
+from miniddp.options.cpp_warnings import print_warning
 
 
 def warn() -> None:
-    """torch's warning, in torch's words."""
-    warnings.warn(
+    """torch's warning, opening in torch's words, printed at every such backward as torch's
+    reducer prints it (``miniddp.options.cpp_warnings``: stderr, not a Python warning)."""
+    print_warning(
         "Using DistributedDataParallel with create_graph=True is not well-supported. The "
         "higher-order gradient will not be synchronized across ranks, and backpropagation "
         "through all_reduce operations will not occur. For a gradient penalty, take the inner "
         "gradient with torch.autograd.grad(..., create_graph=True) and call loss.backward() "
-        "plainly.", stacklevel=2)
+        "plainly.")
 
 
 def copy_value(reducer, param: torch.Tensor, view: torch.Tensor, error: RuntimeError) -> None:

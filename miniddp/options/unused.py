@@ -26,26 +26,24 @@ step (torch's documented condition): otherwise ranks launch different collective
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from miniddp.options.cpp_warnings import print_warning
+
 #: Whether a profiler is recording (torch's private check; assumed on where a torch lacks it).
 _profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
-#: Said at a synchronized forward whose outputs reach every parameter: once per process, or every
-#: time under ``torch.set_warn_always(True)``, as torch's reducer does. Torch's C++ writes its
-#: warning to stderr; this one is a Python UserWarning (so ``warnings`` filters can silence it)
-#: that opens with torch's sentence, the words users search for.
+#: Printed at a synchronized forward whose outputs reach every parameter, once per process (every
+#: time under ``torch.set_warn_always(True)``), to stderr, as torch's reducer does
+#: (``miniddp.options.cpp_warnings``); it opens with torch's sentence, the words users search for.
 NOTHING_UNUSED = (
     "find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
     "parameters in the forward pass. Every parameter was reached from this forward's outputs, "
     "and the search for unreached ones walks the autograd graph on each synchronized step: "
     "leave the option off unless some step (a branch not taken, a frozen head) really skips "
     "parameters.")
-_warned_nothing_unused = False
 
 
 class UnusedParameters:
@@ -71,7 +69,7 @@ class UnusedParameters:
             self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
         self.unreached_this_step = set(self.unreached)
         if not self.unreached:
-            _warn_nothing_unused()
+            print_warning(NOTHING_UNUSED, once=True)
         if self._previous_unreached is not None and self._previous_unreached != self.unreached:
             self.graph_static = False
         self._previous_unreached = list(self.unreached)
@@ -106,13 +104,6 @@ class UnusedParameters:
         self.work.wait()
         self.locally_used.zero_()
         return self.used_everywhere.cpu().bool().tolist()
-
-
-def _warn_nothing_unused() -> None:
-    global _warned_nothing_unused
-    if not _warned_nothing_unused or torch.is_warn_always_enabled():  # as TORCH_WARN_ONCE
-        _warned_nothing_unused = True
-        warnings.warn(NOTHING_UNUSED, UserWarning, stacklevel=4)
 
 
 def unreached_parameters(params: list[torch.Tensor], grad_fns) -> list[int]:

@@ -16,12 +16,13 @@ call them, in the same order, or the ranks that did wait for the ones that did n
 
 from __future__ import annotations
 
+import io
 import os
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from pathlib import Path
 
 import torch
@@ -161,21 +162,24 @@ def plot_losses(name: str, curves: dict[str, Sequence[float]], title: str = "") 
 
 @contextmanager
 def cpp_stderr(into: list):
-    """Keep what this process writes to its stderr meanwhile (file descriptor 2), C++ included.
+    """Keep what this process writes to its stderr meanwhile, C++ included: appends one string.
 
-    For a lesson that explains a warning torch's DDP gives from C++ (``TORCH_WARN`` in
-    reducer.cpp, printed by torch's C++ logging, not raised as a Python warning):
-    ``warnings.catch_warnings`` cannot catch it; only pointing file descriptor 2 elsewhere for
-    a moment can."""
+    For a lesson that explains a warning a DDP prints instead of raising as a Python warning
+    (torch's from C++, ``TORCH_WARN`` in reducer.cpp; miniddp's the same way, through
+    ``sys.stderr``): ``warnings.catch_warnings`` cannot catch those. File descriptor 2 is
+    pointed elsewhere for a moment, for C++; ``sys.stderr`` too, for Python, since it need not
+    write to descriptor 2 (under pytest, or in a rank forked from it, it does not)."""
     sys.stderr.flush()
     saved = os.dup(2)
+    python_side = io.StringIO()
     with tempfile.TemporaryFile() as file:
         os.dup2(file.fileno(), 2)
         try:
-            yield
+            with redirect_stderr(python_side):
+                yield
         finally:
             sys.stderr.flush()
             os.dup2(saved, 2)
             os.close(saved)
             file.seek(0)
-            into.append(file.read().decode(errors="replace"))
+            into.append(file.read().decode(errors="replace") + python_side.getvalue())
