@@ -260,7 +260,7 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
         the all_reduce of ``grad * (1 / world_size)``: torch's hooks
         (``torch.distributed.algorithms.ddp_comm_hooks``) or your own. Once per model; the hook
         does its own averaging."""
-        comm_hooks.register(self.reducer, state, hook)
+        comm_hooks.register(self, state, hook)
 
     def check_every(self, steps: int | None, detail: bool = False) -> None:
         """Compare every rank's step, and every ``steps`` steps its parameters; raise on every

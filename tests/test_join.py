@@ -330,6 +330,35 @@ def test_torch_join_with_ddp_and_zero_redundancy_optimizer_as_torch(ranks, world
                                                 timeout=60))
 
 
+def authoritative_ranks(steps: dict[int, int], members: list[int]) -> dict:
+    """Both DDPs on the group of ``members`` (global ranks), trained under join for
+    ``steps[rank]`` steps: the rank each says the final model came from."""
+    group = dist.new_group(members)  # every rank must create it
+    out = {}
+    for cls in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+        if dist.get_rank() not in members:
+            continue
+        torch.manual_seed(0)
+        ddp = cls(nn.Linear(2, 2), process_group=group)
+        with ddp.join():
+            for _ in range(steps[dist.get_rank()]):
+                ddp(torch.ones(1, 2)).sum().backward()
+        out[cls.__module__.split(".")[0]] = (ddp._authoritative_rank,
+                                             ddp._get_ddp_logging_data().get("join_uneven_inputs"))
+    return out
+
+
+@pytest.mark.parametrize("steps, members", [({0: 1, 1: 3, 2: 2}, [0, 1, 2]),
+                                            ({1: 3, 2: 1}, [1, 2])])
+def test_the_rank_the_model_came_from_and_the_logged_join_are_torchs(ranks, steps, members):
+    """``ddp._authoritative_rank``: the last rank to join (its rank in the DDP's group, so 0
+    for global rank 1 in the group of ranks 1 and 2), and ``join_uneven_inputs`` logged."""
+    for rank, result in enumerate(ranks(3).run(authoritative_ranks, steps, members)):
+        if rank in members:
+            assert result["miniddp"] == result["torch"], result
+            assert result["torch"][1], result
+
+
 # ----- the hang that join prevents -----
 
 def uneven_on_a_short_timeout(use_join: bool) -> str | None:

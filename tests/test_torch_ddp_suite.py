@@ -1,7 +1,8 @@
 """torch's own DDP tests, ported to the CPU, run against torch's class and against miniddp's.
 
 Each ``t_<name>`` below is the body of the test of that name in torch's
-``torch/testing/_internal/distributed/distributed_test.py`` (``DistributedTest._DistTestBase``),
+``torch/testing/_internal/distributed/distributed_test.py`` (``DistributedTest._DistTestBase``;
+the comm-hook registration cases from ``test/distributed/test_c10d_common.py``, as marked),
 with torch's assertions, changed only where the original needs a GPU (``.cuda(rank)`` and
 ``device_ids`` dropped, CUDA device meshes made CPU ones) and with ``DDP`` in place of
 ``torch.nn.parallel.DistributedDataParallel``. Every case runs twice on two gloo ranks: with
@@ -1683,6 +1684,94 @@ def t_test_ddp_join_model_equivalence(self, DDP):
     for (_, local_tensor), (_, dist_tensor) in zip(local_model.state_dict().items(),
                                                    net.module.state_dict().items()):
         self.assertEqual(local_tensor, dist_tensor)
+
+
+def t_test_ddp_uneven_inputs(self, DDP):
+    # The checks that _run_uneven_inputs_test (behind torch's CUDA-only test_ddp_uneven_inputs)
+    # makes after training under join with a different number of steps per rank.
+    torch.manual_seed(0)
+    net = DDP(nn.Linear(4, 4))
+    inp = torch.ones(2, 4)
+    with net.join():
+        for _ in range(2 * (self.rank + 1)):  # the last rank trains longest, and joins last
+            net(inp).sum().backward()
+    final_rank_tensor = torch.tensor([net._authoritative_rank])
+    tensor_list = [torch.zeros_like(final_rank_tensor) for _ in range(dist.get_world_size())]
+    dist.all_gather(tensor_list, final_rank_tensor)
+    max_rank = dist.get_world_size() - 1
+    self.assertSetEqual({max_rank}, {tensor.item() for tensor in tensor_list})
+    self.validate_net_equivalence(net)
+    ddp_logging_data = net._get_ddp_logging_data()
+    self.assertTrue(ddp_logging_data.get("join_uneven_inputs"))
+
+
+class ModuleForDdpCommHook(nn.Module):  # torch's test_c10d_common.py, unchanged
+    def __init__(self):
+        super().__init__()
+        self.t0 = Task()
+
+    def forward(self, x, rank):
+        return self.t0(x + rank)
+
+
+class Task(nn.Module):  # torch's test_c10d_common.py, unchanged
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p = nn.Parameter(torch.randn(40, 20))
+
+    def forward(self, x):
+        return self.p + x
+
+
+def t_test_ddp_invalid_comm_hook_init(self, DDP):
+    # From torch's test_c10d_common.py (CommonDistributedDataParallelTest), as the two below.
+    model = DDP(ModuleForDdpCommHook())
+    with self.assertRaisesRegex(TypeError, "Communication hook must be callable."):
+        model.register_comm_hook(state=None, hook=1)
+    with self.assertRaisesRegex(ValueError, "bucket annotation should be dist.GradBucket."):
+        def comm_hook(state: object, bucket: int) -> torch.futures.Future[torch.Tensor]:
+            return torch.futures.Future()
+
+        model.register_comm_hook(state=None, hook=comm_hook)
+
+
+def t_test_ddp_invalid_comm_hook_return_type(self, DDP):
+    model = DDP(ModuleForDdpCommHook())
+    expected_err = "Communication hook: return annotation should be torch.futures.Future"
+    with self.assertRaisesRegex(ValueError, expected_err):
+        def comm_hook(state: object, bucket: dist.GradBucket) -> int:
+            return torch.futures.Future()
+
+        # (this file's annotations are strings: give the hook torch's, as objects)
+        comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket, "return": int}
+        model.register_comm_hook(state=None, hook=comm_hook)
+    verify_ddp_error_logged(model, expected_err)
+    with self.assertRaisesRegex(
+            RuntimeError, "callback must return a torch.futures.Future object, but got"):
+        def comm_hook(state: object, bucket: dist.GradBucket):
+            return 1
+
+        comm_hook.__annotations__ = {"state": object, "bucket": dist.GradBucket}
+        model.register_comm_hook(state=None, hook=comm_hook)
+        output = model(8, self.rank)
+        output.mean().backward()
+
+
+def t_test_ddp_comm_hook_register_just_once(self, DDP):
+    model = DDP(ModuleForDdpCommHook())
+
+    def dummy_hook(state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result([bucket.buffer()])
+        return fut
+
+    model.register_comm_hook(None, dummy_hook)
+    with self.assertRaisesRegex(
+            RuntimeError,
+            "register_comm_hook or register_builtin_comm_hook can only be called once."):
+        model.register_comm_hook(None, dummy_hook)
+    verify_ddp_error_logged(model, "can only be called once")
 
 
 def t_test_ddp_uneven_input_join_disable(self, DDP):

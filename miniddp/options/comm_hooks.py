@@ -34,6 +34,8 @@ import inspect
 import torch
 import torch.distributed as dist
 
+from miniddp import errors
+
 #: What a hook returns: the annotation torch's DDP checks for (so these hooks run there too).
 FutureTensor = torch.futures.Future[torch.Tensor]
 
@@ -92,11 +94,14 @@ class CommHook:
         future = self.hook(self.state, GradBucket(bucket.index, len(reducer.buckets),
                                                   bucket.buffer, params))
         if not isinstance(future, torch._C.Future):  # what Work.get_future() gives, too
+            got = type(future).__qualname__
             raise RuntimeError(
-                f"the communication hook {self.name} returned {type(future).__qualname__}, not "
-                "a torch.futures.Future. Return a future that holds the reduced buffer, e.g. "
+                f"the communication hook {self.name} returned {got}, not a "
+                "torch.futures.Future. Return a future that holds the reduced buffer, e.g. "
                 "dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0]), "
-                "or a completed torch.futures.Future() when nothing is sent.")
+                "or a completed torch.futures.Future() when nothing is sent. (In torch's words: "
+                f"DDP communication hook's callback must return a torch.futures.Future object, "
+                f"but got {got}.)")
         return future
 
     def take_result(self, bucket) -> None:
@@ -120,14 +125,20 @@ class CommHook:
             bucket.buffer.copy_(value.reshape(-1))  # e.g. an fp16 result: back to the dtype
 
 
-def register(reducer, state, hook) -> None:
-    """``ddp.register_comm_hook``: check ``hook`` as torch does, then attach it to the reducer."""
-    check_hook(hook)
-    if reducer.comm_hook is not None:
-        raise RuntimeError(
-            "register_comm_hook or register_builtin_comm_hook can only be called once. This "
-            f"DDP model already has the hook {reducer.comm_hook.name}; to combine two, register "
-            "one hook that calls both (as torch's fp16_compress_wrapper does).")
+def register(ddp, state, hook) -> None:
+    """``ddp.register_comm_hook``: check ``hook`` as torch does, then attach it to the reducer.
+    A refusal is also recorded where ``_get_ddp_logging_data()`` reports errors, as torch's is."""
+    reducer = ddp.reducer
+    try:
+        check_hook(hook)
+        if reducer.comm_hook is not None:
+            raise RuntimeError(
+                "register_comm_hook or register_builtin_comm_hook can only be called once. This "
+                f"DDP model already has the hook {reducer.comm_hook.name}; to combine two, "
+                "register one hook that calls both (as torch's fp16_compress_wrapper does).")
+    except (TypeError, ValueError, RuntimeError) as error:
+        errors.logged(ddp, error)
+        raise
     reducer.comm_hook = CommHook(state, hook)
 
 

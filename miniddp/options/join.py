@@ -61,6 +61,7 @@ class DDPJoinHook(JoinHook):
         super().__init__()
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        ddp.logger.data["join_uneven_inputs"] = 1  # _get_ddp_logging_data(), as torch's
 
     def main_hook(self) -> None:
         """Shadow one step of the ranks still training (after ``Join`` counted them)."""
@@ -88,7 +89,12 @@ class DDPJoinHook(JoinHook):
         states = [p.detach() for name, p in ddp.module.named_parameters()
                   if name not in ddp.ignored]  # torch's ignore list: left alone
         states += [b.detach() for b in _synced_buffers(ddp)]
-        broadcast_from(states, _common_rank(ddp, candidate=is_last_joiner), ddp.process_group)
+        source = _common_rank(ddp, candidate=is_last_joiner)
+        group = ddp.process_group
+        # Where torch's DDP keeps it too: the source's rank in the group, the same on every rank.
+        ddp._authoritative_rank = (source if group is None or group is dist.group.WORLD
+                                   else dist.get_group_rank(group, source))
+        broadcast_from(states, source, group)
 
 
 # ----- a rank still training: called from DistributedDataParallel.forward -----
