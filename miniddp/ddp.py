@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
+from torch.nn.utils.rnn import PackedSequence
 
 from miniddp import errors
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
@@ -42,12 +43,16 @@ from miniddp.sync import broadcast_from, broadcast_from_rank0, verify_same_shape
 
 
 def move_to(obj, device):
-    """Move every tensor in a (nested) input to ``device`` (also the one-device DataParallel's)."""
-    if isinstance(obj, torch.Tensor):
+    """Move every tensor in a (nested) input to ``device`` (also the one-device DataParallel's),
+    as torch's DDP does: a PackedSequence keeps its batch sizes on the CPU, a namedtuple or a
+    dict keeps its type, any other non-empty tuple or list becomes a plain one."""
+    if isinstance(obj, (torch.Tensor, PackedSequence)):
         return obj.to(device)
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple)) and obj:
         moved = [move_to(x, device) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else type(obj)(moved)
+        if hasattr(obj, "_fields"):
+            return type(obj)(*moved)
+        return moved if isinstance(obj, list) else tuple(moved)
     if isinstance(obj, dict):
         return type(obj)((k, move_to(v, device)) for k, v in obj.items())
     return obj

@@ -673,6 +673,47 @@ def test_a_dropped_wrapper_is_collected_and_removed_hooks_stay_removed(ranks):
         assert fired == 6 and after_removal == 6
 
 
+class ListOfMine(list):
+    def __init__(self, items, tag):  # a constructor a plain rebuild cannot call
+        super().__init__(items)
+        self.tag = tag
+
+
+def layout(obj):
+    """What an input is made of: container types, and each tensor's device."""
+    from torch.nn.utils.rnn import PackedSequence
+    if isinstance(obj, PackedSequence):
+        return ("PackedSequence", obj.data.device.type, obj.batch_sizes.device.type)
+    if isinstance(obj, torch.Tensor):
+        return ("tensor", obj.device.type)
+    if isinstance(obj, dict):
+        return (type(obj).__name__, {k: layout(v) for k, v in obj.items()})
+    if isinstance(obj, (list, tuple)):
+        return (type(obj).__name__, [layout(x) for x in obj])
+    return (type(obj).__name__, obj)
+
+
+def test_inputs_are_moved_as_torchs_ddp_moves_them():
+    """What ``device_ids`` makes DDP do to the inputs (on a GPU): torch's own mover and
+    miniddp's give the same layout, here towards the "meta" device. A PackedSequence keeps its
+    batch sizes on the CPU (RNNs need them there); containers change type as torch's do."""
+    from collections import OrderedDict, namedtuple
+
+    from torch.distributed.utils import _recursive_to
+    from torch.nn.utils.rnn import pack_padded_sequence
+
+    from miniddp.ddp import move_to
+    pair = namedtuple("pair", "a b")
+    packed = pack_padded_sequence(torch.randn(3, 2, 4), torch.tensor([3, 2]))
+    inputs = [packed, (packed, 1), torch.ones(2), [torch.ones(1), "x", None],
+              {"k": torch.ones(1), "n": [torch.zeros(1)]}, OrderedDict(a=torch.ones(1)),
+              pair(torch.ones(1), (torch.ones(1),)), ListOfMine([torch.ones(1)], "t"),
+              (), [], ((torch.ones(1), [2]),)]
+    meta = torch.device("meta")
+    for x in inputs:
+        assert layout(move_to(x, meta)) == layout(_recursive_to(x, meta, False)[0]), x
+
+
 def test_device_arguments_follow_torch():
     """torch's rules, checked without a GPU: ids kept as GPU indices, CPU modules take none."""
     check = device_ids_of
