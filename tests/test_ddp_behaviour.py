@@ -605,6 +605,23 @@ def mixed_devices():
     return model
 
 
+def lazy_module_refusals():
+    refusals = {}
+    for cls in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+        try:
+            cls(nn.Sequential(nn.LazyLinear(3), nn.Linear(3, 2)))
+        except RuntimeError as error:
+            refusals[cls.__module__.split(".")[0]] = str(error)
+    return refusals
+
+
+def test_uninitialized_lazy_layers_are_refused_as_torch(ranks):
+    for refusals in ranks(2).run(lazy_module_refusals):
+        opening = refusals["torch"]
+        assert opening.startswith("Modules with uninitialized parameters"), refusals
+        assert refusals["miniddp"].startswith(opening) and "0.weight" in refusals["miniddp"]
+
+
 def test_parameters_on_mixed_device_types_are_rejected(ranks):
     for message in ranks(2).run(construction_error, mixed_devices):
         assert message and "one kind of device" in message and "meta" in message

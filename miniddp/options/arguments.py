@@ -129,8 +129,18 @@ def is_default_group(process_group) -> bool:
 
 
 def refuse_unsupported_layers(module: nn.Module, devices: set) -> None:
-    """Sparse embeddings (miniddp reduces dense gradients only), and SyncBatchNorm on a CPU
-    (refused where torch refuses it, in its words)."""
+    """Lazy layers not yet initialized (torch's words first), sparse embeddings (miniddp
+    reduces dense gradients only), and SyncBatchNorm on a CPU (refused where torch refuses it,
+    in its words)."""
+    lazy = [name for name, p in module.named_parameters()
+            if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(
+            "Modules with uninitialized parameters can't be used with `DistributedDataParallel`."
+            f" Run a dummy forward pass to correctly initialize the modules: {', '.join(lazy)} "
+            "belong to lazy layers, whose shapes are known only after a first forward, and DDP "
+            "needs them to check the shapes across ranks, broadcast rank 0's values and lay "
+            "out the buckets.")
     sparse = [name for name, m in module.named_modules()
               if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
               and m.weight.requires_grad]
