@@ -150,7 +150,7 @@ class DistributedSampler(Sampler[int]):
         return self._share(self.num_replicas - 1) - (self._position if self._resume_pending else 0)
 
     def __iter__(self) -> Iterator[int]:
-        if len(self.dataset) != self.dataset_len:  # (torch's sampler fails an assertion)
+        if len(self.dataset) != self.dataset_len:  # (torch pads a shrunk one, asserts on growth)
             raise ValueError(
                 f"the dataset has {len(self.dataset)} samples now and had {self.dataset_len} when "
                 "this DistributedSampler was built: its layout (how many samples each rank "
