@@ -10,7 +10,8 @@ It yields the same indices as ``torch.utils.data.distributed.DistributedSampler`
 index, so a run can switch between the two without changing what it trains on. It adds one thing
 torch's lacks: a position inside the epoch, saved by :meth:`~DistributedSampler.state_dict`, so a
 job killed mid-epoch resumes where it stopped instead of at the start of the epoch, with as many
-ranks as before or with another number of them.
+ranks as before or with another number of them. It is a subclass of torch's only so that code
+that checks for one (to call ``set_epoch``, say) finds it; every method here is its own.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Iterator, Sized
 import torch
 import torch.distributed as dist
 from torch.utils.data import Sampler
+from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
 from miniddp.errors import NoProcessGroupError
 
@@ -28,7 +30,7 @@ from miniddp.errors import NoProcessGroupError
 _LAYOUT_KEYS = ("seed", "num_replicas", "dataset_len", "shuffle", "drop_last")
 
 
-class DistributedSampler(Sampler[int]):
+class DistributedSampler(TorchDistributedSampler):  # (for isinstance: see the top)
     """Yield this rank's indices of the dataset for the current epoch.
 
     One epoch's layout, for ``n = len(dataset)`` and ``R = num_replicas``:

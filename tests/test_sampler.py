@@ -432,3 +432,21 @@ def test_a_dataset_that_changed_length_since_construction_is_refused():
         iter(mine)
     with pytest.raises(AssertionError):
         list(theirs)
+
+
+def test_code_that_checks_for_torchs_sampler_finds_it_and_runs_none_of_torchs_methods():
+    """Training loops and frameworks call ``set_epoch`` on a sampler that is an instance of
+    torch's (``isinstance(sampler, DistributedSampler)``): without it, every epoch would repeat
+    the first one's order. miniddp's sampler is one, and runs none of torch's code: it defines
+    every method and attribute torch's class defines."""
+    sampler = DistributedSampler(range(10), num_replicas=2, rank=0)
+    assert isinstance(sampler, TorchSampler)
+    inherited = [name for name in vars(TorchSampler)
+                 if name not in vars(DistributedSampler) and name not in (
+                     "__dict__", "__weakref__", "__parameters__", "__orig_bases__",
+                     "__annotations__")]
+    assert inherited == [], f"taken from torch's sampler: {inherited}"
+    first = list(sampler)
+    if isinstance(sampler, TorchSampler):  # what such a loop does
+        sampler.set_epoch(1)
+    assert list(sampler) != first
