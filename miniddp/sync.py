@@ -47,24 +47,24 @@ def group_rank0(group=None) -> int:
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor], group=None) -> None:
-    """Overwrite ``tensors`` in place with rank 0's values (see :func:`broadcast_from`)."""
-    broadcast_from(tensors, group_rank0(group), group)
+    """At construction: rank 0's values, counted as an in-place edit, as torch's broadcast."""
+    broadcast_from(tensors, group_rank0(group), group, keep_versions=False)
 
 
-def broadcast_from(tensors: list[torch.Tensor], src: int, group=None) -> None:
+def broadcast_from(tensors: list[torch.Tensor], src: int, group=None,
+                   keep_versions: bool = True) -> None:
     """Overwrite ``tensors`` in place with global rank ``src``'s values, one broadcast per
     dtype/device (under ``join``, the rank to copy is the last one still training).
 
     Flattening into one buffer per dtype turns hundreds of small broadcasts into a few. The
-    copies keep the tensors' autograd version counters: a buffer saved for backward by an
-    earlier forward (BatchNorm in eval mode, say) must not look modified to that backward.
-    """
+    copies keep the tensors' autograd version counters, as torch 2.13's forward does: a buffer
+    saved for backward by an earlier forward must not look modified to that backward."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     preserve = getattr(torch.autograd, "_unsafe_preserve_version_counter", None)
     with torch.no_grad(), contextlib.ExitStack() as versions:
-        if preserve is not None:  # one tensor each: older torch takes no tuple
+        if preserve is not None and keep_versions:  # one each: older torch takes no tuple
             for t in tensors:
                 versions.enter_context(preserve(t))
         for same_kind in by_kind.values():

@@ -205,6 +205,31 @@ def test_two_forwards_then_one_backward_with_saved_buffers(ranks):
             assert all_same_bits(r["ours"], r["torch"])
 
 
+def backward_of_a_graph_recorded_before_wrapping():
+    """A loss computed before wrapping saves the weight; wrapping then overwrites it with rank
+    0's values. Torch's construction counts that as an in-place edit (on rank 0 too), so the
+    backward raises instead of using weights the forward never saw; so must miniddp's."""
+    out = {}
+    for cls in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+        torch.manual_seed(dist.get_rank())
+        net = nn.Linear(4, 4)
+        loss = net(torch.randn(3, 4, requires_grad=True)).pow(2).sum()  # saves the weight
+        before = net.weight._version
+        cls(net)
+        try:
+            loss.backward()
+            error = None
+        except RuntimeError as e:
+            error = "modified by an inplace operation" in str(e)
+        out[cls.__module__.split(".")[0]] = (net.weight._version > before, error)
+    return out
+
+
+def test_construction_counts_as_an_in_place_edit_as_torchs(ranks):
+    for out in ranks(2).run(backward_of_a_graph_recorded_before_wrapping):
+        assert out["miniddp"] == out["torch"] == (True, True), out
+
+
 def names_and_buckets():
     torch.manual_seed(0)
     model = TiedFrozen()
