@@ -31,4 +31,3 @@ def print_warning(message: str, once: bool = False) -> None:
     rank = f"[rank{dist.get_rank()}]:" if dist.is_available() and dist.is_initialized() else ""
     sys.stderr.write(f"{rank}[W miniddp reducer] Warning: {message}\n")
     sys.stderr.flush()
-
