@@ -9,6 +9,11 @@ tensors of 0.5 to 64 KiB, as a transformer's biases and norms: the per-tensor ma
     python benchmarks/bucket_sweep.py                        # no GPU: gloo, 2 CPU ranks, 4-8 min
     python benchmarks/bucket_sweep.py --model small_tensors  # one model
     python benchmarks/bucket_sweep.py --quick                # smoke run, seconds
+    python benchmarks/bucket_sweep.py --model small_tensors --control --pairs 200
+
+``--control`` times a second torch DDP at every cap in the same rounds (an A/A control): its
+ratio to the first torch DDP would be 1 on a quiet machine, and how far it is from 1 is how far
+miniddp's ratio at that cap can be off for reasons that are not miniddp's.
 
 With GPUs, see benchmarks/README.md (NCCL; torchrun for several GPUs).
 """
@@ -26,6 +31,7 @@ import miniddp
 from miniddp.train.report import print0
 
 CAPS = [1, 5, 10, 25, 50, 100, 250, PER_PARAMETER_MB]
+CONTROL = "torch again"  # --control: a second torch DDP, timed as the others are
 
 
 def cap_label(cap: float) -> str:
@@ -39,45 +45,57 @@ def measure(setup: harness.Setup) -> dict:
     base = harness.make_model(setup, device)
     batches = harness.make_batches(setup, device, dist.get_rank())
     kwargs = harness.ddp_kwargs(device)
+    compared = ["miniddp", CONTROL] if setup.control else ["miniddp"]  # each against torch
+    names = compared + ["torch"]
     ddps, calls = {}, {}
     for cap in CAPS:
-        ours = miniddp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
-        theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=cap,
-                                                     **kwargs)
-        ddps[cap] = ours, theirs
-        calls[cap, "miniddp"], calls[cap, "torch"] = (Trainer(ours, batches).step,
-                                                    Trainer(theirs, batches).step)
-    print0(f"  {len(CAPS)} caps x (miniddp, torch), {setup.pairs} timed rounds")
+        for name in names:
+            wrap = miniddp.DistributedDataParallel if name == "miniddp" \
+                else nn.parallel.DistributedDataParallel
+            ddps[cap, name] = wrap(copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
+            calls[cap, name] = Trainer(ddps[cap, name], batches).step
+    print0(f"  {len(CAPS)} caps x ({', '.join(names)}), {setup.pairs} timed rounds")
     times = harness.alternate(calls, setup, device, "bucket sweep")
     rows = []
-    for cap, (ours, theirs) in ddps.items():
+    for cap in CAPS:
         label = f"bucket_cap_mb={cap_label(cap)}"
+        ours, theirs = ddps[cap, "miniddp"], ddps[cap, "torch"]
         check(harness.ours_layout(ours) == harness.torch_layout(theirs),
               f"{label}: miniddp's buckets differ from torch's")
-        check(harness.same_bits(ours.module, theirs.module, device),
-              f"{label}: parameters differ from torch's after the timed steps")
-        s = summarize({name: times[cap, name] for name in ("miniddp", "torch")}, "torch")
+        for name in compared:
+            check(harness.same_bits(ddps[cap, name].module, theirs.module, device),
+                  f"{label}: {name}'s parameters differ from torch's after the timed steps")
+        s = summarize({name: times[cap, name] for name in names}, "torch")
         rows.append({"bucket_cap_mb": cap_label(cap), "buckets": len(ours.buckets),
                      "allreduce_calls": ours.allreduce_calls, "bit_identical": True,
                      "ratio": s["miniddp"]["ratio"], "ratio_ci95": s["miniddp"]["ratio_ci95"],
                      **s})
+        control = f", control {s[CONTROL]['ratio']:.3f}" if setup.control else ""
         print0(f"  {label}: {len(ours.buckets)} buckets, miniddp "
                f"{s['miniddp']['median_ms']:.1f} ms, torch {s['torch']['median_ms']:.1f} ms, "
-               f"ratio {rows[-1]['ratio']:.3f}")
-    pooled = {kind: harness.median_ratio(
-        [x for cap in CAPS for x in times[cap, "miniddp"][kind]],
-        [x for cap in CAPS for x in times[cap, "torch"][kind]]) for kind in ("wall", "cpu")}
+               f"ratio {rows[-1]['ratio']:.3f}{control}")
+    pooled = {}
+    for name in compared:
+        for kind in ("wall", "cpu"):
+            pooled[name, kind] = harness.median_ratio(
+                [x for cap in CAPS for x in times[cap, name][kind]],
+                [x for cap in CAPS for x in times[cap, "torch"][kind]])
+    all_caps = {"ratio": pooled["miniddp", "wall"][0], "ratio_ci95": pooled["miniddp", "wall"][1],
+                "cpu_ratio": pooled["miniddp", "cpu"][0],
+                "cpu_ratio_ci95": pooled["miniddp", "cpu"][1]}
+    if setup.control:
+        all_caps["control_ratio"], all_caps["control_ratio_ci95"] = pooled[CONTROL, "wall"]
     return {"model": harness.model_info(base, setup),
             "batch_per_rank": harness.batch_size(batches),
-            **harness.rank_facts(device), "sweep": rows,
-            "all_caps": {"ratio": pooled["wall"][0], "ratio_ci95": pooled["wall"][1],
-                         "cpu_ratio": pooled["cpu"][0], "cpu_ratio_ci95": pooled["cpu"][1]}}
+            **harness.rank_facts(device), "sweep": rows, "all_caps": all_caps}
 
 
 def plot(result: dict, ax) -> None:
     rows = result["sweep"]
     x = range(len(rows))
-    for name in ("miniddp", "torch"):
+    for name in ("miniddp", "torch", CONTROL):
+        if name not in rows[0]:
+            continue
         med = [r[name]["median_ms"] for r in rows]
         err = [[m - r[name]["p25_ms"] for m, r in zip(med, rows)],
                [r[name]["p75_ms"] - m for m, r in zip(med, rows)]]
@@ -92,19 +110,25 @@ def plot(result: dict, ax) -> None:
 
 
 def report(result: dict) -> str:
+    control = result["setup"].get("control", False)
     rows = [[r["bucket_cap_mb"], r["buckets"], r["miniddp"]["median_ms"], r["torch"]["median_ms"],
              r["ratio"], "{:.3f}-{:.3f}".format(*r["ratio_ci95"]), r["miniddp"]["cpu_ratio"]]
-            for r in result["sweep"]]
+            + ([r[CONTROL]["ratio"], "{:.3f}-{:.3f}".format(*r[CONTROL]["ratio_ci95"])]
+               if control else []) for r in result["sweep"]]
     pooled = result["all_caps"]
     rows.append(["all caps", "", "", "", pooled["ratio"],
-                 "{:.3f}-{:.3f}".format(*pooled["ratio_ci95"]), pooled["cpu_ratio"]])
+                 "{:.3f}-{:.3f}".format(*pooled["ratio_ci95"]), pooled["cpu_ratio"]]
+                + ([pooled["control_ratio"], "{:.3f}-{:.3f}".format(*pooled["control_ratio_ci95"])]
+                   if control else []))
     return harness.table(["bucket_cap_mb", "buckets", "miniddp ms", "torch ms",
-                          "miniddp / torch", "95% interval", "CPU-time ratio"], rows)
+                          "miniddp / torch", "95% interval", "CPU-time ratio"]
+                         + (["torch again / torch (A/A)", "95% interval"] if control else []),
+                         rows)
 
 
 def main(argv=None) -> list[dict]:
     return harness.main("bucket_sweep", __doc__, measure, plot, report, argv, pairs=30,
-                        models=("wide", "small_tensors"))
+                        models=("wide", "small_tensors"), control=True)
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ class Setup:
     warmup: int
     pairs: int
     model: str = "wide"  # one of MODELS, or from outside (benchmarks/models.py)
+    control: bool = False  # --control: time a second torch DDP too, an A/A control
 
     @property
     def size(self) -> str:
@@ -97,7 +98,7 @@ class Setup:
 
 
 def parse_args(description: str, argv=None, pairs: int = 12,
-               models: tuple[str, ...] = ("wide",)) -> argparse.Namespace:
+               models: tuple[str, ...] = ("wide",), control: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="tiny model, few steps (a smoke run)")
     p.add_argument("--model", action="append", dest="models", metavar="MODEL",
@@ -113,6 +114,11 @@ def parse_args(description: str, argv=None, pairs: int = 12,
     p.add_argument("--out", type=Path, help="results folder (default benchmarks/results, "
                    "benchmarks/results/quick with --quick)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per setup")
+    if control:
+        p.add_argument("--control", action="store_true",
+                       help="also time a second torch DDP beside each torch DDP, in the same "
+                            "rounds: an A/A control whose ratio to the first (1 but for noise) "
+                            "tells how far a miniddp/torch ratio is to be trusted")
     args = p.parse_args(argv)
     args.pairs = args.pairs or (3 if args.quick else pairs)
     args.models = args.models or list(models[:1] if args.quick else models)
@@ -140,7 +146,8 @@ def setups(name: str, args) -> list[Setup]:
         ws = int(os.environ["WORLD_SIZE"])
         torchrun = (ws, int(os.environ.get("LOCAL_WORLD_SIZE", ws)))
     common = dict(benchmark=name, device="cuda" if gpus else "cpu", quick=args.quick,
-                  warmup=2 if args.quick else 3, pairs=args.pairs)
+                  warmup=2 if args.quick else 3, pairs=args.pairs,
+                  control=getattr(args, "control", False))
     return [Setup(**common, **placement, model=model) for model in args.models
             for placement in plan(gpus, args.backend, args.world_size, torchrun)]
 
@@ -439,15 +446,17 @@ def table(headers: list[str], rows: list[list]) -> str:
 
 
 def main(name: str, doc: str, measure, plot, report, argv=None, pairs: int = 12,
-         models: tuple[str, ...] = ("wide",), parts=None, combine=None) -> list[dict]:
+         models: tuple[str, ...] = ("wide",), parts=None, combine=None,
+         control: bool = False) -> list[dict]:
     """Run ``measure`` in every setup; save, plot and print each result; return them.
 
     With ``parts(setup)`` (a list of picklable values), ``measure(setup, part)`` runs once per
     part, each in a rank group of its own (fresh processes), and ``combine(setup, figures)``
     joins rank 0's figures of every part. Under torchrun the ranks are torchrun's, so the parts
     run one after another in them (the result says ``"parts_shared_processes": true``).
+    ``control``: the script takes ``--control`` (``setup.control``).
     """
-    args = parse_args(doc.splitlines()[0], argv, pairs, models)
+    args = parse_args(doc.splitlines()[0], argv, pairs, models, control)
     for model, why in args.skipped.items():
         print0(f"skipped --model {model}: {why}")
     results = []

@@ -65,6 +65,7 @@ def test_bucket_sweep_checks_every_cap_against_torch(tmp_path):
                                                   "per-parameter"]
     for r in rows:
         assert r["bit_identical"] and TIMES <= set(r["miniddp"]) and TIMES <= set(r["torch"])
+        assert bucket_sweep.CONTROL not in r  # only with --control
         assert r["allreduce_calls"] == r["buckets"]
         assert len(r["miniddp"]["times_ms"]) == result["setup"]["pairs"]
         assert r["ratio_ci95"][0] <= r["ratio"] <= r["ratio_ci95"][1]
@@ -73,9 +74,9 @@ def test_bucket_sweep_checks_every_cap_against_torch(tmp_path):
     assert {"ratio", "ratio_ci95", "cpu_ratio"} <= set(result["all_caps"])
 
 
-def test_bucket_sweep_also_runs_on_a_model_of_many_small_tensors(tmp_path):
+def test_bucket_sweep_also_runs_on_a_model_of_many_small_tensors_with_an_a_a_control(tmp_path):
     results = bucket_sweep.main(["--quick", "--device", "cpu", "--model", "small_tensors",
-                                 "--out", str(tmp_path)])
+                                 "--control", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "bucket_sweep-small_tensors-cpu-gloo-ws2.json").read_text())
     assert len(results) == 1 and saved["setup"]["model"] == "small_tensors"
     depth, width = bucket_sweep.harness.DEEP["small_tensors"]["quick"]
@@ -84,6 +85,15 @@ def test_bucket_sweep_also_runs_on_a_model_of_many_small_tensors(tmp_path):
     assert all(r["bit_identical"] for r in saved["sweep"])
     if EXPLICIT_CAP_COVERS_FIRST_BUCKET:  # before 2.4 the first bucket stays 1 MiB whatever
         assert saved["sweep"][-1]["buckets"] == saved["model"]["tensors"]
+    # The control: a second torch DDP at every cap, timed in the same rounds, ratio to torch's
+    assert saved["setup"]["control"]
+    for r in saved["sweep"]:
+        control = r[bucket_sweep.CONTROL]
+        assert TIMES <= set(control) and len(control["times_ms"]) == saved["setup"]["pairs"]
+        assert control["ratio_ci95"][0] <= control["ratio"] <= control["ratio_ci95"][1]
+        assert control["times_ms"] != r["torch"]["times_ms"]  # timed on its own
+    assert {"control_ratio", "control_ratio_ci95"} <= set(saved["all_caps"])
+    assert "torch again / torch (A/A)" in bucket_sweep.report(saved)
 
 
 def test_ladder_has_every_rung_checked_and_its_call_count(tmp_path):
