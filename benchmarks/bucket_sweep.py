@@ -91,21 +91,34 @@ def measure(setup: harness.Setup) -> dict:
 
 
 def plot(result: dict, ax) -> None:
+    """Step times per cap; with ``--control``, the ratios to torch's DDP instead, miniddp's
+    beside the control's, each with its 95% interval, over a band of +-3%."""
     rows = result["sweep"]
     x = range(len(rows))
-    for name in ("miniddp", "torch", CONTROL):
-        if name not in rows[0]:
-            continue
-        med = [r[name]["median_ms"] for r in rows]
-        err = [[m - r[name]["p25_ms"] for m, r in zip(med, rows)],
-               [r[name]["p75_ms"] - m for m, r in zip(med, rows)]]
-        ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=name)
-    ax.set_xticks(list(x), [r["bucket_cap_mb"] for r in rows], rotation=30)
     s = result["setup"]
-    ax.set(xlabel="bucket_cap_mb (MiB)", ylabel="step time, median (ms)",
+    if s.get("control"):
+        ax.axhspan(0.97, 1.03, color="0.9", label="within 3%")
+        ax.axhline(1.0, color="0.5", lw=0.8)
+        for shift, name, label in ((-0.1, "miniddp", "miniddp / torch"),
+                                   (0.1, CONTROL, "torch again / torch (A/A control)")):
+            ratios = [r[name]["ratio"] for r in rows]
+            err = [[m - r[name]["ratio_ci95"][0] for m, r in zip(ratios, rows)],
+                   [r[name]["ratio_ci95"][1] - m for m, r in zip(ratios, rows)]]
+            ax.errorbar([i + shift for i in x], ratios, yerr=err, marker="o", ls="none",
+                        capsize=3, label=label)
+        ylabel = "step time ratio, median of rounds"
+    else:
+        for name in ("miniddp", "torch"):
+            med = [r[name]["median_ms"] for r in rows]
+            err = [[m - r[name]["p25_ms"] for m, r in zip(med, rows)],
+                   [r[name]["p75_ms"] - m for m, r in zip(med, rows)]]
+            ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=name)
+        ax.set_ylim(bottom=0)
+        ylabel = "step time, median (ms)"
+    ax.set_xticks(list(x), [r["bucket_cap_mb"] for r in rows], rotation=30)
+    ax.set(xlabel="bucket_cap_mb (MiB)", ylabel=ylabel,
            title=f"{s['backend']}, {s['world_size']} ranks, {s['device']}, {s['model']} model: "
                  f"{result['model']['tensors']} tensors, {result['model']['gradient_mb']} MB")
-    ax.set_ylim(bottom=0)
     ax.legend()
 
 

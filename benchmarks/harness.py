@@ -94,7 +94,9 @@ class Setup:
     def tag(self) -> str:
         name = self.model.replace(":", "-").replace(".", "-").replace("/", "-")
         model = "" if self.model == "wide" else f"-{name}"
-        return f"{self.benchmark}{model}-{self.device}-{self.backend}-ws{self.world_size}"
+        control = "-control" if self.control else ""  # not to overwrite the runs without it
+        return (f"{self.benchmark}{model}{control}-{self.device}-{self.backend}"
+                f"-ws{self.world_size}")
 
 
 def parse_args(description: str, argv=None, pairs: int = 12,

@@ -77,7 +77,8 @@ def test_bucket_sweep_checks_every_cap_against_torch(tmp_path):
 def test_bucket_sweep_also_runs_on_a_model_of_many_small_tensors_with_an_a_a_control(tmp_path):
     results = bucket_sweep.main(["--quick", "--device", "cpu", "--model", "small_tensors",
                                  "--control", "--out", str(tmp_path)])
-    saved = json.loads((tmp_path / "bucket_sweep-small_tensors-cpu-gloo-ws2.json").read_text())
+    saved = json.loads((tmp_path / "bucket_sweep-small_tensors-control-cpu-gloo-ws2.json")
+                       .read_text())
     assert len(results) == 1 and saved["setup"]["model"] == "small_tensors"
     depth, width = bucket_sweep.harness.DEEP["small_tensors"]["quick"]
     assert saved["model"]["tensors"] == 2 * (depth + 1)
@@ -94,6 +95,14 @@ def test_bucket_sweep_also_runs_on_a_model_of_many_small_tensors_with_an_a_a_con
         assert control["times_ms"] != r["torch"]["times_ms"]  # timed on its own
     assert {"control_ratio", "control_ratio_ci95"} <= set(saved["all_caps"])
     assert "torch again / torch (A/A)" in bucket_sweep.report(saved)
+    pytest.importorskip("matplotlib")  # the figure shows both ratios, not the step times
+    from matplotlib.figure import Figure
+    ax = Figure().subplots()
+    bucket_sweep.plot(saved, ax)
+    assert "ratio" in ax.get_ylabel()
+    assert {"miniddp / torch", "torch again / torch (A/A control)"} <= {
+        t.get_text() for t in ax.get_legend().get_texts()}
+    assert (tmp_path / "bucket_sweep-small_tensors-control-cpu-gloo-ws2.png").stat().st_size > 0
 
 
 def test_ladder_has_every_rung_checked_and_its_call_count(tmp_path):
