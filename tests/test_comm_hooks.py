@@ -376,6 +376,43 @@ def test_unusable_hook_results_raise_clear_errors(ranks):
     assert "a tensor of 3 elements" in errors["size"] and "(10 elements)" in errors["size"]
 
 
+def failing_hook_futures():
+    """What backward raises, under either DDP, when a hook's future fails: at once (the hook
+    set an exception) or in a callback chained after the all_reduce."""
+    def fails_at_once(state, bucket):
+        failed = torch.futures.Future()
+        failed.set_exception(ValueError("boom from the hook"))
+        return failed
+
+    def fails_in_a_callback(state, bucket):
+        def callback(future):
+            raise KeyError("boom from its callback")
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future().then(callback)
+
+    raised = {}
+    for wrap in (miniddp.DistributedDataParallel, nn.parallel.DistributedDataParallel):
+        for hook in (fails_at_once, fails_in_a_callback):
+            ddp = wrap(nn.Linear(4, 2))
+            ddp.register_comm_hook(None, hook)
+            try:
+                ddp(torch.randn(3, 4)).sum().backward()
+                raised[wrap.__module__, hook.__name__] = None
+            except Exception as error:  # noqa: BLE001 (what it is, is the question)
+                raised[wrap.__module__, hook.__name__] = (type(error), str(error))
+    return raised
+
+
+def test_a_failing_hook_future_is_a_runtime_error_as_in_torch(ranks):
+    raised = ranks(2).run(failing_hook_futures)[0]
+    for hook, boom in (("fails_at_once", "boom from the hook"),
+                       ("fails_in_a_callback", "boom from its callback")):
+        ours, theirs = raised["miniddp.ddp", hook], raised[nn.parallel.distributed.__name__, hook]
+        assert theirs is not None and theirs[0] is RuntimeError and boom in theirs[1], theirs
+        assert ours is not None and ours[0] is RuntimeError and boom in ours[1], f"{hook}: {ours}"
+    # torch's futures already wrap a callback's error in a RuntimeError; the other is named
+    assert "fails_at_once" in raised["miniddp.ddp", "fails_at_once"][1]
+
+
 def test_a_missing_bucket_argument_is_named():
     with pytest.raises(TypeError, match=r"named \(state, bucket\)"):
         comm_hooks.check_hook(lambda state, b: None)

@@ -81,6 +81,32 @@ class GradBucket:
         return list(self._params)
 
 
+class HookFuture:
+    """The future a hook returned, as the reducer waits for it: a failure inside it (the hook
+    called ``set_exception``, or a callback chained in it raised) comes out of backward as a
+    RuntimeError that names the hook and the bucket, as torch's DDP raises a RuntimeError
+    there. A collective's own failure is a RuntimeError already, and comes out unchanged."""
+
+    def __init__(self, future: FutureTensor, hook_name: str, bucket_index: int):
+        self.future, self.hook_name, self.bucket_index = future, hook_name, bucket_index
+
+    def wait(self):
+        try:
+            return self.future.wait()
+        except RuntimeError:
+            raise
+        except Exception as error:
+            raise RuntimeError(
+                f"the future of communication hook {self.hook_name} for bucket "
+                f"{self.bucket_index} failed: {type(error).__name__}: {error}") from error
+
+    def value(self):
+        return self.future.value()
+
+    def then(self, callback):
+        return self.future.then(callback)
+
+
 class CommHook:
     """What the reducer holds as ``reducer.comm_hook``: starts a bucket's reduction through the
     user's hook, and puts the hook's result back into the bucket at the end of backward."""
@@ -89,7 +115,7 @@ class CommHook:
         self.state, self.hook = state, hook
         self.name = getattr(hook, "__qualname__", repr(hook))
 
-    def launch(self, reducer, bucket) -> FutureTensor:
+    def launch(self, reducer, bucket) -> HookFuture:
         params = [reducer.params[i] for i in bucket.param_indices]
         future = self.hook(self.state, GradBucket(bucket.index, len(reducer.buckets),
                                                   bucket.buffer, params))
@@ -102,7 +128,7 @@ class CommHook:
                 "or a completed torch.futures.Future() when nothing is sent. (In torch's words: "
                 f"DDP communication hook's callback must return a torch.futures.Future object, "
                 f"but got {got}.)")
-        return future
+        return HookFuture(future, self.name, bucket.index)
 
     def take_result(self, bucket) -> None:
         """Copy the (waited-for) future's tensor into the bucket unless it already is it.
