@@ -26,7 +26,7 @@ from torch.nn.utils.rnn import PackedSequence
 
 from miniddp import errors
 from miniddp.buckets import BucketInfo, bucket_limits, bucket_limits_list
-from miniddp.options import arguments, comm_hooks, compiled, pickling
+from miniddp.options import arguments, comm_hooks, compiled, optimizer_in_backward, pickling
 from miniddp.options.batched_copy import BatchedGradCopy
 from miniddp.options.join import (
     DDPJoinHook,
@@ -115,10 +115,8 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
                                      mixed_precision)  # miniddp.options.arguments
         arguments.warn_check_reduction(check_reduction)
         Joinable.__init__(self)  # miniddp.options.join: outside a join context, join does nothing
-        # dim and check_reduction are accepted (in torch's positions) so that scripts written
-        # for torch's DDP run unchanged: dim only matters to single-process DataParallel, and
-        # torch ignores check_reduction.
-        self.dim = dim
+        # dim (for single-process DataParallel) and check_reduction: accepted, unused, as torch
+        self.dim, self._lazy_init_ran = dim, False  # (the first forward's set-up: not yet)
         if not dist.is_available() or not dist.is_initialized():
             raise errors.NoProcessGroupError(
                 "DistributedDataParallel needs a process group: call "
@@ -327,6 +325,8 @@ class DistributedDataParallel(TorchPrivateDDP, nn.Module, Joinable):  # see mini
     def _pre_forward(self, *inputs, **kwargs):
         """Before the module runs: the join notice, the bucket rebuild, the buffer broadcast;
         returns the inputs, moved to the module's GPU if it has one."""
+        if not self._lazy_init_ran:  # optimizers applied in backward, taken over as torch's
+            optimizer_in_backward.take_over(self)  # (miniddp.options.optimizer_in_backward)
         notify_still_training(self)  # miniddp.options.join: joined ranks shadow this step
         grad_enabled = torch.is_grad_enabled()
         if grad_enabled:

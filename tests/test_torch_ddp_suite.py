@@ -13,11 +13,10 @@ in :data:`KNOWN_DIFFERENCES` (and in the README's "Known differences"), and are 
 fail with miniddp's class, for the reason given: if one starts passing, the list is out of date.
 
 Not ported: tests of what only a GPU has (CUDA streams, SyncBatchNorm, DDP-native mixed-precision
-training and ``_apply_optimizer_in_backward``, which fail on the CPU with torch's class too,
-``device_ids`` semantics), tests that need 4 ranks (``_update_process_group``) or
-``torch.compile``, and tests torch's suite itself skips or has commented out (fused optimizers,
-``has_finalized``, ``python_error_logged``). A case an older torch cannot run (an argument or
-private method it lacks) is skipped (:data:`NEEDS`).
+training, which fails on the CPU with torch's class too, ``device_ids`` semantics), tests that need
+4 ranks (``_update_process_group``) or ``torch.compile``, and tests torch's suite itself skips or
+has commented out (fused optimizers, ``has_finalized``, ``python_error_logged``). A case an older
+torch cannot run (an argument or private method it lacks) is skipped (:data:`NEEDS`).
 """
 
 from __future__ import annotations
@@ -179,9 +178,13 @@ class Case(unittest.TestCase):
     def run(self, result=None):  # pragma: no cover (only here so the name exists)
         pass
 
-    def assertEqual(self, a, b, msg=None):  # torch's TestCase compares tensors by value
-        if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-            torch.testing.assert_close(a, b, check_dtype=False, msg=msg)
+    def assertEqual(self, a, b, msg=None):  # torch's TestCase: tensors by value, NaN == NaN
+        if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # (of tensors, too)
+            self.assertEqual(len(a), len(b), msg)
+            for x, y in zip(a, b):
+                self.assertEqual(x, y, msg)
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+            torch.testing.assert_close(a, b, check_dtype=False, equal_nan=True, msg=msg)
         else:
             super().assertEqual(a, b, msg)
 
@@ -1644,6 +1647,81 @@ def t_test_ddp_native_mixed_precision_ignored_params(self, DDP):
     self.assertEqual(len(to_ignore), n_ignored)
 
 
+def _test_ddp_apply_optim_in_backward(self, DDP, optim_cls, optim_kwargs, init_before,
+                                      gradient_as_bucket_view=True):
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    torch.manual_seed(self.rank)
+    models_to_test = [  # (torch's third model, torchvision's ResNet-50, is left out: CPU time)
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3)),
+        nn.Sequential(nn.Linear(3, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 3)),
+    ]
+    for model in models_to_test:
+        model_optim_in_bwd = copy.deepcopy(model)
+        model = DDP(model, gradient_as_bucket_view=gradient_as_bucket_view)
+        optim = optim_cls(model.parameters(), **optim_kwargs)
+        if init_before:
+            _apply_optimizer_in_backward(optimizer_class=optim_cls,
+                                         params=model_optim_in_bwd.parameters(),
+                                         optimizer_kwargs=optim_kwargs)
+        model_optim_in_bwd = DDP(model_optim_in_bwd,
+                                 gradient_as_bucket_view=gradient_as_bucket_view)
+        if not init_before:
+            _apply_optimizer_in_backward(optimizer_class=optim_cls,
+                                         params=model_optim_in_bwd.parameters(),
+                                         optimizer_kwargs=optim_kwargs)
+        for p1, p2 in zip(model.parameters(), model_optim_in_bwd.parameters()):
+            self.assertEqual(p1, p2, "Parameters not initially equal!")
+        for i in range(8):
+            inp = torch.randn(10, 3)
+            model(inp).sum().backward()
+            optim.step()
+            model_optim_in_bwd(inp).sum().backward()  # runs optimizer as well
+            for p1, p2 in zip(model.parameters(), model_optim_in_bwd.parameters()):
+                self.assertEqual(p1, p2, f"Params not equal at iteration {i}")
+                self.assertTrue(p2.grad is None, f"Optim in backward grad is not None at {i}")
+            optim.zero_grad(set_to_none=True)
+
+
+def t_test_ddp_apply_optim_in_backward(self, DDP):
+    for optim_cls, init_before in itertools.product([torch.optim.SGD, torch.optim.Adam],
+                                                    [True, False]):
+        _test_ddp_apply_optim_in_backward(self, DDP, optim_cls, {"lr": 0.03}, init_before)
+
+
+def t_test_ddp_apply_optim_in_backward_grad_as_bucket_view_false(self, DDP):
+    for init_before in [True, False]:
+        _test_ddp_apply_optim_in_backward(self, DDP, torch.optim.SGD, {"lr": 0.03}, init_before,
+                                          gradient_as_bucket_view=False)
+
+
+def t_test_ddp_apply_optim_in_backward_ignored_params(self, DDP):
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    for init_before in [True, False]:
+        torch.manual_seed(self.rank)
+        model = TwoLinLayerNet()
+        params_to_ignore = ["a.weight"]
+        DDP._set_params_and_buffers_to_ignore_for_model(model, params_to_ignore)
+        if init_before:
+            _apply_optimizer_in_backward(optimizer_class=torch.optim.SGD,
+                                         params=model.parameters(), optimizer_kwargs={"lr": 0.03})
+        net = DDP(model)
+        if not init_before:
+            _apply_optimizer_in_backward(optimizer_class=torch.optim.SGD,
+                                         params=model.parameters(), optimizer_kwargs={"lr": 0.03})
+        inp = torch.randn(1, 10)
+        a, b = net(inp)
+        (a.transpose(0, 1) @ b).sum().backward()
+        # a.weight did not go through allreduce, so optimizer acted on local gradient, which
+        # should be different across ranks. Remaining params should be equal.
+        models = [None for _ in range(dist.get_world_size())]
+        dist.all_gather_object(models, model)
+        rank0_model, remainder = models[0], models[1:]
+        for m in remainder:
+            self.assertNotEqual(rank0_model.a.weight, m.a.weight)
+            self.assertEqual(list(rank0_model.b.parameters()), list(m.b.parameters()))
+            self.assertEqual(rank0_model.a.bias, m.a.bias)
+
+
 def t_test_ddp_grad_div_uneven_inputs(self, DDP):
     dim, batch, grad_scale = 5, 1, 50
     net = DDP(nn.Linear(dim, dim, bias=False), bucket_cap_mb=1)
@@ -1914,6 +1992,11 @@ TORCH_FAILS_HERE = {
         (not TORCH_AVERAGES_PARAMETERS_USED_ONLY_IN_NO_SYNC, "AssertionError"),
     "test_ddp_native_mixed_precision_ignored_params":
         (_torchs_mixed_precision_stream_fails(), "CUDA|Stream"),
+    # torch's optimizer-in-backward hook waits for a side stream of the accelerator's
+    **{name: (not torch.cuda.is_available(), "accelerator|CUDA|cuda|Stream|driver")
+       for name in ("test_ddp_apply_optim_in_backward",
+                    "test_ddp_apply_optim_in_backward_grad_as_bucket_view_false",
+                    "test_ddp_apply_optim_in_backward_ignored_params")},
 }
 
 

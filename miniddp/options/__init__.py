@@ -11,7 +11,9 @@
 * ``compiled``: ``torch.compile``, where torch's compiler looks for the DDP module.
 * ``torch_private``: torch's private attributes and methods, for the code that reads them;
 * ``logging_data``: ``_get_ddp_logging_data()``, torch's record of a run;
-* ``cpp_warnings``: the warnings torch's C++ reducer prints, printed as it prints them.
+* ``cpp_warnings``: the warnings torch's C++ reducer prints, printed as it prints them;
+* ``optimizer_in_backward``: torch's private ``_apply_optimizer_in_backward``, taken over as
+  torch's DDP takes it over.
 
 They import the engine's bucket rules at most; the engine imports them where it attaches them.
 """
