@@ -22,19 +22,13 @@ The life of one synchronized step:
    into ``.grad`` while the later ones are still in flight. So when ``loss.backward()``
    returns, gradients are synchronized.
 
-That is all of this file. The options attach where it says so, each in its own module:
-``find_unused_parameters`` (``miniddp.options.unused``), ``gradient_as_bucket_view``
-(``miniddp.options.gradient_views``), a communication hook in place of the all_reduce
-(``miniddp.options.comm_hooks``), ``static_graph`` (``miniddp.options.static_graph``: counts
-each parameter's hook firings in the first backward and delays its reduction to the end), and
-the bucket layout and its one rebuild (``miniddp.buckets``). ``batched_grad_copy``
-(``miniddp.options.batched_copy``) copies a bucket's gradients in at once, and
-``backward(create_graph=True)`` reduces the gradients' values (``miniddp.options.create_graph``).
-A hook that no option needs to see goes straight to its bucket. The checks and traces
-(``miniddp.checks``) are not imported here: they attach to ``self.watch`` (a second backward
-through one forward, a failed wait explained) and ``self.consistency`` (ranks compared, off by
-default), and are called at the points marked ``miniddp.checks``.
-``timeline``, when set to a list, records ``(event, ident, time)`` for lessons and traces.
+That is all of this file. The options attach where it says so, each in the module of
+``miniddp.options`` named for it (``unused``, ``gradient_views``, ``comm_hooks``,
+``static_graph``, ``batched_copy``, ``create_graph``); the bucket layout and its one rebuild
+are ``miniddp.buckets``. A hook that no option needs to see goes straight to its bucket. The
+checks (``miniddp.checks``) are not imported here: they attach to ``self.watch`` and
+``self.consistency``, called at the points marked ``miniddp.checks``. ``timeline``, when set
+to a list, records ``(event, ident, time)`` for lessons and traces.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
 after backward" baselines share this code instead of copying it.
@@ -156,12 +150,10 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         another operation and gives other bits). The slots of parameters without a gradient
         were zeroed, and stay zero.
 
-        Each copy on the way in is one call into torch from this thread: about 2 µs of
-        dispatch on a CPU, and on a GPU a kernel launched from the thread that also launches
-        the backward's kernels. Waiting trades those calls for one more pass over the bucket,
-        which on a CPU pays only where the gradients are small (benchmarks/README.md, "Changes
-        made to the engine", 4); on a GPU it always pays. ``float("inf")``: every bucket (a GPU's
-        default); -1: none.
+        Each copy on the way in is one call from this thread (on a GPU, one more kernel launched
+        by the thread that launches the backward's). Waiting trades those calls for one more
+        pass over the bucket, which pays on a CPU only for small gradients (benchmarks/README.md,
+        "Changes made to the engine", 4). ``float("inf")``: every bucket (a GPU's); -1: none.
         """
         self.copy_at_end_bytes = max_bytes
         self.buckets_fresh = False  # their next reset sets them up for it
@@ -312,10 +304,8 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         torch.mul(source, self._reciprocal(out.dtype), out=out)
 
     def _reciprocal(self, dtype: torch.dtype):
-        """``1 / divisor`` as torch's reducer multiplies by it. For float32, a 0-dim float32
-        tensor: the same bits as the Python float (the kernel reads either as a float), and
-        ~1.5 us less per parameter, since a Python number is wrapped in a new tensor each call
-        (benchmarks/README.md, "Changes made to the engine", 3)."""
+        """``1 / divisor`` as torch's reducer multiplies by it; for float32 a 0-dim float32
+        tensor: the same bits, and no new tensor per call (benchmarks/README.md, "Changes", 3)."""
         key = (dtype, self.divisor)
         if key not in self._reciprocals:
             value = 1.0 / self.divisor

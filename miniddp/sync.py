@@ -16,12 +16,17 @@ import torch
 import torch.distributed as dist
 
 
+class ModelsDiffer(ValueError, RuntimeError):
+    """The ranks' models differ: torch raises a RuntimeError; miniddp raised a ValueError."""
+
+
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
-    """Raise on every rank if any rank's parameter names, shapes or strides differ."""
+    """Raise on every rank if any rank's parameter names, shapes or strides differ (on a rank
+    whose parameter differs from rank 0's, with torch's sentence for it too)."""
     mine = [(name, tuple(t.shape), tuple(t.stride())) for name, t in named_tensors]
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
-    problems = []
+    problems, torchs, me = [], "", dist.get_rank(group)
     if len({len(shapes) for shapes in everyone}) > 1:
         counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(everyone))
         problems.append(f"the number of parameters differs across ranks ({counts})")
@@ -31,12 +36,17 @@ def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None
             detail = "; ".join(f"rank {r}: {n} {list(shape)} strides {list(stride)}"
                                for r, (n, shape, stride) in seen.items())
             problems.append(f"parameter {name!r} differs across ranks ({detail})")
+            if not torchs and seen.get(me, seen[0])[1:] != seen[0][1:]:
+                what, i = ("sizes", 1) if seen[me][1] != seen[0][1] else ("strides", 2)
+                torchs = (f" (In torch's words: [{me}]: params[{k}] in this process with {what} "
+                          f"{list(seen[me][i])} appears not to match {what} of the same param "
+                          "in process 0.)")
     if problems:
-        raise ValueError(
+        raise ModelsDiffer(
             "DistributedDataParallel needs the same model on every rank, but "
             + "; and ".join(problems[:5])
             + ". Build the model the same way on every rank (same sizes, same order, same "
-            "memory format).")
+            "memory format)." + torchs)
 
 
 def group_rank0(group=None) -> int:

@@ -388,6 +388,23 @@ def test_shape_mismatch_raises_on_every_rank_naming_parameter_shapes_ranks(ranks
         assert message is not None, "every rank must raise"
         assert "'0.weight'" in message and "rank 2: 0.weight [5, 3]" in message
         assert "rank 0: 0.weight [4, 3]" in message
+    # A RuntimeError, as torch's; and on the rank that differs from rank 0, torch's sentence
+    assert all(m.startswith("ModelsDiffer") for m in messages)
+    torchs = ("[2]: params[0] in this process with sizes [5, 3] appears not to match sizes of "
+              "the same param in process 0")
+    assert [torchs in m for m in messages] == [False, False, True], messages[2]
+
+
+def raises_a_runtime_error(build) -> bool:
+    try:
+        miniddp.DistributedDataParallel(build())
+    except RuntimeError:
+        return True
+    return False
+
+
+def test_a_model_mismatch_is_a_runtime_error_as_in_torch(ranks):
+    assert ranks(2).run(raises_a_runtime_error, count_mismatch, timeout=30) == [True, True]
 
 
 def count_mismatch():
@@ -518,6 +535,8 @@ def test_parameter_strides_must_match_across_ranks(ranks):
     for message in ranks(2).run(construction_error, stride_mismatch, timeout=30):
         assert message and "'weight' differs across ranks" in message
         assert "strides [27, 9, 3, 1]" in message and "strides [27, 1, 9, 3]" in message
+    assert "[1]: params[0] in this process with strides [27, 1, 9, 3] appears not to match " \
+        "strides of the same param in process 0" in message  # (rank 1's)
 
 
 def different_parameters_unused():
