@@ -146,8 +146,8 @@ def refuse_unsupported_layers(module: nn.Module, devices: set) -> None:
               and m.weight.requires_grad]
     if sparse:
         raise ValueError(
-            f"miniddp does not reduce sparse gradients, and {', '.join(sparse)} "
-            "produce them: build those embeddings with sparse=False.")
+            "miniddp does not reduce sparse gradients, and these embeddings make them "
+            f"(sparse=True): {', '.join(sparse)}. Build them with sparse=False.")
     if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()) and all(
             d.type == "cpu" for d in devices):
         raise ValueError(
