@@ -158,3 +158,32 @@ def test_a_copy_logs_its_own_iterations_as_torchs_copy_does(ranks, how):
     for static_graph in (False, True):
         assert found["miniddp", static_graph] == found["torch", static_graph], static_graph
     assert found["miniddp", False][0] == 0  # not the original's 3
+
+
+def static_graph_copy_trains(how):
+    """A copy of a static-graph DDP that has trained, trained on: as a fresh static-graph DDP
+    made from the same weights, bit for bit, and the same on every rank (torch 2.13's copy
+    carries its original's "first reduction queued" flag over and never averages again)."""
+    torch.manual_seed(1234 + dist.get_rank())
+    trained = miniddp.DistributedDataParallel(MLP(32, 3), static_graph=True)
+    opt = torch.optim.SGD(trained.parameters(), lr=0.05)
+    for step in range(3):
+        train_step(trained, opt, step)
+    the_copy = duplicate(trained, how)
+    fresh = miniddp.DistributedDataParallel(copy.deepcopy(trained.module), static_graph=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (the_copy, fresh)]
+    for step in range(3, 6):
+        for ddp, o in zip((the_copy, fresh), opts):
+            train_step(ddp, o, step)
+    params = [p.detach().clone() for p in the_copy.parameters()]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, params)
+    return (all(same_bits(a, b) for a, b in zip(params, fresh.parameters())),
+            all(same_bits(a, b) for other in everyone for a, b in zip(params, other)))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copy_of_a_trained_static_graph_ddp_keeps_averaging(ranks, how):
+    as_fresh, replicas_equal = ranks(2).run(static_graph_copy_trains, how)[0]
+    assert replicas_equal, "the copy's replicas drifted apart: it stopped averaging"
+    assert as_fresh, "the copy trains otherwise than a fresh static-graph DDP"
