@@ -26,14 +26,6 @@ import weakref
 import torch
 import torch.distributed as dist
 
-#: Where torch keeps the handles of the hooks it registered (absent: nothing to take over).
-try:
-    from torch.distributed.optim.apply_optimizer_in_backward import (
-        param_to_optim_hook_handle_map as _HANDLES,
-    )
-except ImportError:  # pragma: no cover (every torch miniddp supports has it)
-    _HANDLES = {}
-
 
 def take_over(ddp) -> None:
     """At the first forward: if any of ``ddp``'s parameters has optimizers applied in backward,
@@ -42,8 +34,13 @@ def take_over(ddp) -> None:
     params = [p for name, p in ddp.module.named_parameters() if name not in ddp.ignored]
     if not any(hasattr(p, "_in_backward_optimizers") for p in params):
         return
+    # (imported here: on torch 2.1 torch.distributed.optim imports the compiler, which eager
+    # training must not load; whoever applied these optimizers has imported it already)
+    from torch.distributed.optim.apply_optimizer_in_backward import (
+        param_to_optim_hook_handle_map as handles,  # where torch keeps their hooks' handles
+    )
     for p in params:
-        for handle in _HANDLES.get(p, []):
+        for handle in handles.get(p, []):
             handle.remove()
     ddp.register_comm_hook(HookState(weakref.ref(ddp)), apply_optim_in_backward_hook)
 
