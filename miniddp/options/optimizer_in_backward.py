@@ -32,7 +32,8 @@ def take_over(ddp) -> None:
     remove their hooks and step them from a communication hook instead, after the all_reduce."""
     ddp._lazy_init_ran = True  # (torch's name for "the first forward's set-up is done")
     params = [p for name, p in ddp.module.named_parameters() if name not in ddp.ignored]
-    if not any(hasattr(p, "_in_backward_optimizers") for p in params):
+    stepped = [p for p in params if hasattr(p, "_in_backward_optimizers")]
+    if not stepped:
         return
     # (imported here: on torch 2.1 torch.distributed.optim imports the compiler, which eager
     # training must not load; whoever applied these optimizers has imported it already)
@@ -42,12 +43,13 @@ def take_over(ddp) -> None:
     for p in params:
         for handle in handles.get(p, []):
             handle.remove()
-    ddp.register_comm_hook(HookState(weakref.ref(ddp)), apply_optim_in_backward_hook)
+    ddp.register_comm_hook(HookState(weakref.ref(ddp), stepped), apply_optim_in_backward_hook)
 
 
 class HookState:
-    def __init__(self, ddp_ref):
+    def __init__(self, ddp_ref, stepped: list):
         self.ddp_ref = ddp_ref
+        self.stepped = stepped  # DDP's parameters whose optimizers step in backward
         self.clearing_queued = False  # the end-of-backward callback, once per backward
 
 
@@ -80,7 +82,5 @@ def _clear_grads(state: HookState) -> None:
     callback queued during backward runs before the reducer's (queued at the last gradient),
     so it queues this one, which runs after it (the engine runs what callbacks queue)."""
     state.clearing_queued = False
-    ddp = state.ddp_ref()
-    for name, param in ddp.module.named_parameters():
-        if name not in ddp.ignored and hasattr(param, "_in_backward_optimizers"):
-            param.grad = None
+    for param in state.stepped:
+        param.grad = None
