@@ -20,6 +20,7 @@ import importlib.util
 import os
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
@@ -80,6 +81,17 @@ optimizer.step()""",
 }
 
 
+#: Verdicts are wrapped at this width; a continued line is indented by HANG spaces (the tests
+#: join such lines back onto the one before)
+WIDTH, HANG = 100, 10
+
+
+def say(label: str, text: str) -> None:
+    """Print ``text`` after ``label`` (its indent and tag), wrapped with a hanging indent."""
+    print(textwrap.fill(text, WIDTH, initial_indent=label, subsequent_indent=" " * HANG,
+                        break_long_words=False, break_on_hyphens=False), flush=True)
+
+
 def exercise_path(number: str, directory: Path) -> Path | None:
     found = sorted(directory.glob(f"{number}_*.py"))
     return found[0] if found else None
@@ -108,34 +120,35 @@ def grade(number: str, path: Path, load_error: str | None) -> bool:
     shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
     print(f"\nexercise {number}: {shown}", flush=True)
     if load_error:
-        print(f"  FAIL  the file does not import: {load_error}")
+        say("  FAIL  ", f"the file does not import: {load_error}")
         return False
     passed = True
     try:
         for ok, what, why in GRADERS[number]():
             passed &= ok
-            print(f"  {'PASS' if ok else 'FAIL'}  {what}" + ("" if ok else f"\n        {why}"),
-                  flush=True)
+            say(f"  {'PASS' if ok else 'FAIL'}  ", what)
+            if not ok:
+                say(" " * 8, why)
     except checks.NotWritten as todo:
-        print(f"  TODO  not written yet: {todo}")
+        say("  TODO  ", f"not written yet: {todo}")
         return False
     except checks.OutOfStep as mismatch:
-        print(f"  FAIL  every rank makes the same collective calls, in the same order\n"
-              f"        {mismatch}")
+        say("  FAIL  ", "every rank makes the same collective calls, in the same order")
+        say(" " * 8, str(mismatch))
         return False
     except RankError as error:
         lines = [line for line in error.details.strip().splitlines()
                  if line.strip() and not line.startswith("(then")]
-        print(f"  FAIL  rank {error.rank} of {error.world_size} raised: {lines[-1]}")
+        say("  FAIL  ", f"rank {error.rank} of {error.world_size} raised: {lines[-1]}")
         for frame in learner_frames(error.details, path):
-            print(f"        at {frame}")
+            say(" " * 8, f"at {frame}")
         # gloo says "Timed out waiting 20000ms for recv", or "Application timeout caused pair
         # closure": neither names the rank that never came (the collectives compared before
         # each call, SameCalls, do)
         if any(word in error.details.lower() for word in ("timed out", "timeout")):
-            print(f"        a collective waited {checks.PG_TIMEOUT_S} s for the other ranks and "
-                  "gave up: some rank never made the call this one made. Every rank must make "
-                  "the same collective calls in the same order")
+            say(" " * 8, f"a collective waited {checks.PG_TIMEOUT_S} s for the other ranks and "
+                "gave up: some rank never made the call this one made. Every rank must make "
+                "the same collective calls in the same order")
         return False
     return passed
 

@@ -296,9 +296,10 @@ ARITHMETIC_SAID = {
     "divide before": "You divided each gradient by world_size before the all_reduce: x / 3 and "
                      "x * (1 / 3) round differently (1 / 3 is itself rounded). Multiply by the "
                      f"reciprocal 1.0 / world_size instead, before the all_reduce ({WHERE_08})",
-    "divide after": "You divided the sum by world_size after the all_reduce, which rounds this "
-                    "way at 3 ranks (at 2 ranks both are exact): multiply by the reciprocal "
-                    f"BEFORE the all_reduce ({WHERE_08})",
+    "divide after": "You divided the sum by world_size after the all_reduce (or used "
+                    "ReduceOp.AVG, which does just that on gloo), which rounds this way at 3 "
+                    "ranks (at 2 ranks both are exact): multiply by the reciprocal BEFORE the "
+                    f"all_reduce, and all_reduce with the default op, SUM ({WHERE_08})",
     "multiply after": "You multiplied the sum by 1 / world_size after the all_reduce: the sum "
                       "of three scaled gradients rounds differently from the scaled sum. "
                       f"Multiply by the reciprocal BEFORE the all_reduce ({WHERE_08})",
@@ -368,8 +369,8 @@ def grade_03():
                    "scaled by 1 / world_size and summed over the ranks, into p.grad")
             continue
         yield (all(r["same_everywhere"] for r in results), "3 ranks: every rank holds the "
-               "same bits", "the ranks hold different gradients: every rank must "
-               "all_reduce every gradient")
+               "same bits", f"the ranks hold different gradients (on rank {results.index(worst)}"
+               f", {worst['holds']}): every rank must all_reduce every gradient, into p.grad")
         off = worst["reference_diff"]
         rounding = off <= 1e-6 * worst["scale"]
         yield (all(r["as_reference"] for r in results), "3 ranks: bit for bit the gradients "
@@ -391,10 +392,7 @@ def sampler_task():
         for shuffle in (True, False):
             for drop_last in (False, True):
                 for epoch, seed in ((0, 0), (1, 0), (3, 7)):
-                    sampler = TorchSampler(range(n), num_replicas=world, rank=rank,
-                                           shuffle=shuffle, seed=seed, drop_last=drop_last)
-                    sampler.set_epoch(epoch)
-                    expected = list(sampler)
+                    expected = torch_indices(n, world, rank, epoch, seed, shuffle, drop_last)
                     got = write(n, world, rank, epoch, seed, shuffle, drop_last)
                     cases += 1
                     if list(got) != expected:
@@ -406,14 +404,26 @@ def sampler_task():
     return cases
 
 
+def torch_indices(n, world, rank, epoch, seed, shuffle, drop_last) -> list[int]:
+    sampler = TorchSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
+                           drop_last=drop_last)
+    sampler.set_epoch(epoch)
+    return list(sampler)
+
+
 def sampler_mistake(got, n, world, rank, epoch, seed, shuffle, drop_last) -> str:
-    """Name a wrong answer that is the right order cut the wrong way: a contiguous block."""
-    shares = []
-    for r in range(world):
-        sampler = TorchSampler(range(n), num_replicas=world, rank=r, shuffle=shuffle, seed=seed,
-                               drop_last=drop_last)
-        sampler.set_epoch(epoch)
-        shares.append(list(sampler))
+    """Name a wrong answer that is another epoch's or seed's order (the generator seeded with
+    only one of them), or the right order cut the wrong way: a contiguous block."""
+    ignored = [(said, what) for said, what, e, s in (("epoch 0's", "the epoch", 0, seed),
+                                                       ("seed 0's", "the seed", epoch, 0))
+               if shuffle and (e, s) != (epoch, seed)
+               and got == torch_indices(n, world, rank, e, s, shuffle, drop_last)]
+    if ignored:
+        return (f". Yours is {' or '.join(said for said, _ in ignored)} order: the shuffle "
+                f"ignores {' or '.join(what for _, what in ignored)}. Seed the generator with "
+                f"seed + epoch ({seed} + {epoch}): set_epoch changes the epoch so that each "
+                "epoch is shuffled differently, and the same on every rank")
+    shares = [torch_indices(n, world, r, epoch, seed, shuffle, drop_last) for r in range(world)]
     size = len(shares[0])
     padded = [shares[r][j] for j in range(size) for r in range(world)]  # before the rank's cut
     if got == padded[rank * size:(rank + 1) * size]:
@@ -553,6 +563,37 @@ def reference_step(ddp, optimizer, micro_batches):
     optimizer.step()
 
 
+def zero_grad_each(ddp, optimizer, micro_batches):
+    """A wrong loop: .grad cleared before every micro-batch, so only the last one's is left."""
+    k = len(micro_batches)
+    for j, (x, y) in enumerate(micro_batches):
+        optimizer.zero_grad()
+        with ddp.no_sync() if j < k - 1 else nullcontext():
+            (F.mse_loss(ddp(x), y) / k).backward()
+    optimizer.step()
+
+
+def step_each(ddp, optimizer, micro_batches):
+    """A wrong loop: a step after every micro-batch, the first k - 1 on unsynchronized
+    gradients."""
+    k = len(micro_batches)
+    optimizer.zero_grad()
+    for j, (x, y) in enumerate(micro_batches):
+        with ddp.no_sync() if j < k - 1 else nullcontext():
+            (F.mse_loss(ddp(x), y) / k).backward()
+        optimizer.step()
+
+
+#: Wrong loops the grader recognizes by their first step, and what to say of each
+WRONG_LOOPS_07 = {
+    zero_grad_each: "optimizer.zero_grad() ran before every micro-batch, so the step used only "
+                    "the last micro-batch's gradient. Call it once, before the first, so that "
+                    ".grad accumulates over all k",
+    step_each: "optimizer.step() ran after every micro-batch, the first k - 1 times on "
+               "gradients no rank had averaged. Step once, after the last micro-batch",
+}
+
+
 def update_ratio(theirs: torch.Tensor, right: torch.Tensor, k: int) -> float | None:
     """k or 1 / k when the learner's first update is the right one times that (the losses
     summed, or divided by k twice); None when it is neither. The first SGD step moves each
@@ -570,8 +611,10 @@ def no_sync_task(k: int = 3, steps: int = 3):
     ours = miniddp.DistributedDataParallel(make_model(seed=0))
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
                   for m in (learner, reference, ours)]
+    wrong_loops = {loop: TorchDDP(make_model(seed=0)) for loop in WRONG_LOOPS_07}
     x_all, y_all = make_dataset(n=8 * k * steps, seed=rank).tensors
-    report = {"mismatch": None, "rounds": [], "synced": [], "update_ratio": None}
+    report = {"mismatch": None, "rounds": [], "synced": [], "update_ratio": None,
+              "wrong_loop": None}
     # Each forward marks the timeline, so each backward's launches fall after its forward's mark
     ours.register_forward_pre_hook(lambda module, args: module.reducer.timeline.append(
         ("forward", -1, 0.0)) if module.reducer.timeline is not None else None)
@@ -590,6 +633,12 @@ def no_sync_task(k: int = 3, steps: int = 3):
                                  if "launch" in events[marks[j]:marks[j + 1]]])
         a = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
         b = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
+        if s == 0:  # the wrong loops' first steps, from the same start, on every rank
+            for loop, model in wrong_loops.items():
+                loop(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), micro)
+                if report["wrong_loop"] is None and torch.allclose(a, torch.cat(
+                        [p.detach().reshape(-1) for p in model.parameters()])):
+                    report["wrong_loop"] = WRONG_LOOPS_07[loop]
         if report["mismatch"] is None and not torch.equal(a, b):
             report["mismatch"] = f"after step {s}, rank {rank}: largest difference " \
                                  f"{(a - b).abs().max().item():.3g}"
@@ -620,6 +669,8 @@ def grade_07():
         ratio = wrong and wrong["update_ratio"]
         if not last_synced:
             why = "the synchronization checked above is wrong, and changes the gradient"
+        elif wrong and wrong["wrong_loop"] and mismatch.startswith("after step 0"):
+            why = wrong["wrong_loop"]
         elif ratio == k:
             why = (f"the first step's update is {k} times the right one (k = {k} micro-"
                    "batches): the gradient is the SUM of the micro-batches' gradients, not "

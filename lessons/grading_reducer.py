@@ -173,7 +173,8 @@ def reducer_task(steps: int = 3):
     x_all, y_all = make_dataset(n=16 * (steps + len(extra)), seed=rank).tensors
     report = {"mismatch": None, "sync": [], "order": [], "late": [], "early_wait": [],
               "no_finish": [], "not_reset": [], "unwaited": [], "finish_in_hook": [],
-              "layouts": {}, "steps": steps, "finish_calls": {}, "read_early": []}
+              "layouts": {}, "steps": steps, "finish_calls": {}, "read_early": [],
+              "unlaunched": {}}
     for s in range(steps + len(extra)):
         torch_step = s < steps  # then: out-of-order layouts, checked against the grader's sums
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
@@ -232,6 +233,8 @@ def reducer_task(steps: int = 3):
         launched = [flats.index(ptr) if ptr in flats else -1 for _, ptr, _ in spy.calls]
         if launched != list(range(len(flats))):
             report["order"].append((s, launched))
+        if len(launched) < len(flats):
+            report["unlaunched"][s] = [k for k in range(len(flats)) if k not in launched]
         if torch_step and s > 0 and (not spy.calls or spy.calls[0][2] >= n):
             report["late"].append(s)
         report["early_wait"] += [k for k in spy.waits if k < n]
@@ -246,11 +249,22 @@ def grade_06(steps: int = 3):
     not_reset = min((r["not_reset"][0] for r in reports if r["not_reset"]), default=None)
     first_unreset = not_reset[0] if not_reset else 99  # what follows it is its consequence
     no_finish = sorted({s for r in reports for s in r["no_finish"] if s < first_unreset})
+    # the first backward without _finish: did it launch every bucket? (later ones start from
+    # the state it left)
+    unlaunched = next(((s, r["layouts"].get(s), r["unlaunched"][s]) for r in reports
+                       for s in no_finish[:1] if s in r["unlaunched"]), None)
     yield (not no_finish, "_finish runs at the end of every backward",
-           f"at steps {no_finish} no 'backward_end' was recorded. _finish never ran: no "
-           "bucket was waited for or copied back. Queue it on the autograd engine with "
-           "torch.autograd.Variable._execution_engine.queue_callback once the last bucket "
-           "is launched")
+           f"at steps {no_finish} no 'backward_end' was recorded. " + (
+               f"At step {unlaunched[0]}" + (f" (buckets set to {unlaunched[1]})"
+                                             if unlaunched[1] else "")
+               + f" buckets {unlaunched[2]} were never launched, and _finish, queued at the "
+               "last bucket's launch, never ran: a bucket that completes before the ones ahead of "
+               "it must wait for them, and be launched with them. When a bucket completes, "
+               "launch every complete bucket from the next unlaunched one on, in a loop, not "
+               "just the one that completed" if unlaunched else
+               "_finish never ran: no bucket was waited for or copied back. Queue it on the "
+               "autograd engine with torch.autograd.Variable._execution_engine.queue_callback "
+               "once the last bucket is launched"))
     if no_finish:
         return
     again = min(((s, n) for r in reports for s, n in r["finish_calls"].items()
@@ -300,10 +314,11 @@ def grade_06(steps: int = 3):
         mismatch[world] = next((r["mismatch"] for r in results if r["mismatch"]), None)
         why = f"{mismatch[world]}. Each gradient times the reciprocal of world_size into its " \
               "view, and every bucket's average copied back into .grad in _finish"
-        if order is not None or early is not None:
+        if order is not None or early is not None or unwaited is not None:
             why = f"{mismatch[world]}: follows from the failure above (" + (
                 "buckets launched out of order" if order is not None else
-                "buckets read before their all_reduce finished") + "): fix that first"
+                "buckets read before their all_reduce finished" if early is not None else
+                "all_reduces never waited for") + "): fix that first"
         elif world == 3 and mismatch[3] and not mismatch[2]:
             why = f"{mismatch[3]}. 2 ranks matched, so this points at the scaling arithmetic: " \
                   "x / 2 and x * (1 / 2) are the same bits, x / 3 and x * (1 / 3) are not. " \

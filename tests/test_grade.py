@@ -52,9 +52,15 @@ def grades_ahead(request, tmp_path_factory, write: dict):
     return RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
 
 
+def unwrapped(stdout: str) -> str:
+    """The grader's output with each wrapped verdict on one line again (a continued line is
+    indented by 10 spaces, a verdict's first line by 2 or 8)."""
+    return re.sub(r"\n {10}(?=\S)", " ", stdout)
+
+
 def sections(stdout: str) -> dict[str, str]:
-    """The grader's output, exercise by exercise."""
-    parts = re.split(r"^exercise (\d\d): .*$", stdout, flags=re.MULTILINE)
+    """The grader's output, exercise by exercise, each verdict on one line."""
+    parts = re.split(r"^exercise (\d\d): .*$", unwrapped(stdout), flags=re.MULTILINE)
     return dict(zip(parts[1::2], parts[2::2]))
 
 
@@ -117,6 +123,9 @@ def test_shipped_exercises_all_fail_saying_what_to_write():
         for line in solution_lines(number):  # says what must be true, not the code
             assert line not in text, f"exercise {number}'s instruction dictates {line!r}"
     assert f"0 of {len(NUMBERS)} exercises pass; next: python lessons/grade.py 03" in done.stdout
+    verdicts = [line for line in done.stdout.splitlines() if line.startswith("  ")]
+    assert max(map(len, verdicts)) <= 100, "the TODO instructions are not wrapped"
+    assert any(line.startswith(" " * 10) for line in verdicts)  # as unwrapped() expects
 
 
 @pytest.mark.slow
@@ -535,11 +544,43 @@ NAMED = {
         "2 ranks: parameters equal the correct loop's",
         ["3 times the right one", "Divide each micro-batch's loss by k"],
         ["zero_grad once"]),
+    "03 all_reduce of a new tensor": (
+        "03", [(SCALE_03, "        g = p.grad * (1.0 / world_size)\n        dist.all_reduce(g)\n")],
+        BITS_03, ["did not write into p.grad"], ["rounds", "rounding-sized"]),
+    "04 the shuffle ignores the epoch": (
+        "04", [("        g.manual_seed(seed + epoch)", "        g.manual_seed(seed)")],
+        "every rank's indices equal torch's", ["epoch 0's order", "ignores the epoch",
+                                                "seed + epoch"], ["contiguous"]),
+    "04 the shuffle ignores the seed": (
+        "04", [("        g.manual_seed(seed + epoch)", "        g.manual_seed(epoch)")],
+        "every rank's indices equal torch's", ["the seed", "seed + epoch"], ["contiguous"]),
+    "06 launches only the bucket that completed": (
+        "06", [("        while len(self.in_flight) < len(self.buckets) and self.missing[len(self."
+                "in_flight)] == 0:\n            k = len(self.in_flight)\n",
+                "        if self.missing[b] == 0 and b == len(self.in_flight):\n"
+                "            k = b\n")],
+        "_finish runs at the end of every backward",
+        ["buckets set to", "were never launched", "in a loop"], ["Queue it on the autograd"]),
+    "06 never waits: the bits blame the wait": (
+        "06", [(WAIT_06, "")], "every launched all_reduce is waited for", ["never waited for"],
+        ["reciprocal", "scaling"]),
+    "07 zero_grad before every micro-batch": (
+        "07", [("    optimizer.zero_grad()\n    for j, (x, y) in enumerate(micro_batches):\n",
+                "    for j, (x, y) in enumerate(micro_batches):\n        optimizer.zero_grad()\n")],
+        "2 ranks: parameters equal the correct loop's",
+        ["zero_grad() ran before every micro-batch", "once, before the first"], ["zero_grad once"]),
+    "07 a step after every micro-batch": (
+        "07", [("            (F.mse_loss(ddp(x), y) / k).backward()\n    optimizer.step()\n",
+                "            (F.mse_loss(ddp(x), y) / k).backward()\n        optimizer.step()\n")],
+        "2 ranks: parameters equal the correct loop's",
+        ["step() ran after every micro-batch", "Step once"], ["zero_grad once"]),
     "15 balanced by parameter count": (
         "15", [("load[result[i]] += params[i].numel()", "load[result[i]] += 1")],
         "owners: torch's ZeroRedundancyOptimizer's partition", ["number of parameters"], []),
 }
 NAMED_ROUNDS = rounds_of(NAMED)
+# A later check whose message must hold the same words as the first FAIL's
+NAMED_ALSO = {"03 all_reduce of a new tensor": "3 ranks: every rank holds the same bits"}
 
 
 @pytest.mark.slow
@@ -554,3 +595,20 @@ def test_a_wrong_solution_is_named_for_what_it_is(tmp_path, names):
         for k in failed:
             later = lines[k + 1] if k + 1 < len(lines) else ""
             assert not any(w in later for w in absent), f"{name}: {later!r} holds one of {absent}"
+        if name in NAMED_ALSO:
+            [k] = [k for k in failed if NAMED_ALSO[name] in lines[k]]
+            assert all(w in lines[k + 1] for w in words), f"{name}: {lines[k + 1]!r}"
+
+
+@pytest.mark.slow
+def test_an_average_by_reduce_op_avg_is_named(tmp_path):
+    """gloo's ReduceOp.AVG (torch 2.8 on) sums, then divides: the grader says so, since the
+    learner wrote no division."""
+    done = grade(*with_round(["03 divides after the sum"], tmp_path, {"03 divides after the sum": (
+        "03", [(SCALE_03, "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n")],
+        None, None, None)}))
+    if re.search(r"raised: .*AVG", unwrapped(done.stdout)):
+        pytest.skip("this torch's gloo has no ReduceOp.AVG")
+    assert done.returncode == 1, done.stdout + done.stderr
+    first_failure(sections(done.stdout)["03"], "AVG", WHICH_03,
+                  ["You divided the sum by world_size", "ReduceOp.AVG", "default op, SUM"])
