@@ -54,7 +54,7 @@ refuses two ranks on one GPU.
 What you will see: how the ranks were started and their process ids, the result of each
 collective with the value it was checked against, a small table of costs (a 4-byte call measures
 latency, a 4 MiB call bandwidth), the ring by hand equal to all_reduce, then (on 3 ranks) the
-summation order of each chunk and the bits it gives, and ``OK: ...``. A few seconds.
+summation order of each chunk and the bits it gives, and ``OK: ...``. About 10 s.
 """
 
 import argparse

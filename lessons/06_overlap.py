@@ -82,7 +82,7 @@ each run, how many gradients became ready while an all_reduce was in flight (in 
 and in the staggered ones), "the trace ... shows each of the buckets ...", the timeline of one
 step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png`` (the
 order of events, not a speed-up: on a CPU with gloo the overlapped step can be the slower one),
-the same check at 3 ranks, and ``OK: ...``. A few seconds.
+the same check at 3 ranks, and ``OK: ...``. About 15 s.
 """
 
 import argparse
@@ -498,7 +498,7 @@ def main():
     parser.add_argument("--nproc", type=int, default=2,
                         help="ranks to fork (ignored under torchrun, which sets its own)")
     parser.add_argument("--trace", action="store_true",
-                        help="print one backward event by event, every rank side by side")
+                        help="print one backward event by event, rank after rank")
     args = parser.parse_args()
     buckets, steps = launch(on_every_rank, args.nproc, (args.trace,))[0]
     if not launched_by_torchrun() and args.nproc != 3:

@@ -51,7 +51,7 @@ loop's); the largest difference from the one-process oracle (about 1e-7, not 0: 
 ``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs
 and on the wrapper by hand (and its variant read at backward, the other way round); the second
 trap, the same on both DDPs, with one sentence for the warning torch prints from C++ there; and
-``OK: ...``. A few seconds.
+``OK: ...``. About 10 s.
 """
 
 import argparse

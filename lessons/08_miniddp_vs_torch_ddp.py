@@ -56,7 +56,7 @@ the same buffers in the same order.
 What you will see: the buckets before and after the rebuild, the loss falling, "equal bit for
 bit after every step" for the plain model and for a model with BatchNorm and unused heads, the
 error both DDPs raise without ``find_unused_parameters``, BatchNorm statistics before and after
-the broadcast, the two controls at 2 ranks and again at 3, and ``OK: ...``. A few seconds.
+the broadcast, the two controls at 2 ranks and again at 3, and ``OK: ...``. About 15 s.
 """
 
 import argparse

@@ -17,8 +17,8 @@ The two 16-bit formats differ where it matters:
 * **fp16** has 11 bits of mantissa but only 5 of exponent: its normal numbers stop at 6.1e-5;
   below that, subnormal numbers keep ever fewer significant bits down to 6e-8, the smallest it
   holds, and a gradient of 1e-8 rounds to zero (it underflows). ``torch.amp.GradScaler`` multiplies
-  the loss by a
-  large scale (65536 at first) so that the gradients computed in fp16 stay representable, divides
+  the loss by a large scale (by default 65536 at first; the training below starts at 2**20, so
+  that a skipped step shows) so that the gradients computed in fp16 stay representable, divides
   the fp32 ``.grad`` by it before ``optimizer.step``, and skips the step (halving the scale) if
   any gradient is inf or NaN. With DDP every rank holds the same averaged gradients when the
   scaler looks at them, so every rank makes the same decision without an extra collective.
@@ -260,7 +260,8 @@ def on_every_rank():
         if r["scale"] is not None:
             everyone = [None] * world
             dist.all_gather_object(everyone, (r["skipped"], r["scale"]))
-            print0(f"  GradScaler from {INIT_SCALE:.0f}: {r['skipped']} step(s) skipped for "
+            print0(f"  GradScaler from {INIT_SCALE:.0f} (2**20, above torch's default 2**16, so "
+                   f"that a back-off shows here): {r['skipped']} step(s) skipped for "
                    f"inf/NaN gradients, scale now {r['scale']:.0f}, on every rank alike")
             check(len(set(everyone)) == 1, f"the ranks' scalers disagree (skipped steps, scale "
                                            f"by rank: {everyone}): the ranks' models diverged")
