@@ -399,8 +399,8 @@ def sampler_task():
                         return (f"rank {rank}: rank_indices({n}, {world}, {rank}, epoch={epoch}, "
                                 f"seed={seed}, shuffle={shuffle}, drop_last={drop_last}) "
                                 f"returned {list(got)}, torch's sampler gives {expected}"
-                                + sampler_mistake(list(got), n, world, rank, epoch, seed,
-                                                  shuffle, drop_last))
+                                + sampler_mistake(write, list(got), n, world, rank, epoch,
+                                                  seed, shuffle, drop_last))
     return cases
 
 
@@ -411,13 +411,20 @@ def torch_indices(n, world, rank, epoch, seed, shuffle, drop_last) -> list[int]:
     return list(sampler)
 
 
-def sampler_mistake(got, n, world, rank, epoch, seed, shuffle, drop_last) -> str:
+def sampler_mistake(write, got, n, world, rank, epoch, seed, shuffle, drop_last) -> str:
     """Name a wrong answer that is another epoch's or seed's order (the generator seeded with
-    only one of them), or the right order cut the wrong way: a contiguous block."""
+    only one of them), or the right order cut the wrong way: a contiguous block.
+
+    An order is recognized on this case and on a 64-sample dataset too: with a handful of
+    samples, two seeds often give the same permutation."""
+    def gives(e, s):
+        return all(list(write(size, world, rank, epoch, seed, shuffle, drop_last))
+                   == torch_indices(size, world, rank, e, s, shuffle, drop_last)
+                   for size in (n, 64))
+
     ignored = [(said, what) for said, what, e, s in (("epoch 0's", "the epoch", 0, seed),
                                                        ("seed 0's", "the seed", epoch, 0))
-               if shuffle and (e, s) != (epoch, seed)
-               and got == torch_indices(n, world, rank, e, s, shuffle, drop_last)]
+               if shuffle and (e, s) != (epoch, seed) and gives(e, s)]
     if ignored:
         return (f". Yours is {' or '.join(said for said, _ in ignored)} order: the shuffle "
                 f"ignores {' or '.join(what for _, what in ignored)}. Seed the generator with "

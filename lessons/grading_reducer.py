@@ -233,8 +233,9 @@ def reducer_task(steps: int = 3):
         launched = [flats.index(ptr) if ptr in flats else -1 for _, ptr, _ in spy.calls]
         if launched != list(range(len(flats))):
             report["order"].append((s, launched))
-        if len(launched) < len(flats):
-            report["unlaunched"][s] = [k for k in range(len(flats)) if k not in launched]
+        never = sorted(set(range(len(flats))) - set(launched))
+        if never:  # with the gradients each bucket still missed at the end of backward
+            report["unlaunched"][s] = (never, list(reducer.missing))
         if torch_step and s > 0 and (not spy.calls or spy.calls[0][2] >= n):
             report["late"].append(s)
         report["early_wait"] += [k for k in spy.waits if k < n]
@@ -251,8 +252,12 @@ def grade_06(steps: int = 3):
     no_finish = sorted({s for r in reports for s in r["no_finish"] if s < first_unreset})
     # the first backward without _finish: did it launch every bucket? (later ones start from
     # the state it left)
-    unlaunched = next(((s, r["layouts"].get(s), r["unlaunched"][s]) for r in reports
+    unlaunched = next(((s, r["layouts"].get(s), *r["unlaunched"][s]) for r in reports
                        for s in no_finish[:1] if s in r["unlaunched"]), None)
+    # every bucket complete, the first launched, a later one not: the hook launched only the
+    # bucket that had just completed, not the complete ones waiting behind it
+    held_back = (unlaunched is not None and 0 not in unlaunched[2]
+                 and not any(unlaunched[3]))
     yield (not no_finish, "_finish runs at the end of every backward",
            f"at steps {no_finish} no 'backward_end' was recorded. " + (
                f"At step {unlaunched[0]}" + (f" (buckets set to {unlaunched[1]})"
@@ -261,7 +266,11 @@ def grade_06(steps: int = 3):
                "last bucket's launch, never ran: a bucket that completes before the ones ahead of "
                "it must wait for them, and be launched with them. When a bucket completes, "
                "launch every complete bucket from the next unlaunched one on, in a loop, not "
-               "just the one that completed" if unlaunched else
+               "just the one that completed" if held_back else
+               f"At step {unlaunched[0]} buckets {unlaunched[2]} were never launched (gradients "
+               f"each bucket still missed at the end of backward: {unlaunched[3]}), and _finish, "
+               "queued at the last bucket's launch, never ran: count each gradient into its "
+               "bucket, and launch a bucket once it misses none" if unlaunched else
                "_finish never ran: no bucket was waited for or copied back. Queue it on the "
                "autograd engine with torch.autograd.Variable._execution_engine.queue_callback "
                "once the last bucket is launched"))

@@ -561,6 +561,9 @@ NAMED = {
                 "            k = b\n")],
         "_finish runs at the end of every backward",
         ["buckets set to", "were never launched", "in a loop"], ["Queue it on the autograd"]),
+    "06 never counts a gradient in": (
+        "06", [("        self.missing[b] -= 1\n", "")], "_finish runs at the end of every backward",
+        ["were never launched", "count each gradient"], ["in a loop"]),
     "06 never waits: the bits blame the wait": (
         "06", [(WAIT_06, "")], "every launched all_reduce is waited for", ["never waited for"],
         ["reciprocal", "scaling"]),
