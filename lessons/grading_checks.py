@@ -561,43 +561,31 @@ def grade_05():
 
 # ----- 07: no_sync -----
 
-def reference_step(ddp, optimizer, micro_batches):
+def reference_step(ddp, optimizer, micro_batches, zero_grad_each=False, step_each=False):
+    """One step from k micro-batches: the first k - 1 inside no_sync, each loss divided by k,
+    zero_grad once before and one step after. ``zero_grad_each`` and ``step_each`` make it a
+    wrong loop a learner may write: .grad cleared before every micro-batch (only the last one's
+    is left), or a step after every micro-batch (the first k - 1 on unsynchronized gradients)."""
     k = len(micro_batches)
     optimizer.zero_grad()
     for j, (x, y) in enumerate(micro_batches):
+        if zero_grad_each:
+            optimizer.zero_grad()
         with ddp.no_sync() if j < k - 1 else nullcontext():
             (F.mse_loss(ddp(x), y) / k).backward()
+        if step_each and j < k - 1:
+            optimizer.step()
     optimizer.step()
 
 
-def zero_grad_each(ddp, optimizer, micro_batches):
-    """A wrong loop: .grad cleared before every micro-batch, so only the last one's is left."""
-    k = len(micro_batches)
-    for j, (x, y) in enumerate(micro_batches):
-        optimizer.zero_grad()
-        with ddp.no_sync() if j < k - 1 else nullcontext():
-            (F.mse_loss(ddp(x), y) / k).backward()
-    optimizer.step()
-
-
-def step_each(ddp, optimizer, micro_batches):
-    """A wrong loop: a step after every micro-batch, the first k - 1 on unsynchronized
-    gradients."""
-    k = len(micro_batches)
-    optimizer.zero_grad()
-    for j, (x, y) in enumerate(micro_batches):
-        with ddp.no_sync() if j < k - 1 else nullcontext():
-            (F.mse_loss(ddp(x), y) / k).backward()
-        optimizer.step()
-
-
-#: Wrong loops the grader recognizes by their first step, and what to say of each
+#: Wrong loops the grader recognizes by their first step (``reference_step``'s flag for each),
+#: and what to say of each
 WRONG_LOOPS_07 = {
-    zero_grad_each: "optimizer.zero_grad() ran before every micro-batch, so the step used only "
-                    "the last micro-batch's gradient. Call it once, before the first, so that "
-                    ".grad accumulates over all k",
-    step_each: "optimizer.step() ran after every micro-batch, the first k - 1 times on "
-               "gradients no rank had averaged. Step once, after the last micro-batch",
+    "zero_grad_each": "optimizer.zero_grad() ran before every micro-batch, so the step used "
+                      "only the last micro-batch's gradient. Call it once, before the first, so "
+                      "that .grad accumulates over all k",
+    "step_each": "optimizer.step() ran after every micro-batch, the first k - 1 times on "
+                 "gradients no rank had averaged. Step once, after the last micro-batch",
 }
 
 
@@ -642,7 +630,8 @@ def no_sync_task(k: int = 3, steps: int = 3):
         b = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
         if s == 0:  # the wrong loops' first steps, from the same start, on every rank
             for loop, model in wrong_loops.items():
-                loop(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9), micro)
+                reference_step(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
+                               micro, **{loop: True})
                 if report["wrong_loop"] is None and torch.allclose(a, torch.cat(
                         [p.detach().reshape(-1) for p in model.parameters()])):
                     report["wrong_loop"] = WRONG_LOOPS_07[loop]
