@@ -244,36 +244,39 @@ def reducer_task(steps: int = 3):
     return report
 
 
+def why_no_finish(reports: list[dict], first: list[int]) -> str:
+    """Why the first backward without _finish (``first``: its step, or nothing) had none: its
+    buckets were all launched (then _finish was never queued), or some never were. Later
+    backwards start from the state it left, so they say nothing more."""
+    unlaunched = next(((s, r["layouts"].get(s), *r["unlaunched"][s]) for r in reports
+                       for s in first if s in r["unlaunched"]), None)
+    if unlaunched is None:
+        return ("_finish never ran: no bucket was waited for or copied back. Queue it on the "
+                "autograd engine with torch.autograd.Variable._execution_engine.queue_callback "
+                "once the last bucket is launched")
+    step, layout, never, missing = unlaunched
+    at = f"At step {step}" + (f" (buckets set to {layout})" if layout else "")
+    if 0 not in never and not any(missing):  # every bucket complete, a later one not launched
+        return (f"{at} buckets {never} were never launched, and _finish, queued at the last "
+                "bucket's launch, never ran: a bucket that completes before the ones ahead of "
+                "it must wait for them, and be launched with them. When a bucket completes, "
+                "launch every complete bucket from the next unlaunched one on, in a loop, not "
+                "just the one that completed")
+    return (f"{at} buckets {never} were never launched (gradients each bucket still missed at "
+            f"the end of backward: {missing}), and _finish, queued at the last bucket's launch, "
+            "never ran: count each gradient into its bucket, and launch a bucket once it "
+            "misses none")
+
+
 def grade_06(steps: int = 3):
     by_world = {world: on_ranks(world, reducer_task, steps) for world in (2, 3)}
     reports = [r for results in by_world.values() for r in results]
     not_reset = min((r["not_reset"][0] for r in reports if r["not_reset"]), default=None)
     first_unreset = not_reset[0] if not_reset else 99  # what follows it is its consequence
     no_finish = sorted({s for r in reports for s in r["no_finish"] if s < first_unreset})
-    # the first backward without _finish: did it launch every bucket? (later ones start from
-    # the state it left)
-    unlaunched = next(((s, r["layouts"].get(s), *r["unlaunched"][s]) for r in reports
-                       for s in no_finish[:1] if s in r["unlaunched"]), None)
-    # every bucket complete, the first launched, a later one not: the hook launched only the
-    # bucket that had just completed, not the complete ones waiting behind it
-    held_back = (unlaunched is not None and 0 not in unlaunched[2]
-                 and not any(unlaunched[3]))
     yield (not no_finish, "_finish runs at the end of every backward",
-           f"at steps {no_finish} no 'backward_end' was recorded. " + (
-               f"At step {unlaunched[0]}" + (f" (buckets set to {unlaunched[1]})"
-                                             if unlaunched[1] else "")
-               + f" buckets {unlaunched[2]} were never launched, and _finish, queued at the "
-               "last bucket's launch, never ran: a bucket that completes before the ones ahead of "
-               "it must wait for them, and be launched with them. When a bucket completes, "
-               "launch every complete bucket from the next unlaunched one on, in a loop, not "
-               "just the one that completed" if held_back else
-               f"At step {unlaunched[0]} buckets {unlaunched[2]} were never launched (gradients "
-               f"each bucket still missed at the end of backward: {unlaunched[3]}), and _finish, "
-               "queued at the last bucket's launch, never ran: count each gradient into its "
-               "bucket, and launch a bucket once it misses none" if unlaunched else
-               "_finish never ran: no bucket was waited for or copied back. Queue it on the "
-               "autograd engine with torch.autograd.Variable._execution_engine.queue_callback "
-               "once the last bucket is launched"))
+           f"at steps {no_finish} no 'backward_end' was recorded. "
+           + why_no_finish(reports, no_finish[:1]))
     if no_finish:
         return
     again = min(((s, n) for r in reports for s, n in r["finish_calls"].items()
