@@ -260,9 +260,9 @@ def on_every_rank():
         if r["scale"] is not None:
             everyone = [None] * world
             dist.all_gather_object(everyone, (r["skipped"], r["scale"]))
-            print0(f"  GradScaler from {INIT_SCALE:.0f} (2**20, above torch's default 2**16, so "
-                   f"that a back-off shows here): {r['skipped']} step(s) skipped for "
-                   f"inf/NaN gradients, scale now {r['scale']:.0f}, on every rank alike")
+            print0(f"  GradScaler from {INIT_SCALE:.0f}: {r['skipped']} step(s) skipped for "
+                   f"inf/NaN gradients, scale now {r['scale']:.0f}, on every rank alike\n"
+                   "  (it starts at 2**20, above torch's default 2**16, so that a back-off shows)")
             check(len(set(everyone)) == 1, f"the ranks' scalers disagree (skipped steps, scale "
                                            f"by rank: {everyone}): the ranks' models diverged")
         check(r["out_dtype"] == dtype, f"{name}: the output is {r['out_dtype']}, expected "
