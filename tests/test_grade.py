@@ -267,6 +267,7 @@ def test_a_crash_shows_the_learners_line_and_next_keeps_the_flags(tmp_path):
 # ----- wrong solutions of each class the grader must catch, several of each -----
 # Each: (exercise, [(text in the solution, what replaces it), ...], the check whose FAIL line
 # must be the first, words the line after it must hold, words it must not hold).
+SCALE_03 = "        p.grad.mul_(1.0 / world_size)\n        dist.all_reduce(p.grad)\n"
 LOOP_03 = ("    for p in model.parameters():\n        if p.grad is None:\n            continue\n"
            "        p.grad.mul_(1.0 / world_size)\n        dist.all_reduce(p.grad)\n")
 
@@ -320,6 +321,9 @@ WRONG = {
                                         "dist.all_reduce(p.grad.clone())")],
                                 BITS_03, ["not rounding", "own gradient scaled, never summed"],
                                 ["rounds", "rounding-sized"]),
+    "03 all_reduce of a new tensor": (
+        "03", [(SCALE_03, "        g = p.grad * (1.0 / world_size)\n        dist.all_reduce(g)\n")],
+        BITS_03, ["did not write into p.grad"], ["rounds", "rounding-sized"]),
     "03 scaled twice": ("03", [("        dist.all_reduce(p.grad)\n",
                                 "        dist.all_reduce(p.grad)\n"
                                 "        p.grad.mul_(1.0 / world_size)\n")],
@@ -402,6 +406,7 @@ def rounds_of(cases: dict) -> list[list[str]]:
 ROUNDS = rounds_of(WRONG)
 # Later FAIL lines whose message must hold the same words (and not the absent ones) as the first
 ALSO = {"03 sum, not the mean": WHICH_03, "03 all_reduce of a copy": WHICH_03,
+        "03 all_reduce of a new tensor": "3 ranks: every rank holds the same bits",
         "03 scaled twice": WHICH_03}
 
 
@@ -475,7 +480,6 @@ def test_other_right_solutions_pass(tmp_path):
 # ----- wrong solutions the grader once misnamed or let pass: each now named for what it is -----
 # Each: (exercise, edits, the check whose FAIL line must be the first, words the line after it
 # must hold, words no FAIL line's message may hold).
-SCALE_03 = "        p.grad.mul_(1.0 / world_size)\n        dist.all_reduce(p.grad)\n"
 NAMED = {
     "03 divides before the sum": (
         "03", [("p.grad.mul_(1.0 / world_size)", "p.grad.div_(world_size)")], WHICH_03,
@@ -544,9 +548,6 @@ NAMED = {
         "2 ranks: parameters equal the correct loop's",
         ["3 times the right one", "Divide each micro-batch's loss by k"],
         ["zero_grad once"]),
-    "03 all_reduce of a new tensor": (
-        "03", [(SCALE_03, "        g = p.grad * (1.0 / world_size)\n        dist.all_reduce(g)\n")],
-        BITS_03, ["did not write into p.grad"], ["rounds", "rounding-sized"]),
     "04 the shuffle ignores the epoch": (
         "04", [("        g.manual_seed(seed + epoch)", "        g.manual_seed(seed)")],
         "every rank's indices equal torch's", ["epoch 0's order", "ignores the epoch",
@@ -582,8 +583,6 @@ NAMED = {
         "owners: torch's ZeroRedundancyOptimizer's partition", ["number of parameters"], []),
 }
 NAMED_ROUNDS = rounds_of(NAMED)
-# A later check whose message must hold the same words as the first FAIL's
-NAMED_ALSO = {"03 all_reduce of a new tensor": "3 ranks: every rank holds the same bits"}
 
 
 @pytest.mark.slow
@@ -598,20 +597,18 @@ def test_a_wrong_solution_is_named_for_what_it_is(tmp_path, names):
         for k in failed:
             later = lines[k + 1] if k + 1 < len(lines) else ""
             assert not any(w in later for w in absent), f"{name}: {later!r} holds one of {absent}"
-        if name in NAMED_ALSO:
-            [k] = [k for k in failed if NAMED_ALSO[name] in lines[k]]
-            assert all(w in lines[k + 1] for w in words), f"{name}: {lines[k + 1]!r}"
 
 
 @pytest.mark.slow
 def test_an_average_by_reduce_op_avg_is_named(tmp_path):
     """gloo's ReduceOp.AVG (torch 2.8 on) sums, then divides: the grader says so, since the
     learner wrote no division."""
-    done = grade(*with_round(["03 divides after the sum"], tmp_path, {"03 divides after the sum": (
-        "03", [(SCALE_03, "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n")],
-        None, None, None)}))
+    case = {"03 ReduceOp.AVG": (
+        "03", [(SCALE_03, "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n")], WHICH_03,
+        ["You divided the sum by world_size", "ReduceOp.AVG", "default op, SUM"], [])}
+    done = grade(*with_round(list(case), tmp_path, case))
     if re.search(r"raised: .*AVG", unwrapped(done.stdout)):
         pytest.skip("this torch's gloo has no ReduceOp.AVG")
     assert done.returncode == 1, done.stdout + done.stderr
-    first_failure(sections(done.stdout)["03"], "AVG", WHICH_03,
-                  ["You divided the sum by world_size", "ReduceOp.AVG", "default op, SUM"])
+    _, _, check, words, _ = case["03 ReduceOp.AVG"]
+    first_failure(sections(done.stdout)["03"], "03 ReduceOp.AVG", check, words)
