@@ -158,18 +158,20 @@ def _avg_in_fp16(world_size):
     return 1, world_size
 
 
+def _all_reduce_mean(flat, group):
+    """The average of every rank's ``flat`` (gloo's reduce-scatter is this, then a slice)."""
+    world_size = dist.get_world_size(group)
+    summed = torch.cat([flat, flat.new_zeros(-flat.numel() % world_size)])
+    dist.all_reduce(summed, group=group)
+    return summed.div_(world_size)
+
+
 def _flat_layout(self, with_grad):
-    """FSDP1's layout: whole flattened gradients one after another, all-reduced, each rank
-    keeping its rows of each."""
-    world_size = with_grad[0][0].spec.world_size
+    """FSDP1's layout: whole flattened gradients one after another; each rank keeps its rows
+    of each."""
     dtype = with_grad[0][0].reduce_dtype or with_grad[0][1].dtype
-    flat = torch.cat([g.reshape(-1).to(dtype) for _, g in with_grad])
-    flat = torch.cat([flat, flat.new_zeros(-flat.numel() % world_size)])
-    whole = collectives.average(flat.view(world_size, -1).clone(), self.group)
-    del whole  # only to keep the same collectives; the real sum is below
-    summed = flat.clone()
-    dist.all_reduce(summed, group=self.group)
-    summed.div_(world_size)
+    summed = _all_reduce_mean(torch.cat([g.reshape(-1).to(dtype) for _, g in with_grad]),
+                              self.group)
     shards, offset = [], 0
     for p, g in with_grad:
         full = summed[offset:offset + g.numel()].view(g.shape).to(p.orig_dtype)
@@ -179,22 +181,21 @@ def _flat_layout(self, with_grad):
 
 
 def _no_padding(self, with_grad):
-    """Each rank's row of the buffer holds its chunks unpadded, back to back, with the padding
-    only at the end of the row."""
+    """Rank-major, but each chunk unpadded: rank r's chunks sit back to back after rank r-1's,
+    so that the buffer's rows no longer line up with the ranks."""
     world_size = with_grad[0][0].spec.world_size
     dtype = with_grad[0][0].reduce_dtype or with_grad[0][1].dtype
-    rows = [torch.cat([g.reshape(g.shape[0], -1)[p.spec.chunk_rows * r:][: p.spec.chunk_rows]
-                       .reshape(-1) for p, g in with_grad]) for r in range(world_size)]
-    width = max(row.numel() for row in rows)
-    buffer = torch.zeros(world_size, width, dtype=dtype)
-    for r, row in enumerate(rows):
-        buffer[r, : row.numel()] = row
-    output = collectives.average(buffer, self.group)
+    pieces = [(r, p, g.narrow(0, min(r * p.spec.chunk_rows, g.shape[0]),
+                              replace(p.spec, rank=r).rows))
+              for r in range(world_size) for p, g in with_grad]
+    summed = _all_reduce_mean(torch.cat([c.reshape(-1).to(dtype) for _, _, c in pieces]),
+                              self.group)
     shards, offset = [], 0
-    for p, _ in with_grad:
-        n = p.spec.local_shape.numel()
-        shards.append(output[offset:offset + n].view(p.spec.local_shape).to(p.orig_dtype))
-        offset += n
+    for r, p, chunk in pieces:
+        if r == p.spec.rank:
+            shards.append(summed[offset:offset + chunk.numel()].view(chunk.shape)
+                          .to(p.orig_dtype))
+        offset += chunk.numel()
     return shards
 
 
@@ -266,3 +267,140 @@ def test_each_bit_deciding_detail_broken_differs_from_torch_at_3_ranks(ranks):
     cases = [Case(breakage="scale_before_sum"), Case(breakage="flat_layout"),
              Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16")]
     check_all_differ(ranks(3).run(beside_torch, cases, timeout=120), cases)
+
+
+# ----- what a sharded model looks like, and its memory -----
+
+def _layout_facts() -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    miniddp.fully_shard(model.blocks[0])
+    miniddp.fully_shard(model.blocks[1], reshard_after_forward=False)
+    miniddp.fully_shard(model.blocks[2])
+    miniddp.fully_shard(model)
+    facts = {
+        "names": [n for n, _ in model.named_parameters()],
+        "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
+        "sharded": all(isinstance(p, miniddp.fsdp.ShardedParameter)
+                       for p in model.parameters()),
+        "full_tensor_equal": all(torch.equal(p.full_tensor(), full[n])
+                                 for n, p in model.named_parameters()),
+        "to_local_plain": all(type(p.to_local()) is torch.Tensor for p in model.parameters()),
+        "class": type(model).__name__,
+    }
+    model(torch.randn(4, 12)).sum().backward()  # first forward: model becomes the root
+    x = torch.randn(4, 12)
+    out = model(x)
+    facts["after_forward"] = {name: type(module.weight).__name__ for name, module in
+                              [("block0", model.blocks[0].lin), ("block1", model.blocks[1].lin),
+                               ("root", model.head)]}
+    facts["block0_storage"] = model.blocks[0]._fsdp_state.group.params[0].unsharded \
+        .untyped_storage().size()
+    out.sum().backward()
+    facts["after_backward_sharded"] = all(isinstance(p, miniddp.fsdp.ShardedParameter)
+                                          for p in model.parameters())
+    facts["grad_shapes_match"] = all(p.grad.shape == p.shape for p in model.parameters())
+    facts["grad_full_tensor_shape"] = tuple(model.blocks[0].lin.weight.grad.full_tensor().shape)
+    model.blocks[0].unshard()
+    facts["unshard_method"] = tuple(model.blocks[0].lin.weight.shape)
+    model.blocks[0].reshard()
+    facts["reshard_method"] = tuple(model.blocks[0].lin.weight.shape)
+    return facts
+
+
+def test_parameters_keep_their_names_and_hold_torch_chunks_cut(ranks):
+    facts = ranks(3).run(_layout_facts)
+    names = [n for n, _ in Net().named_parameters()]
+    for rank, f in enumerate(facts):
+        assert f["names"] == names and f["sharded"] and f["class"] == "FSDPNet"
+        assert f["full_tensor_equal"] and f["to_local_plain"]
+        # torch.chunk of 31 rows in 3: 11, 11, 9; of 2 rows: 1, 1 and none
+        assert f["shapes"]["blocks.0.lin.weight"] == ((11, 12), (11, 12), (9, 12))[rank]
+        assert f["shapes"]["blocks.2.lin.weight"] == ((1, 17), (1, 17), (0, 17))[rank]
+        assert f["shapes"]["head.bias"] == ((2,), (2,), (1,))[rank]
+
+
+def test_zero3_frees_after_forward_zero2_and_the_root_keep_parameters_gathered(ranks):
+    for f in ranks(3).run(_layout_facts):
+        assert f["after_forward"] == {"block0": "ShardedParameter", "block1": "Parameter",
+                                      "root": "Parameter"}
+        assert f["block0_storage"] == 0
+        assert f["after_backward_sharded"] and f["grad_shapes_match"]
+        assert f["grad_full_tensor_shape"] == (31, 12)
+        assert f["unshard_method"] == (31, 12) and f["reshard_method"][0] in (9, 11)
+
+
+def _no_sync_facts() -> dict:
+    counted = {"calls": 0}
+    right = collectives.average
+
+    def counting(buffer, group=None):
+        counted["calls"] += 1
+        return right(buffer, group)
+
+    collectives.average = counting
+    try:
+        torch.manual_seed(0)
+        model = shard_model(Net(), miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), Case())
+        model.set_requires_gradient_sync(False)
+        model(torch.randn(4, 12)).sum().backward()
+        without = counted["calls"], [p.grad for p in model.parameters()].count(None)
+        model.set_requires_gradient_sync(True)
+        model(torch.randn(4, 12)).sum().backward()
+        return {"without_sync": without, "with_sync": counted["calls"] - without[0]}
+    finally:
+        collectives.average = right
+
+
+def test_no_gradient_sync_means_no_reduce_scatter(ranks):
+    for f in ranks(2).run(_no_sync_facts):
+        assert f["without_sync"] == (0, 8)  # no collective, no sharded gradient yet
+        assert f["with_sync"] == 4  # one reduce-scatter per unit: three blocks and the root
+
+
+def _state_dict_facts() -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    original = copy.deepcopy(model.state_dict())
+    shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), Case())
+    saved = miniddp.fsdp.full_state_dict(model)
+    facts = {"saved_equal": all(torch.equal(saved[k], original[k]) for k in original)
+             and saved.keys() == original.keys()}
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(4, 12)).pow(2).mean().backward()
+    opt.step()
+    trained = miniddp.fsdp.full_state_dict(model)
+    torch.manual_seed(1)
+    fresh = shard_model(Net(), miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), Case())
+    miniddp.fsdp.load_full_state_dict(fresh, trained)
+    facts["loaded_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in
+                                zip(fresh.parameters(), model.parameters()))
+    facts["changed"] = not torch.equal(trained["head.weight"], original["head.weight"])
+    unsharded = Net()
+    unsharded.load_state_dict(trained)
+    facts["loads_unsharded"] = True
+    return facts
+
+
+def test_full_state_dict_gathers_on_save_and_cuts_on_load(ranks):
+    for f in ranks(3).run(_state_dict_facts):
+        assert f == {"saved_equal": True, "loaded_equal": True, "changed": True,
+                     "loads_unsharded": True}
+
+
+def _ignored_facts() -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    kept = model.head.weight
+    miniddp.fully_shard(model, ignored_params={kept})
+    model(torch.randn(4, 12) * (1 + dist.get_rank())).sum().backward()
+    return {"same_object": model.head.weight is kept, "shape": tuple(kept.shape),
+            "grad": kept.grad.clone(), "bias_sharded": isinstance(
+                model.head.bias, miniddp.fsdp.ShardedParameter)}
+
+
+def test_ignored_params_are_neither_sharded_nor_reduced(ranks):
+    facts = ranks(2).run(_ignored_facts)
+    assert all(f["same_object"] and f["shape"] == (5, 2) and f["bias_sharded"] for f in facts)
+    assert not torch.equal(facts[0]["grad"], facts[1]["grad"])  # each rank's own gradient
