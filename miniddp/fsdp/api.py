@@ -103,10 +103,11 @@ def _check_arguments(module, mesh, reshard_after_forward, offload_policy) -> Non
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}: "
                          "apply it once per module.")
-    if mesh is not None:
+    if mesh is not None and not _is_the_whole_world(mesh):
         raise NotImplementedError(
-            "miniddp.fully_shard shards over the default process group only: leave mesh=None "
-            "(torch's default mesh is the same group; 2-D meshes, HSDP, are not supported).")
+            f"miniddp.fully_shard shards over the default process group only, not over {mesh}: "
+            "leave mesh=None, or pass a 1-D mesh of every rank in order (2-D meshes, HSDP, and "
+            "subgroups are not supported).")
     if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):
         raise NotImplementedError(
             f"reshard_after_forward={reshard_after_forward!r}: miniddp supports True (ZeRO-3), "
@@ -116,6 +117,13 @@ def _check_arguments(module, mesh, reshard_after_forward, offload_policy) -> Non
         raise NotImplementedError(
             f"offload_policy={offload_policy!r}: miniddp does not offload parameters to the "
             "CPU. Leave offload_policy=None.")
+
+
+def _is_the_whole_world(mesh) -> bool:
+    """A 1-D device mesh of ranks 0..W-1: the default group, which is torch's default mesh."""
+    ranks = getattr(mesh, "mesh", None)
+    return (getattr(mesh, "ndim", None) == 1 and isinstance(ranks, torch.Tensor)
+            and ranks.tolist() == list(range(dist.get_world_size())))
 
 
 def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
