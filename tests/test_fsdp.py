@@ -404,3 +404,29 @@ def test_ignored_params_are_neither_sharded_nor_reduced(ranks):
     facts = ranks(2).run(_ignored_facts)
     assert all(f["same_object"] and f["shape"] == (5, 2) and f["bias_sharded"] for f in facts)
     assert not torch.equal(facts[0]["grad"], facts[1]["grad"])  # each rank's own gradient
+
+
+# ----- the benchmark, smoke-tested -----
+
+@pytest.mark.slow
+@needs_torch_fsdp2
+def test_the_benchmark_runs_checks_bits_and_saves_its_results(tmp_path, monkeypatch):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    monkeypatch.delitem(sys.modules, "fsdp", raising=False)
+    import fsdp as benchmark
+
+    result = benchmark.main(["--quick", "--device", "cpu", "--world-size", "3", "--pairs", "2",
+                             "--out", str(tmp_path)])
+    saved = (tmp_path / "fsdp-cpu-ws3.json").read_text()
+    assert '"bit_identical": true' in saved
+    run = result["runs"][0]
+    assert run["world_size"] == 3 and len(run["step"]["miniddp"]["times_ms"]) == 2
+    assert run["step"]["miniddp"]["ratio"] > 0
+    # ZeRO-3 at 3 ranks: a rank holds about a third of the unsharded parameters and gradients
+    whole = 2 * run["model"]["gradient_mb"]
+    assert len(run["memory_mib_per_rank"]["miniddp"]) == 3
+    assert max(run["memory_mib_per_rank"]["miniddp"]) < whole / 2
+    assert run["memory_mib_per_rank"]["miniddp"] == run["memory_mib_per_rank"]["torch"]
