@@ -115,7 +115,7 @@ def measure(setup: harness.Setup) -> dict:
                                            device=harness.collective_device(device)))
     full = blocks_model(setup, torch.device("cpu"))
     return {"model": harness.model_info(full), **harness.rank_facts(device),
-            "world_size": setup.world_size, "bit_identical": True,
+            "world_size": setup.world_size, "backend": setup.backend, "bit_identical": True,
             "step": harness.summarize(times, baseline="torch"),
             "memory_kind": "cuda allocator peak in one step" if device.type == "cuda"
             else "bytes at rest: parameter and gradient shards, optimizer state",
@@ -156,13 +156,14 @@ def main(argv=None) -> dict:
     if torch_fully_shard is None:
         raise SystemExit("this torch has no FSDP2 (fully_shard) to compare with")
     base = harness.setups("fsdp", args)[0]
-    if base.device == "cuda":
-        sizes = [args.world_size or torch.cuda.device_count()]
+    gpus = torch.cuda.device_count() if base.device == "cuda" else 0
+    if gpus:
+        sizes = [args.world_size or gpus]
     else:
         sizes = [args.world_size] if args.world_size else list(CPU_WORLD_SIZES)
     runs, env = [], harness.environment()
     for world_size in sizes:
-        backend = "nccl" if base.device == "cuda" else "gloo"
+        backend = args.backend or ("nccl" if 0 < world_size <= gpus else "gloo")
         setup = harness.Setup(**{**asdict(base), "world_size": world_size, "backend": backend,
                                  "launcher": "fork"})
         print0(f"== fsdp: {setup.device}, {backend}, {world_size} ranks")
@@ -171,7 +172,7 @@ def main(argv=None) -> dict:
     env["load_average_after"] = list(os.getloadavg())
     result = {"benchmark": "fsdp", "setup": asdict(base), "device": base.device,
               "machine": env, "model": runs[0]["model"], "runs": runs}
-    tag = f"fsdp-{base.device}-ws{'-'.join(map(str, sizes))}"
+    tag = f"fsdp-{base.device}-{runs[0]['backend']}-ws{'-'.join(map(str, sizes))}"
     if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
         return result
     args.out.mkdir(parents=True, exist_ok=True)

@@ -51,6 +51,7 @@ class Case:
     micro_batches: int = 1
     steps: int = 3
     breakage: str | None = None
+    device: str = "cpu"
 
     def __str__(self):
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != getattr(Case, k))
@@ -111,7 +112,7 @@ def count_differences(where, ours, theirs, problems):
 
 def _train_beside_torch(case: Case) -> list[str]:
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(case.device)
     if case.frozen:
         model.blocks[1].requires_grad_(False)
     reference = copy.deepcopy(model)
@@ -128,7 +129,7 @@ def _train_beside_torch(case: Case) -> list[str]:
             ours.set_requires_gradient_sync(last)
             theirs.set_requires_gradient_sync(last)
             gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-            x = torch.randn(8, 12, generator=gen)
+            x = torch.randn(8, 12, generator=gen).to(case.device)
             for model_ in (ours, theirs):
                 model_(x).float().pow(2).mean().backward()
             count_differences(f"step {step} micro {micro} grad",
@@ -260,6 +261,15 @@ def test_zero2_frozen_layer_and_accumulation_bit_identical_to_torch(ranks, world
                                          reduce_dtype="fp32", optimizer="adam"),
              Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False)]
     check_identical(ranks(world_size).run(beside_torch, cases, timeout=120), cases)
+
+
+@needs_torch_fsdp2
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
+def test_bit_identical_to_torch_with_parameters_on_a_gpu(ranks):
+    """Two gloo ranks sharing the GPU: the same arithmetic, in CUDA kernels."""
+    cases = [Case(device="cuda"), Case(device="cuda", param_dtype="bf16", optimizer="adam"),
+             Case(device="cuda", param_dtype="fp16", micro_batches=2)]
+    check_identical(ranks(2).run(beside_torch, cases, timeout=120), cases)
 
 
 @needs_torch_fsdp2
@@ -420,7 +430,7 @@ def test_the_benchmark_runs_checks_bits_and_saves_its_results(tmp_path, monkeypa
 
     result = benchmark.main(["--quick", "--device", "cpu", "--world-size", "3", "--pairs", "2",
                              "--out", str(tmp_path)])
-    saved = (tmp_path / "fsdp-cpu-ws3.json").read_text()
+    saved = (tmp_path / "fsdp-cpu-gloo-ws3.json").read_text()
     assert '"bit_identical": true' in saved
     run = result["runs"][0]
     assert run["world_size"] == 3 and len(run["step"]["miniddp"]["times_ms"]) == 2
