@@ -53,10 +53,15 @@ def blocks_model(setup: harness.Setup, device: torch.device) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(widths[-1], harness.OUT_FEATURES)).to(device)
 
 
-def sharded(model: nn.Module, shard) -> nn.Module:
+def sharded(model: nn.Module, shard, device: torch.device) -> nn.Module:
+    """Each block, then the root, over a 1-D mesh of every rank on ``device`` (torch's default
+    mesh is the GPU wherever there is one, even for a CPU run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in list(model)[:-1]:
-        shard(block)
-    shard(model)
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
     return model
 
 
@@ -93,10 +98,10 @@ def measure(setup: harness.Setup) -> dict:
     device = harness.rank_device(setup)
     rank = dist.get_rank()
     batches = harness.make_batches(setup, device, rank)
-    trainers = {"miniddp": harness.Trainer(sharded(blocks_model(setup, device),
-                                                   miniddp.fully_shard), batches),
-                "torch": harness.Trainer(sharded(blocks_model(setup, device),
-                                                 torch_fully_shard), batches)}
+    trainers = {name: harness.Trainer(sharded(blocks_model(setup, device), shard, device),
+                                      batches)
+                for name, shard in (("miniddp", miniddp.fully_shard),
+                                    ("torch", torch_fully_shard))}
     times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
                               label=f"fsdp ws{setup.world_size}")
     ours, theirs = (list(trainers[n].model.parameters()) for n in ("miniddp", "torch"))

@@ -81,11 +81,19 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def shard_model(model, shard, policy, case):
+def shard_model(model, shard, policy, case, **mesh):
     for block in model.blocks:
-        shard(block, reshard_after_forward=case.reshard_after_forward, mp_policy=policy)
-    shard(model, reshard_after_forward=case.reshard_after_forward, mp_policy=policy)
+        shard(block, reshard_after_forward=case.reshard_after_forward, mp_policy=policy, **mesh)
+    shard(model, reshard_after_forward=case.reshard_after_forward, mp_policy=policy, **mesh)
     return model
+
+
+def device_mesh(device: str):
+    """A 1-D mesh of every rank on ``device``: torch's default would be the GPU wherever there
+    is one, and move CPU parameters there."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device, (dist.get_world_size(),))
 
 
 def make_optimizer(model, name):
@@ -118,7 +126,8 @@ def _train_beside_torch(case: Case) -> list[str]:
     reference = copy.deepcopy(model)
     dtypes = dict(param_dtype=DTYPES[case.param_dtype], reduce_dtype=DTYPES[case.reduce_dtype])
     ours = shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(**dtypes), case)
-    theirs = shard_model(reference, torch_fully_shard, TorchPolicy(**dtypes), case)
+    theirs = shard_model(reference, torch_fully_shard, TorchPolicy(**dtypes), case,
+                         mesh=device_mesh(case.device))
     opt_ours, opt_theirs = make_optimizer(ours, case.optimizer), make_optimizer(theirs,
                                                                                 case.optimizer)
     problems: list[str] = []
@@ -264,7 +273,7 @@ def test_zero2_frozen_layer_and_accumulation_bit_identical_to_torch(ranks, world
 
 
 @needs_torch_fsdp2
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU here")
+@pytest.mark.skipif(torch.cuda.device_count() == 0, reason="no GPU here")  # NVML: no CUDA init
 def test_bit_identical_to_torch_with_parameters_on_a_gpu(ranks):
     """Two gloo ranks sharing the GPU: the same arithmetic, in CUDA kernels."""
     cases = [Case(device="cuda"), Case(device="cuda", param_dtype="bf16", optimizer="adam"),

@@ -182,7 +182,8 @@ class ParamGroup:
                        ) -> list[torch.Tensor]:
         """This rank's rows of the average of every rank's gradients, one tensor per parameter,
         in the parameters' dtype: one rank-major buffer in ``reduce_dtype``, whose row r holds
-        chunk r of every gradient, padded to its chunk size (torch's ``chunk_cat``)."""
+        chunk r of every gradient, padded to its chunk size (torch's ``chunk_cat``).
+        Empties ``with_grad``, so that the full gradients are freed before the collective."""
         world_size = with_grad[0][0].spec.world_size
         reduce_dtype = with_grad[0][0].reduce_dtype or with_grad[0][1].dtype
         params = [p for p, _ in with_grad]
@@ -191,10 +192,12 @@ class ParamGroup:
                              device=with_grad[0][1].device)
         offset = 0
         for (p, grad), width in zip(with_grad, widths):
-            padded = grad.new_zeros((world_size * p.spec.chunk_rows, *p.spec.full_shape[1:]))
-            padded[: p.spec.full_shape[0]].copy_(grad)
-            buffer[:, offset:offset + width].copy_(padded.view(world_size, width))
+            for rank in range(world_size):
+                rows = grad[p.spec.chunk_rows * rank:][: p.spec.chunk_rows].reshape(-1)
+                buffer[rank, offset:offset + rows.numel()].copy_(rows)
             offset += width
+        del grad
+        with_grad.clear()  # the caller's references to the full gradients: free them now
         output = collectives.average(buffer, self.group).to(self.params[0].orig_dtype)
         shards, offset = [], 0
         for p, width in zip(params, widths):
