@@ -133,3 +133,22 @@ class ShardedTensor(_ShardMethods, torch.Tensor):
 def world() -> tuple[int, int]:
     """(world size, rank) of the default process group."""
     return dist.get_world_size(), dist.get_rank()
+
+
+def _count_as_plain_tensors_for_foreach() -> None:
+    """torch's optimizers and ``clip_grad_norm_`` choose their multi-tensor (foreach) kernels
+    only for tensor types on a list, and torch puts DTensor on it: without this, an optimizer of
+    sharded parameters on a GPU would take the one-tensor-at-a-time path that torch's FSDP2 does
+    not, and round differently (seen with Adam in bf16 on CUDA)."""
+    import torch.optim.optimizer as optimizer_module
+    import torch.utils._foreach_utils as foreach_utils
+
+    for owner, types in ((optimizer_module, (ShardedParameter,)),
+                         (foreach_utils, (ShardedParameter, ShardedTensor))):
+        supported = getattr(owner, "_foreach_supported_types", None)
+        for kind in types if isinstance(supported, list) else ():
+            if kind not in supported:
+                supported.append(kind)
+
+
+_count_as_plain_tensors_for_foreach()
