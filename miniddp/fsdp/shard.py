@@ -182,11 +182,14 @@ def _count_as_plain_tensors_for_foreach() -> None:
     only for tensor types on a list, and torch puts DTensor on it: without this, an optimizer of
     sharded parameters on a GPU would take the one-tensor-at-a-time path that torch's FSDP2 does
     not, and round differently (seen with Adam in bf16 on CUDA)."""
-    import torch.optim.optimizer as optimizer_module
-    import torch.utils._foreach_utils as foreach_utils
+    import importlib
 
-    for owner, types in ((optimizer_module, (ShardedParameter,)),
-                         (foreach_utils, (ShardedParameter, ShardedTensor))):
+    for module, types in (("torch.optim.optimizer", (ShardedParameter,)),
+                          ("torch.utils._foreach_utils", (ShardedParameter, ShardedTensor))):
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            continue
         supported = getattr(owner, "_foreach_supported_types", None)
         for kind in types if isinstance(supported, list) else ():
             if kind not in supported:
