@@ -164,7 +164,9 @@ def main(argv=None) -> dict:
         raise SystemExit("this torch has no FSDP2 (fully_shard) to compare with")
     base = harness.setups("fsdp", args)[0]
     gpus = torch.cuda.device_count() if base.device == "cuda" else 0
-    if gpus:
+    if launched_by_torchrun():
+        sizes = [int(os.environ["WORLD_SIZE"])]
+    elif gpus:
         sizes = [args.world_size or gpus]
     else:
         sizes = [args.world_size] if args.world_size else list(CPU_WORLD_SIZES)
