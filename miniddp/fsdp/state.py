@@ -51,7 +51,7 @@ class FSDPState:
             state = getattr(sub, "_fsdp_state", None)
             if state is not None and state.root is None:
                 state.root = self
-        if self.group is not None and self.reshard_after_forward is not False:
+        if self.group is not None:
             self.group.reshard_after_forward = False
 
     def pre_forward(self, module, args, kwargs):
