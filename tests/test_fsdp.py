@@ -53,6 +53,7 @@ class Case:
     breakage: str | None = None
     device: str = "cpu"
     clip: float | None = None  # clip_grad_norm_ to this before each step
+    model: str = "mlp"  # or "tokens": TokenNet
 
     def __str__(self):
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != getattr(Case, k))
@@ -80,6 +81,36 @@ class Net(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class TokenNet(nn.Module):
+    """What a language model looks like to FSDP: an embedding fed token ids (its unit's input
+    needs no gradient), blocks, and a head whose weight is the embedding's (tied, in the root)."""
+
+    VOCAB = 23
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(self.VOCAB, 12)
+        self.blocks = nn.ModuleList([Block(12, 31), Block(31, 12)])
+        self.head = nn.Linear(12, self.VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batch_and_loss(case, gen):
+    """One micro-batch of this rank's data, and the loss of a model's output on it."""
+    if case.model == "tokens":
+        ids = torch.randint(TokenNet.VOCAB, (4, 6), generator=gen).to(case.device)
+        return ids, lambda out: nn.functional.cross_entropy(
+            out.float().reshape(-1, TokenNet.VOCAB), ids.roll(-1, 1).reshape(-1))
+    x = torch.randn(8, 12, generator=gen).to(case.device)
+    return x, lambda out: out.float().pow(2).mean()
 
 
 def shard_model(model, shard, policy, case, **mesh):
@@ -121,7 +152,7 @@ def count_differences(where, ours, theirs, problems):
 
 def _train_beside_torch(case: Case) -> list[str]:
     torch.manual_seed(0)
-    model = Net().to(case.device)
+    model = (TokenNet() if case.model == "tokens" else Net()).to(case.device)
     if case.frozen:
         model.blocks[1].requires_grad_(False)
     reference = copy.deepcopy(model)
@@ -139,9 +170,9 @@ def _train_beside_torch(case: Case) -> list[str]:
             ours.set_requires_gradient_sync(last)
             theirs.set_requires_gradient_sync(last)
             gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
-            x = torch.randn(8, 12, generator=gen).to(case.device)
+            x, loss = batch_and_loss(case, gen)
             for model_ in (ours, theirs):
-                model_(x).float().pow(2).mean().backward()
+                loss(model_(x)).backward()
             count_differences(f"step {step} micro {micro} grad",
                               [(n, p.grad) for n, p in ours.named_parameters()],
                               [(n, p.grad) for n, p in theirs.named_parameters()], problems)
@@ -277,14 +308,16 @@ def test_every_precision_bit_identical_to_torch(ranks, world_size):
 
 @needs_torch_fsdp2
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_zero2_frozen_layer_accumulation_and_clipping_bit_identical_to_torch(ranks, world_size):
+def test_zero2_frozen_accumulation_clipping_and_tied_embedding_bit_identical(ranks, world_size):
     cases = [Case(reshard_after_forward=False), Case(reshard_after_forward=False,
                                                      optimizer="adam", param_dtype="bf16"),
              Case(frozen=True), Case(frozen=True, reshard_after_forward=False),
              Case(micro_batches=3), Case(micro_batches=2, param_dtype="fp16",
                                          reduce_dtype="fp32", optimizer="adam"),
              Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False),
-             Case(clip=0.05), Case(clip=0.05, optimizer="adam", param_dtype="bf16")]
+             Case(clip=0.05), Case(clip=0.05, optimizer="adam", param_dtype="bf16"),
+             Case(model="tokens", optimizer="adam"), Case(model="tokens", param_dtype="bf16",
+                                                          reshard_after_forward=False)]
     check_identical(ranks(world_size).run(beside_torch, cases, timeout=120), cases)
 
 
