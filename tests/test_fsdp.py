@@ -324,7 +324,7 @@ PRECISIONS = [Case(), Case(param_dtype="fp16"), Case(param_dtype="fp16", reduce_
 
 
 @needs_torch_fsdp2
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_every_precision_bit_identical_to_torch(ranks, world_size):
     cases = [replace(c, optimizer=opt) for c in PRECISIONS for opt in ("sgd", "adam")]
     check_identical(ranks(world_size).run(beside_torch, cases, timeout=120), cases)
