@@ -49,6 +49,7 @@ class Case:
     optimizer: str = "sgd"
     reshard_after_forward: bool = True
     frozen: bool = False
+    frozen_after_sharding: bool = False  # the same layer frozen once both are sharded
     micro_batches: int = 1
     steps: int = 3
     breakage: str | None = None
@@ -184,6 +185,9 @@ def _train_beside_torch(case: Case) -> list[str]:
     ours = shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(**dtypes), case)
     theirs = shard_model(reference, torch_fully_shard, TorchPolicy(**dtypes), case,
                          mesh=device_mesh(case.device))
+    if case.frozen_after_sharding:
+        ours.blocks[1].requires_grad_(False)
+        theirs.blocks[1].requires_grad_(False)
     opt_ours, opt_theirs = make_optimizer(ours, case.optimizer), make_optimizer(theirs,
                                                                                 case.optimizer)
     problems: list[str] = []
@@ -336,6 +340,7 @@ def test_zero2_frozen_accumulation_clipping_tied_embedding_checkpoints_identical
     cases = [Case(reshard_after_forward=False), Case(reshard_after_forward=False,
                                                      optimizer="adam", param_dtype="bf16"),
              Case(frozen=True), Case(frozen=True, reshard_after_forward=False),
+             Case(frozen_after_sharding=True, optimizer="adam"),
              Case(micro_batches=3), Case(micro_batches=2, param_dtype="fp16",
                                          reduce_dtype="fp32", optimizer="adam"),
              Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False),
