@@ -12,6 +12,7 @@ ranks (at 2 ranks every wrong variant still agrees, which is why 3 is the test).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, replace
 
@@ -48,12 +49,15 @@ class Case:
     optimizer: str = "sgd"
     reshard_after_forward: bool = True
     frozen: bool = False
+    frozen_after_sharding: bool = False  # the same layer frozen once both are sharded
     micro_batches: int = 1
     steps: int = 3
     breakage: str | None = None
     device: str = "cpu"
     clip: float | None = None  # clip_grad_norm_ to this before each step
     model: str = "mlp"  # or "tokens": TokenNet
+    checkpointed: bool = False  # activation checkpointing inside each block
+    composable_checkpoint: bool = False  # torch's checkpoint(block) on each block
 
     def __str__(self):
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != getattr(Case, k))
@@ -63,9 +67,23 @@ class Block(nn.Module):
     def __init__(self, d_in, d_out):
         super().__init__()
         self.lin = nn.Linear(d_in, d_out)
+        self.checkpointed = False  # the parent recomputes it in backward instead of saving
 
     def forward(self, x):
         return torch.tanh(self.lin(x))
+
+
+def call(block, x):
+    """``block(x)``, under activation checkpointing when the block asks for it: the block's
+    forward (its hooks too) runs again inside backward."""
+    if block.checkpointed:
+        from torch.utils import checkpoint
+
+        # the whole re-forward, forward hook included (early stop would skip that hook)
+        whole = getattr(checkpoint, "set_checkpoint_early_stop", None)
+        with whole(False) if whole else contextlib.nullcontext():
+            return checkpoint.checkpoint(block, x, use_reentrant=False)
+    return block(x)
 
 
 class Net(nn.Module):
@@ -79,7 +97,7 @@ class Net(nn.Module):
 
     def forward(self, x):
         for block in self.blocks:
-            x = block(x)
+            x = call(block, x)
         return self.head(x)
 
 
@@ -99,7 +117,7 @@ class TokenNet(nn.Module):
     def forward(self, ids):
         x = self.embed(ids)
         for block in self.blocks:
-            x = block(x)
+            x = call(block, x)
         return self.head(x)
 
 
@@ -155,11 +173,21 @@ def _train_beside_torch(case: Case) -> list[str]:
     model = (TokenNet() if case.model == "tokens" else Net()).to(case.device)
     if case.frozen:
         model.blocks[1].requires_grad_(False)
+    for block in model.blocks:
+        block.checkpointed = case.checkpointed
     reference = copy.deepcopy(model)
+    if case.composable_checkpoint:
+        from torch.distributed._composable import checkpoint
+
+        for block in [*model.blocks, *reference.blocks]:
+            checkpoint(block)
     dtypes = dict(param_dtype=DTYPES[case.param_dtype], reduce_dtype=DTYPES[case.reduce_dtype])
     ours = shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(**dtypes), case)
     theirs = shard_model(reference, torch_fully_shard, TorchPolicy(**dtypes), case,
                          mesh=device_mesh(case.device))
+    if case.frozen_after_sharding:
+        ours.blocks[1].requires_grad_(False)
+        theirs.blocks[1].requires_grad_(False)
     opt_ours, opt_theirs = make_optimizer(ours, case.optimizer), make_optimizer(theirs,
                                                                                 case.optimizer)
     problems: list[str] = []
@@ -300,7 +328,7 @@ PRECISIONS = [Case(), Case(param_dtype="fp16"), Case(param_dtype="fp16", reduce_
 
 
 @needs_torch_fsdp2
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", [pytest.param(1, marks=pytest.mark.slow), 2, 3])
 def test_every_precision_bit_identical_to_torch(ranks, world_size):
     cases = [replace(c, optimizer=opt) for c in PRECISIONS for opt in ("sgd", "adam")]
     check_identical(ranks(world_size).run(beside_torch, cases, timeout=120), cases)
@@ -308,16 +336,19 @@ def test_every_precision_bit_identical_to_torch(ranks, world_size):
 
 @needs_torch_fsdp2
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_zero2_frozen_accumulation_clipping_and_tied_embedding_bit_identical(ranks, world_size):
+def test_zero2_frozen_accumulation_clipping_tied_embedding_checkpoints_identical(ranks, world_size):
     cases = [Case(reshard_after_forward=False), Case(reshard_after_forward=False,
                                                      optimizer="adam", param_dtype="bf16"),
              Case(frozen=True), Case(frozen=True, reshard_after_forward=False),
+             Case(frozen_after_sharding=True, optimizer="adam"),
              Case(micro_batches=3), Case(micro_batches=2, param_dtype="fp16",
                                          reduce_dtype="fp32", optimizer="adam"),
              Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False),
              Case(clip=0.05), Case(clip=0.05, optimizer="adam", param_dtype="bf16"),
              Case(model="tokens", optimizer="adam"), Case(model="tokens", param_dtype="bf16",
-                                                          reshard_after_forward=False)]
+                                                          reshard_after_forward=False),
+             Case(checkpointed=True), Case(composable_checkpoint=True, micro_batches=2,
+                                           optimizer="adam", param_dtype="fp16")]
     check_identical(ranks(world_size).run(beside_torch, cases, timeout=120), cases)
 
 
@@ -499,3 +530,32 @@ def test_the_benchmark_runs_checks_bits_and_saves_its_results(tmp_path, monkeypa
     assert len(run["memory_mib_per_rank"]["miniddp"]) == 3
     assert max(run["memory_mib_per_rank"]["miniddp"]) < whole / 2
     assert run["memory_mib_per_rank"]["miniddp"] == run["memory_mib_per_rank"]["torch"]
+
+
+def _gathers_per_step(checkpointed: bool) -> int:
+    counted = {"calls": 0}
+    right = collectives.all_gather_flat
+
+    def counting(output, input, group=None):
+        counted["calls"] += 1
+        return right(output, input, group)
+
+    torch.manual_seed(0)
+    model = Net()
+    for block in model.blocks:
+        block.checkpointed = checkpointed
+    shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), Case())
+    model(torch.randn(4, 12)).sum().backward()  # the first step picks the root
+    collectives.all_gather_flat = counting
+    try:
+        model(torch.randn(4, 12)).sum().backward()
+    finally:
+        collectives.all_gather_flat = right
+    return counted["calls"]
+
+
+def test_a_unit_recomputed_in_backward_is_gathered_once_for_it(ranks):
+    """ZeRO-3: each block gathered for forward and again for backward, the root once; activation
+    checkpointing's re-forward in backward finds the block gathered and keeps it so."""
+    assert ranks(2).run(_gathers_per_step, False) == [7, 7]
+    assert ranks(2).run(_gathers_per_step, True) == [7, 7]

@@ -105,28 +105,37 @@ class ParamGroup:
     """The parameters of one ``fully_shard`` call, and the state of their memory."""
 
     def __init__(self, params: list[FSDPParam], reshard_after_forward: bool, group=None):
-        dtypes = {p.orig_dtype for p in params} | {p.compute_dtype for p in params}
-        if len({p.orig_dtype for p in params}) > 1 or len({p.compute_dtype for p in params}) > 1:
+        if len({(p.orig_dtype, p.compute_dtype) for p in params}) > 1:
             names = ", ".join(f"{p.fqn} ({p.orig_dtype})" for p in params)
             raise NotImplementedError(
                 f"miniddp.fully_shard gathers one module's parameters in one buffer, so they "
-                f"must share a dtype; these do not: {names} ({sorted(map(str, dtypes))}). Apply "
-                "fully_shard to the submodules separately or cast the module first.")
+                f"must share a dtype; these do not: {names}. Apply fully_shard to the "
+                "submodules separately or cast the module first.")
         self.params, self.group = params, group
         self.reshard_after_forward = reshard_after_forward
         self.requires_gradient_sync = True
         self.is_unsharded = False
-        self.expected_grads = sum(p.unsharded.requires_grad for p in params)
-        self.arrived = 0
-        for p in params:
-            if p.unsharded.requires_grad:
-                p.unsharded.register_post_accumulate_grad_hook(self._gradient_arrived)
+        self.expected_grads = self.arrived = 0
+        self._hooked: set[int] = set()
         #: Set by the forward hooks: run ``reduce_gradients`` when all gradients have arrived.
         self.on_all_gradients = None
+
+    def _follow_requires_grad(self) -> None:
+        """The unsharded parameters need a gradient where the shards do, as the shards are now
+        (a layer may be frozen or unfrozen after ``fully_shard``)."""
+        self.expected_grads = 0
+        for p in self.params:
+            p.unsharded.requires_grad_(p.sharded.requires_grad)
+            if p.sharded.requires_grad:
+                self.expected_grads += 1
+                if id(p) not in self._hooked:
+                    p.unsharded.register_post_accumulate_grad_hook(self._gradient_arrived)
+                    self._hooked.add(id(p))
 
     def unshard(self) -> None:
         if self.is_unsharded:
             return
+        self._follow_requires_grad()
         world_size = self.params[0].spec.world_size
         dtype = self.params[0].compute_dtype
         with torch.no_grad():

@@ -11,6 +11,9 @@
   whose parameters got no gradient in this backward is finished by a callback that the autograd
   engine runs at the end of the backward (queued by the first hook of that backward).
 
+A forward that runs inside a backward (activation checkpointing recomputing a unit) gathers the
+parameters and leaves them gathered for the backward that follows.
+
 Torch reaches its post-backward through an autograd function on the module's inputs instead; the
 moment differs, the arithmetic does not.
 """
@@ -27,6 +30,11 @@ def _cast(dtype, x):
     if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
         return x.to(dtype)
     return x
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward now (a forward then is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class FSDPState:
@@ -63,12 +71,16 @@ class FSDPState:
             kwargs = tree_map(lambda x: _cast(policy.param_dtype, x), kwargs)
         if self.group is not None:
             self.group.unshard()
+            if _in_backward():  # activation checkpointing's re-forward: backward still to come
+                return args, kwargs
             if torch.is_grad_enabled() and not self.pending_backward:
                 self.pending_backward = True
                 self.root.waiting.append(self)
         return args, kwargs
 
     def post_forward(self, module, args, output):
+        if _in_backward():  # a re-forward: its backward needs the parameters gathered
+            return self._cast_output(output)
         if self.group is not None and (self.group.reshard_after_forward
                                        or not torch.is_grad_enabled()):
             self.group.reshard()
@@ -76,6 +88,9 @@ class FSDPState:
             for tensor in tree_flatten(output)[0]:
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                     tensor.register_hook(self._pre_backward)
+        return self._cast_output(output)
+
+    def _cast_output(self, output):
         if self.mp_policy.output_dtype is not None:
             output = tree_map(lambda x: _cast(self.mp_policy.output_dtype, x), output)
         return output
