@@ -31,8 +31,9 @@ HIDDEN = 40  # cut in 3: 14, 14, 12 rows; the last weight's 4 rows: 2, 2, 0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_reduce")
 
-HINT_17 = """The idea: one buffer, W equal rows, row r = rank r's chunk of every gradient; a SUM
-reduce-scatter leaves row `rank` summed on this rank; the division by W is split around it.
+HINT_17 = """Step 1, the idea: one buffer of W equal rows, row r = rank r's chunk of every
+gradient, padded; a SUM reduce-scatter leaves this rank its row summed; the division by W is
+split around the sum (all after it, except in fp16).
 divide_factors:
     if reduce_dtype != torch.float16:
         return 1, world_size
@@ -40,14 +41,18 @@ divide_factors:
     while world_size % before == 0 and world_size / before > before:
         before *= 2
     return before, world_size / before
-reduce_scatter_gradients, the shape: rows[i] = -(-grads[i].shape[0] // world_size) (chunk 0's
-rows); the buffer has world_size * sum(rows[i] * grads[i][0].numel()) elements.
-The lines:
+Step 2, the shape: every chunk padded to chunk 0's rows, so each row holds
+sum(rows[i] * grads[i][0].numel()) elements:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = [-(-g.shape[0] // world_size) for g in grads]
+Step 3, the lines:
+    pieces = []
     for r in range(world_size):
         for g, n in zip(grads, rows):
             piece = chunk(g, world_size, r)
             pieces.append(torch.cat([piece, piece.new_zeros(n - len(piece), *g.shape[1:])]))
     buffer = torch.cat([p.reshape(-1) for p in pieces]).to(reduce_dtype)
+    before, after = divide_factors(world_size, reduce_dtype)
     buffer.div_(before)
     out = buffer.new_empty(buffer.numel() // world_size)
     reduce_scatter(out, buffer)
