@@ -44,7 +44,7 @@ from miniddp.launch.torchrun_agents import run_agents, torchrun  # noqa: E402
 #: part: its time limit in seconds on a GPU machine (--cpu runs are tiny and get the same).
 #: A benchmark whose script is not in this checkout is left out.
 PARTS = {"tests": 180, "bucket_sweep": 240, "ladder": 100, "overlap": 100, "no_sync": 100,
-         "memory": 150, "overhead": 150, "zero_memory": 100}
+         "memory": 150, "overhead": 150, "zero_memory": 100, "fsdp": 100}
 PARTS = {part: limit for part, limit in PARTS.items()
          if part == "tests" or (HERE / f"{part}.py").exists()}
 #: benchmarks that start their own rank groups (each configuration or world size in fresh

@@ -14,6 +14,7 @@ from miniddp import checks as _checks  # noqa: F401  (attaches the checks to the
 from miniddp.baselines.data_parallel import DataParallel
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.ddp import DistributedDataParallel
+from miniddp.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from miniddp.launch import RankError, RankGroup, launch, spawn
 from miniddp.run import install, installed, uninstall
 from miniddp.sampler import DistributedSampler
@@ -24,9 +25,12 @@ __all__ = [
     "DataParallel",
     "DistributedDataParallel",
     "DistributedSampler",
+    "FSDPModule",
+    "MixedPrecisionPolicy",
     "RankError",
     "RankGroup",
     "ZeroRedundancyOptimizer",
+    "fully_shard",
     "install",
     "installed",
     "launch",

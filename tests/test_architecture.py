@@ -18,9 +18,9 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "miniddp"
 
-ROOMS = {"options", "checks", "baselines", "launch", "train", "optim", "run"}
+ROOMS = {"options", "checks", "baselines", "launch", "train", "optim", "run", "fsdp"}
 #: What the engine must never import: the rooms that build on it or watch it.
-ENGINE_MUST_NOT_IMPORT = {"checks", "launch", "train", "baselines", "optim", "run"}
+ENGINE_MUST_NOT_IMPORT = {"checks", "launch", "train", "baselines", "optim", "run", "fsdp"}
 #: Who may import whom, room by room ("engine" is the top of the package; the façade
 #: ``miniddp/__init__.py`` exports from every room and is left out).
 MAY_IMPORT = {
@@ -29,6 +29,7 @@ MAY_IMPORT = {
     "checks": {"engine", "options", "checks"},
     "baselines": {"engine", "baselines"},
     "optim": {"engine", "options", "optim"},
+    "fsdp": {"engine", "fsdp"},
     "launch": {"engine", "launch"},
     "run": {"engine", "options", "checks", "launch", "run"},
     "train": {"engine", "options", "checks", "baselines", "launch", "train", "optim", "run"},
@@ -211,3 +212,22 @@ def test_the_real_engine_with_a_check_import_added_fails(text):
     graph["miniddp.reducer"] = graph["miniddp.reducer"] | {target}
     assert reducer.exists()
     assert any("miniddp.reducer (engine)" in w for w in forbidden_imports(graph))
+
+
+#: The only engine modules FSDP may use: its collectives are its own, built on torch's.
+FSDP_MAY_USE_OF_THE_ENGINE = {"miniddp.sync", "miniddp.torch_versions"}
+
+
+def fsdp_engine_imports(graph: dict[str, set[str]]) -> set[str]:
+    return {t for name, targets in graph.items() if room(name) == "fsdp"
+            for t in targets if room(t) == "engine"} - FSDP_MAY_USE_OF_THE_ENGINE
+
+
+def test_fsdp_uses_only_the_engines_collective_helpers():
+    assert fsdp_engine_imports(import_graph()) == set()
+
+
+def test_fsdp_importing_the_reducer_is_caught():
+    graph = import_graph()
+    graph["miniddp.fsdp.param_group"] = graph["miniddp.fsdp.param_group"] | {"miniddp.reducer"}
+    assert fsdp_engine_imports(graph) == {"miniddp.reducer"}

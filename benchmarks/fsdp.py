@@ -1,0 +1,191 @@
+"""miniddp's fully_shard against torch's FSDP2: step time (A B A B, ratios) and memory per rank.
+
+Both shard the same model the same way (``fully_shard`` on each Linear + LayerNorm + ReLU block,
+then on the root; ZeRO-3) and train it with SGD on the same per-rank batches, one step each per
+round in a changing order (``harness.alternate``); the reported figure is the median of the
+per-round ratios miniddp / torch (goal: within 5%). Before any number is saved, every rank's
+parameter shards of the two are checked bit-identical.
+
+Memory per rank: on CUDA, the allocator's peak during one step of each (run alone, after the
+timing); on the CPU, which has no allocator statistics, the bytes held at rest after a step:
+parameter shards, gradient shards and optimizer state (each storage once). ZeRO-3 divides those
+by the world size, which is what the figure shows.
+
+    python benchmarks/fsdp.py                 # 2 and 3 gloo ranks on the CPU, a few minutes
+    python benchmarks/fsdp.py --quick         # smoke run, seconds
+    python benchmarks/fsdp.py --device cuda   # NCCL, one rank per GPU (bash benchmarks/gpu.sh)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+
+import harness
+import torch
+import torch.distributed as dist
+from harness import check
+from torch import nn
+
+import miniddp
+from miniddp.launch import launch, launched_by_torchrun
+from miniddp.train.report import print0, save_figure
+
+try:
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+except ImportError:
+    try:
+        from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
+    except ImportError:
+        torch_fully_shard = None
+
+CPU_WORLD_SIZES = (2, 3)
+MIB = 2**20
+
+
+def blocks_model(setup: harness.Setup, device: torch.device) -> nn.Module:
+    """The harness's ``wide`` model as blocks (Linear, LayerNorm, ReLU), the unit of sharding."""
+    torch.manual_seed(0)
+    widths = harness.WIDTHS[setup.size]
+    blocks = [nn.Sequential(nn.Linear(a, b), nn.LayerNorm(b), nn.ReLU())
+              for a, b in zip(widths, widths[1:])]
+    return nn.Sequential(*blocks, nn.Linear(widths[-1], harness.OUT_FEATURES)).to(device)
+
+
+def sharded(model: nn.Module, shard, device: torch.device) -> nn.Module:
+    """Each block, then the root, over a 1-D mesh of every rank on ``device`` (torch's default
+    mesh is the GPU wherever there is one, even for a CPU run)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for block in list(model)[:-1]:
+        shard(block, mesh=mesh)
+    shard(model, mesh=mesh)
+    return model
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def bytes_at_rest(trainer: harness.Trainer) -> int:
+    """Parameter shards, gradient shards and optimizer state on this rank, each storage once."""
+    tensors = []
+    for p in trainer.model.parameters():
+        tensors += [local(p), local(p.grad) if p.grad is not None else None]
+    for state in trainer.opt.state.values():
+        tensors += [v for v in state.values() if torch.is_tensor(v)]
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def peak_bytes(trainer: harness.Trainer, device: torch.device) -> int:
+    """The CUDA allocator's peak during one step, above what was allocated before it."""
+    harness.sync(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    trainer.step()
+    harness.sync(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+def measure(setup: harness.Setup) -> dict:
+    device = harness.rank_device(setup)
+    rank = dist.get_rank()
+    batches = harness.make_batches(setup, device, rank)
+    trainers = {name: harness.Trainer(sharded(blocks_model(setup, device), shard, device),
+                                      batches)
+                for name, shard in (("miniddp", miniddp.fully_shard),
+                                    ("torch", torch_fully_shard))}
+    times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
+                              label=f"fsdp ws{setup.world_size}")
+    ours, theirs = (list(trainers[n].model.parameters()) for n in ("miniddp", "torch"))
+    equal = all(harness.bits_equal(local(a).detach(), local(b).detach())
+                for a, b in zip(ours, theirs))
+    check(harness.max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0,
+          f"miniddp's FSDP and torch's differ after training at {setup.world_size} ranks")
+    memory = {name: (peak_bytes(t, device) if device.type == "cuda" else bytes_at_rest(t))
+              for name, t in trainers.items()}
+    everyone = harness.max_over_ranks([float(memory["miniddp"]), float(memory["torch"])],
+                                      device)
+    per_rank = [torch.zeros(2, dtype=torch.float64, device=harness.collective_device(device))
+                for _ in range(setup.world_size)]
+    dist.all_gather(per_rank, torch.tensor([float(memory["miniddp"]), float(memory["torch"])],
+                                           dtype=torch.float64,
+                                           device=harness.collective_device(device)))
+    full = blocks_model(setup, torch.device("cpu"))
+    return {"model": harness.model_info(full), **harness.rank_facts(device),
+            "world_size": setup.world_size, "backend": setup.backend, "bit_identical": True,
+            "step": harness.summarize(times, baseline="torch"),
+            "memory_kind": "cuda allocator peak in one step" if device.type == "cuda"
+            else "bytes at rest: parameter and gradient shards, optimizer state",
+            "memory_mib_per_rank": {name: [round(r[i].item() / MIB, 3) for r in per_rank]
+                                    for i, name in enumerate(("miniddp", "torch"))},
+            "memory_mib_largest": {"miniddp": round(everyone[0] / MIB, 3),
+                                   "torch": round(everyone[1] / MIB, 3)}}
+
+
+def plot(result: dict, ax) -> None:
+    runs = result["runs"]
+    ws = [r["world_size"] for r in runs]
+    ratios = [r["step"]["miniddp"]["ratio"] for r in runs]
+    low = [r - r_["step"]["miniddp"]["ratio_ci95"][0] for r, r_ in zip(ratios, runs)]
+    high = [r_["step"]["miniddp"]["ratio_ci95"][1] - r for r, r_ in zip(ratios, runs)]
+    ax.errorbar(ws, ratios, yerr=[low, high], fmt="o", capsize=4, label="miniddp / torch step")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.axhspan(0.95, 1.05, color="C2", alpha=0.15, label="within 5%")
+    ax.set(xlabel="ranks", ylabel="step time, miniddp / torch (median of rounds)", xticks=ws,
+           title=f"FSDP (ZeRO-3) vs torch's FSDP2, {result['device']}")
+    ax.legend(fontsize=8)
+
+
+def report(result: dict) -> str:
+    rows = []
+    for r in result["runs"]:
+        step = r["step"]
+        rows.append([r["world_size"], round(step["miniddp"]["median_ms"], 2),
+                     round(step["torch"]["median_ms"], 2), round(step["miniddp"]["ratio"], 3),
+                     ", ".join(f"{v:.2f}" for v in r["step"]["miniddp"]["ratio_ci95"]),
+                     r["memory_mib_largest"]["miniddp"], r["memory_mib_largest"]["torch"]])
+    return harness.table(["ranks", "miniddp ms", "torch ms", "ratio", "ratio 95% CI",
+                          "miniddp MiB/rank", "torch MiB/rank"], rows)
+
+
+def main(argv=None) -> dict:
+    args = harness.parse_args(__doc__.splitlines()[0], argv, pairs=12)
+    if torch_fully_shard is None:
+        raise SystemExit("this torch has no FSDP2 (fully_shard) to compare with")
+    base = harness.setups("fsdp", args)[0]
+    gpus = torch.cuda.device_count() if base.device == "cuda" else 0
+    if gpus:
+        sizes = [args.world_size or gpus]
+    else:
+        sizes = [args.world_size] if args.world_size else list(CPU_WORLD_SIZES)
+    runs, env = [], harness.environment()
+    for world_size in sizes:
+        backend = args.backend or ("nccl" if 0 < world_size <= gpus else "gloo")
+        setup = harness.Setup(**{**asdict(base), "world_size": world_size, "backend": backend,
+                                 "launcher": "fork"})
+        print0(f"== fsdp: {setup.device}, {backend}, {world_size} ranks")
+        runs.append(launch(measure, world_size, args=(setup,), backend=backend,
+                           timeout=args.timeout, pg_timeout=120.0)[0])
+    env["load_average_after"] = list(os.getloadavg())
+    result = {"benchmark": "fsdp", "setup": asdict(base), "device": base.device,
+              "machine": env, "model": runs[0]["model"], "runs": runs}
+    tag = f"fsdp-{base.device}-{runs[0]['backend']}-ws{'-'.join(map(str, sizes))}"
+    if launched_by_torchrun() and int(os.environ["RANK"]) != 0:
+        return result
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    save_figure(tag, lambda ax: plot(result, ax), args.out)
+    print0(f"saved {args.out / tag}.json\n{report(result)}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

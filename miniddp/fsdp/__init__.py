@@ -1,0 +1,15 @@
+"""FSDP (ZeRO-3, and ZeRO-2 as its mode): torch FSDP2's ``fully_shard``, bit for bit on gloo.
+
+Where each part lives: ``api`` (``fully_shard``, ``MixedPrecisionPolicy``, the methods of a
+sharded module), ``shard`` (one parameter's dim-0 shard and the parameter the optimizer sees),
+``param_group`` (one unit: gather, free, reduce-scatter), ``state`` (the forward and backward
+hooks that call those), ``collectives`` (the two collectives and the averaging that decides the
+bits) and ``state_dict`` (full checkpoints). See docs/fsdp.md.
+"""
+
+from miniddp.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard
+from miniddp.fsdp.shard import ShardedParameter, ShardedTensor
+from miniddp.fsdp.state_dict import full_state_dict, load_full_state_dict
+
+__all__ = ["FSDPModule", "MixedPrecisionPolicy", "ShardedParameter", "ShardedTensor",
+           "full_state_dict", "fully_shard", "load_full_state_dict"]

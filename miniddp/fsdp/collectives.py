@@ -1,0 +1,93 @@
+"""FSDP's two collectives on flat buffers, and the divide factors that decide their bits.
+
+torch 2.13 names them ``all_gather_single`` and ``reduce_scatter_single`` (the older
+``all_gather_into_tensor`` and ``reduce_scatter_tensor`` warn there); torch before 2.13 lacks the
+new names, and gloo before 2.3 or so lacks the tensor forms altogether. Gloo has no reduce-scatter
+algorithm of its own: torch 2.13's gloo clones the input, all_reduces all of it and keeps this
+rank's row, so doing exactly that here is the same arithmetic on every torch (measured: 0 differing
+elements at 2 and 3 ranks, fp32 and fp16). Gloo's AVG is a SUM followed by a division by the world
+size (measured the same way), and older gloo refuses AVG, so on gloo the division is done here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def all_gather_flat(output: torch.Tensor, input: torch.Tensor, group=None) -> None:
+    """``output`` (``W * input.numel()`` elements) gets every rank's ``input``, rank-major."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        output.copy_(input)
+    elif hasattr(dist, "all_gather_single"):
+        dist.all_gather_single(output, input, group=group)
+    elif _is_gloo(group):
+        dist.all_gather(list(output.chunk(world_size)), input, group=group)
+    else:
+        dist.all_gather_into_tensor(output, input, group=group)
+
+
+def reduce_scatter_mean(buffer: torch.Tensor, group=None) -> torch.Tensor:
+    """Rank r's row of the sum of every rank's ``buffer`` (``W`` rows, rank-major), divided by
+    ``W`` as torch's ``ReduceOp.AVG`` does: after the sum, never before (DDP's ``1/W`` before the
+    sum rounds differently from 3 ranks on)."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1:
+        return buffer[0].clone()
+    if _is_gloo(group):
+        return reduce_scatter_sum(buffer, group).div_(world_size)
+    output = buffer.new_empty(buffer.shape[1:])
+    _reduce_scatter(output, buffer, dist.ReduceOp.AVG, group)
+    return output
+
+
+def reduce_scatter_sum(buffer: torch.Tensor, group=None) -> torch.Tensor:
+    """Rank r's row of the sum of every rank's ``buffer`` (``W`` rows, rank-major)."""
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world_size == 1:
+        return buffer[0].clone()
+    if _is_gloo(group):
+        whole = buffer.clone()
+        dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
+        return whole[rank].clone()
+    output = buffer.new_empty(buffer.shape[1:])
+    _reduce_scatter(output, buffer, dist.ReduceOp.SUM, group)
+    return output
+
+
+def _reduce_scatter(output, buffer, op, group) -> None:
+    if hasattr(dist, "reduce_scatter_single"):
+        dist.reduce_scatter_single(output, buffer.reshape(-1), op=op, group=group)
+    else:
+        dist.reduce_scatter_tensor(output, buffer.reshape(-1), op=op, group=group)
+
+
+def fp16_divide_factors(world_size: int) -> tuple[float, float]:
+    """How fp16 gradients are averaged: divided by ``pre`` before the sum and by ``post`` after.
+
+    Summing W fp16 gradients can overflow and dividing them all by W first can underflow, so
+    torch splits W: ``pre`` doubles from 1 while it divides W and ``W / pre`` still exceeds it
+    (about sqrt(W), a power of two), and ``post = W / pre``. W=3 gives (2, 1.5), W=8 (4, 2)."""
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return pre, world_size / pre
+
+
+def average(buffer: torch.Tensor, group=None) -> torch.Tensor:
+    """This rank's row of the average of every rank's ``buffer``, with torch FSDP2's arithmetic
+    for ``buffer``'s dtype: AVG for fp32 and bf16, the pre/post split for anything else."""
+    if buffer.dtype in (torch.float32, torch.bfloat16):
+        return reduce_scatter_mean(buffer, group)
+    pre, post = fp16_divide_factors(dist.get_world_size(group))
+    if pre != 1:
+        buffer.div_(pre)
+    output = reduce_scatter_sum(buffer, group)
+    if post != 1:
+        output.div_(post)
+    return output

@@ -1,0 +1,135 @@
+"""One parameter's dim-0 shard: torch.chunk's cut, padded to chunk 0's size.
+
+Every rank keeps rows ``[rank * c, (rank + 1) * c)`` of the full parameter, where
+``c = ceil(dim0 / W)`` is the size of ``torch.chunk``'s first chunk; the last ranks may hold fewer
+rows, or none. Each rank's rows sit at the top of a zero-padded buffer of ``c`` rows, so that every
+rank sends the same number of elements to the all-gather and receives the same number from the
+reduce-scatter (a collective needs equal sizes). The optimizer sees only the unpadded rows: a
+:class:`ShardedParameter` is a view of the buffer's top, so its in-place updates land in the buffer
+and the padding stays zero.
+
+Code written for torch's FSDP2 calls ``p.full_tensor()`` and ``p.to_local()`` on the sharded
+parameters (torch's are DTensors); :class:`ShardedParameter` and :class:`ShardedTensor` (its
+gradients) offer those two over a plain tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from miniddp.fsdp import collectives
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Where one rank's shard sits in the full tensor."""
+
+    full_shape: torch.Size
+    world_size: int
+    rank: int
+
+    @property
+    def chunk_rows(self) -> int:
+        """Rows in ``torch.chunk``'s first chunk: every rank's shard is padded to this."""
+        return math.ceil(self.full_shape[0] / self.world_size)
+
+    @property
+    def start(self) -> int:
+        return min(self.rank * self.chunk_rows, self.full_shape[0])
+
+    @property
+    def rows(self) -> int:
+        """Rows this rank really holds (fewer than ``chunk_rows`` on the last ranks, maybe 0)."""
+        return min(self.start + self.chunk_rows, self.full_shape[0]) - self.start
+
+    @property
+    def padded_shape(self) -> torch.Size:
+        return torch.Size((self.chunk_rows, *self.full_shape[1:]))
+
+    @property
+    def local_shape(self) -> torch.Size:
+        return torch.Size((self.rows, *self.full_shape[1:]))
+
+    def cut(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (a view)."""
+        return full.narrow(0, self.start, self.rows)
+
+
+def padded_shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """A fresh ``chunk_rows``-row buffer holding this rank's rows of ``full``, zeros below."""
+    padded = full.new_zeros(spec.padded_shape)
+    padded[: spec.rows].copy_(spec.cut(full))
+    return padded
+
+
+def gather_full(local: torch.Tensor, spec: ShardSpec, group=None) -> torch.Tensor:
+    """The full tensor from every rank's ``local`` rows (a collective: every rank calls it)."""
+    padded = local.new_zeros(spec.padded_shape)
+    padded[: spec.rows].copy_(local)
+    out = local.new_empty((spec.world_size * padded.numel(),))
+    collectives.all_gather_flat(out, padded.reshape(-1), group)
+    rows = out.view(spec.world_size * spec.chunk_rows, *spec.full_shape[1:])
+    return rows[: spec.full_shape[0]].clone()
+
+
+class _ShardMethods:
+    """``to_local`` and ``full_tensor``, the two DTensor methods FSDP2 code calls most."""
+
+    _spec: ShardSpec
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's rows as a plain tensor (sharing memory, and autograd, with the shard)."""
+        return self.as_subclass(torch.Tensor)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The whole tensor, all-gathered from every rank's shard: every rank must call it."""
+        with torch.no_grad():
+            return gather_full(self.as_subclass(torch.Tensor), self._spec)
+
+
+class ShardedParameter(_ShardMethods, nn.Parameter):
+    """The parameter a rank's optimizer steps: its unpadded rows, a view of the padded buffer."""
+
+    def __new__(cls, local: torch.Tensor, requires_grad: bool, spec: ShardSpec):
+        param = torch.Tensor._make_subclass(cls, local, requires_grad)
+        param._spec = spec
+        return param
+
+    def __deepcopy__(self, memo):
+        raise NotImplementedError(
+            "A parameter sharded by miniddp.fully_shard cannot be deep-copied (neither can "
+            "torch's). Deep-copy the model before fully_shard, or save its full state dict "
+            "(miniddp.fsdp.full_state_dict) and load it into a new model.")
+
+    def __reduce_ex__(self, protocol):
+        raise NotImplementedError(
+            "A parameter sharded by miniddp.fully_shard cannot be pickled: save "
+            "miniddp.fsdp.full_state_dict(model) (full tensors) or model.state_dict() (this "
+            "rank's shards) instead.")
+
+    def __repr__(self) -> str:
+        return (f"ShardedParameter(rows {self._spec.start}:{self._spec.start + self._spec.rows} "
+                f"of {list(self._spec.full_shape)} on rank {self._spec.rank}, "
+                f"{self.as_subclass(torch.Tensor)!r})")
+
+
+class ShardedTensor(_ShardMethods, torch.Tensor):
+    """A sharded parameter's gradient: its rows of the reduce-scattered average."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def wrap(local: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
+        tensor = local.as_subclass(ShardedTensor)
+        tensor._spec = spec
+        return tensor
+
+
+def world() -> tuple[int, int]:
+    """(world size, rank) of the default process group."""
+    return dist.get_world_size(), dist.get_rank()

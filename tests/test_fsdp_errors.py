@@ -1,0 +1,93 @@
+"""What miniddp.fully_shard does not support says so, and what to do instead."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import miniddp
+
+
+def test_without_a_process_group_fully_shard_says_to_create_one():
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        miniddp.fully_shard(nn.Linear(2, 2))
+
+
+def _message(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # the test checks the type and words
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(2, 2)
+        self.b = nn.Linear(2, 2).double()
+
+
+def _errors() -> dict[str, str]:
+    offload = getattr(torch.distributed.fsdp, "CPUOffloadPolicy", None)
+    sharded = miniddp.fully_shard(nn.Linear(4, 3))
+    scalar = nn.Module()
+    scalar.s = nn.Parameter(torch.tensor(1.0))
+    return {
+        "mesh": _message(lambda: miniddp.fully_shard(nn.Linear(2, 2), mesh=object())),
+        "offload": _message(lambda: miniddp.fully_shard(
+            nn.Linear(2, 2), offload_policy=offload() if offload else object())),
+        "int_reshard": _message(lambda: miniddp.fully_shard(nn.Linear(2, 2),
+                                                            reshard_after_forward=2)),
+        "twice": _message(lambda: miniddp.fully_shard(sharded)),
+        "list": _message(lambda: miniddp.fully_shard([nn.Linear(2, 2)])),
+        "scalar": _message(lambda: miniddp.fully_shard(scalar)),
+        "mixed_dtypes": _message(lambda: miniddp.fully_shard(Mixed())),
+        "deepcopy_module": _message(lambda: copy.deepcopy(sharded)),
+        "deepcopy_param": _message(lambda: copy.deepcopy(sharded.weight)),
+        "pickle_param": _message(lambda: pickle.dumps(sharded.weight)),
+        "wrong_checkpoint": _message(lambda: miniddp.fsdp.load_full_state_dict(
+            sharded, {"weight": torch.zeros(5, 4), "bias": torch.zeros(3)})),
+    }
+
+
+EXPECTED = {
+    "mesh": ("NotImplementedError", "leave mesh=None"),
+    "offload": ("NotImplementedError", "offload_policy=None"),
+    "int_reshard": ("NotImplementedError", "an int"),
+    "twice": ("ValueError", "apply it once"),
+    "list": ("NotImplementedError", "one nn.Module"),
+    "scalar": ("NotImplementedError", "'s' is a 0-d scalar"),
+    "mixed_dtypes": ("NotImplementedError", "must share a dtype"),
+    "deepcopy_module": ("NotImplementedError", "Deep-copy the model before fully_shard"),
+    "deepcopy_param": ("NotImplementedError", "Deep-copy the model before fully_shard"),
+    "pickle_param": ("NotImplementedError", "full_state_dict"),
+    "wrong_checkpoint": ("ValueError", "'weight': the state dict holds shape [5, 4]"),
+}
+
+
+def _whole_world_mesh_is_accepted() -> str:
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+    except ImportError:
+        return "skip"
+    mesh = init_device_mesh("cpu", (torch.distributed.get_world_size(),))
+    return type(miniddp.fully_shard(nn.Linear(4, 3), mesh=mesh)).__name__
+
+
+def test_a_1d_mesh_of_every_rank_is_the_default_group(ranks):
+    names = ranks(2).run(_whole_world_mesh_is_accepted)
+    if names[0] == "skip":
+        pytest.skip("this torch has no torch.distributed.device_mesh.init_device_mesh")
+    assert names == ["FSDPLinear", "FSDPLinear"]
+
+
+def test_what_is_not_supported_is_named_with_what_to_do(ranks):
+    for messages in ranks(2).run(_errors):
+        for case, (kind, words) in EXPECTED.items():
+            assert messages[case].startswith(kind) and words in messages[case], (case,
+                                                                                messages[case])
