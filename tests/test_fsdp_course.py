@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import load_lesson
 from test_grade import SOLUTIONS, grade, grades_ahead, sections, solution_lines
+from test_lesson_breakage import run_broken
 from test_lessons import last_line, run
 
 fsdp = load_lesson("17")
@@ -176,3 +177,17 @@ def test_exercise_wrong_solution_fails_naming_its_mistake(graded_ahead, request,
     failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
     assert failed and check in lines[failed[0]], done.stdout
     assert words in lines[failed[0] + 1], done.stdout
+
+
+# ----- the library broken from outside: the lesson must fail -----
+
+@pytest.mark.lesson
+@pytest.mark.slow
+@pytest.mark.parametrize("breakage", ["fsdp_scales_before_the_sum", "fsdp_flat_layout"])
+def test_lesson_fails_when_the_librarys_averaging_or_layout_is_broken(breakage, tmp_path):
+    done = run_broken("17_fsdp", breakage, tmp_path)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output[-3000:]
+    assert "miniddp.fully_shard differs from torch's fully_shard in" in output, output[-3000:]
+    assert "by hand               differs from torch's fully_shard in 0 elements" in done.stdout
+    assert "OK:" not in done.stdout
