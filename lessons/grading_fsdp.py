@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from grading_checks import NotWritten, on_ranks
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 
@@ -211,10 +212,9 @@ def reduce_task(dtype_name: str) -> list[dict]:
     x, y = x[16 * rank:16 * (rank + 1)], y[16 * rank:16 * (rank + 1)]
     theirs, plain = make_model(), make_model()
     policy = MixedPrecisionPolicy(reduce_dtype=dtype)
-    for m in theirs:
-        if isinstance(m, nn.Linear):
-            fully_shard(m, mp_policy=policy)
-    fully_shard(theirs, mp_policy=policy)
+    mesh = init_device_mesh("cpu", (world,))  # torch's default is a GPU wherever there is one
+    for m in [m for m in theirs if isinstance(m, nn.Linear)] + [theirs]:
+        fully_shard(m, mesh=mesh, mp_policy=policy)
     for model in (theirs, plain):
         F.mse_loss(model(x), y).backward()
     reports = []
