@@ -6,8 +6,9 @@ The lesson's pieces against torch's ``fully_shard``: its hand-written FSDP bit f
 broken detail (1/W before the sum, the flat layout, no padding) different at 3 ranks and equal
 at 2, where the lesson says every variant agrees. Then the exercise graded both ways: as shipped
 it fails saying what to write, the solution passes, and each plausible wrong solution fails the
-check that names its mistake. (The lesson's plain run is ``tests/test_lessons.py``'s, found by
-its name.)
+check that names its mistake. Last, the lesson run with miniddp's averaging or layout broken
+from outside (``tests/breakage``): it must fail on miniddp's shards. (The lesson's plain run at
+3 ranks is ``tests/test_lessons.py``'s, found by its name.)
 """
 
 import sys
