@@ -119,7 +119,9 @@ def measure(setup: harness.Setup) -> dict:
                                            dtype=torch.float64,
                                            device=harness.collective_device(device)))
     full = blocks_model(setup, torch.device("cpu"))
-    return {"model": harness.model_info(full), **harness.rank_facts(device),
+    info = {**harness.model_info(full), "widths": [*harness.WIDTHS[setup.size],
+                                                   harness.OUT_FEATURES]}
+    return {"model": info, **harness.rank_facts(device),
             "world_size": setup.world_size, "backend": setup.backend, "bit_identical": True,
             "step": harness.summarize(times, baseline="torch"),
             "memory_kind": "cuda allocator peak in one step" if device.type == "cuda"

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 import miniddp
-from miniddp.fsdp import collectives, param_group
+from miniddp.fsdp import collectives, param_group, shard
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -52,6 +52,7 @@ class Case:
     steps: int = 3
     breakage: str | None = None
     device: str = "cpu"
+    clip: float | None = None  # clip_grad_norm_ to this before each step
 
     def __str__(self):
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != getattr(Case, k))
@@ -144,6 +145,14 @@ def _train_beside_torch(case: Case) -> list[str]:
             count_differences(f"step {step} micro {micro} grad",
                               [(n, p.grad) for n, p in ours.named_parameters()],
                               [(n, p.grad) for n, p in theirs.named_parameters()], problems)
+        if case.clip is not None:
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), case.clip)
+                     for m in (ours, theirs)]
+            count_differences(f"step {step} total norm", [("norm", norms[0])],
+                              [("norm", norms[1].full_tensor())], problems)
+            count_differences(f"step {step} clipped grad",
+                              [(n, p.grad) for n, p in ours.named_parameters()],
+                              [(n, p.grad) for n, p in theirs.named_parameters()], problems)
         opt_ours.step()
         opt_theirs.step()
         opt_ours.zero_grad()
@@ -209,8 +218,14 @@ def _no_padding(self, with_grad):
     return shards
 
 
+def _local_norms(tensors, local_norms, order):
+    """Each rank's norm of its own rows only: every rank clips by its own factor."""
+    return local_norms
+
+
 _average = collectives.average
 BREAKAGES = {
+    "local_norms": (shard, "_whole_norms", _local_norms),
     "scale_before_sum": (collectives, "average", _scale_before_sum),
     "avg_in_fp16": (collectives, "fp16_divide_factors", _avg_in_fp16),
     "flat_layout": (param_group.ParamGroup, "reduce_scatter", _flat_layout),
@@ -262,13 +277,14 @@ def test_every_precision_bit_identical_to_torch(ranks, world_size):
 
 @needs_torch_fsdp2
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_zero2_frozen_layer_and_accumulation_bit_identical_to_torch(ranks, world_size):
+def test_zero2_frozen_layer_accumulation_and_clipping_bit_identical_to_torch(ranks, world_size):
     cases = [Case(reshard_after_forward=False), Case(reshard_after_forward=False,
                                                      optimizer="adam", param_dtype="bf16"),
              Case(frozen=True), Case(frozen=True, reshard_after_forward=False),
              Case(micro_batches=3), Case(micro_batches=2, param_dtype="fp16",
                                          reduce_dtype="fp32", optimizer="adam"),
-             Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False)]
+             Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False),
+             Case(clip=0.05), Case(clip=0.05, optimizer="adam", param_dtype="bf16")]
     check_identical(ranks(world_size).run(beside_torch, cases, timeout=120), cases)
 
 
@@ -284,7 +300,8 @@ def test_bit_identical_to_torch_with_parameters_on_a_gpu(ranks):
 @needs_torch_fsdp2
 def test_each_bit_deciding_detail_broken_differs_from_torch_at_3_ranks(ranks):
     cases = [Case(breakage="scale_before_sum"), Case(breakage="flat_layout"),
-             Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16")]
+             Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16"),
+             Case(breakage="local_norms", clip=0.05)]
     check_all_differ(ranks(3).run(beside_torch, cases, timeout=120), cases)
 
 

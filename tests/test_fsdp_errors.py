@@ -33,7 +33,9 @@ class Mixed(nn.Module):
 
 
 def _errors() -> dict[str, str]:
-    offload = getattr(torch.distributed.fsdp, "CPUOffloadPolicy", None)
+    import torch.distributed.fsdp as torch_fsdp
+
+    offload = getattr(torch_fsdp, "CPUOffloadPolicy", None)
     sharded = miniddp.fully_shard(nn.Linear(4, 3))
     scalar = nn.Module()
     scalar.s = nn.Parameter(torch.tensor(1.0))
@@ -50,6 +52,8 @@ def _errors() -> dict[str, str]:
         "deepcopy_module": _message(lambda: copy.deepcopy(sharded)),
         "deepcopy_param": _message(lambda: copy.deepcopy(sharded.weight)),
         "pickle_param": _message(lambda: pickle.dumps(sharded.weight)),
+        "move": _message(lambda: sharded.to(torch.float64)),
+        "move_nowhere": _message(lambda: sharded.to("cpu")),
         "wrong_checkpoint": _message(lambda: miniddp.fsdp.load_full_state_dict(
             sharded, {"weight": torch.zeros(5, 4), "bias": torch.zeros(3)})),
     }
@@ -66,6 +70,7 @@ EXPECTED = {
     "deepcopy_module": ("NotImplementedError", "Deep-copy the model before fully_shard"),
     "deepcopy_param": ("NotImplementedError", "Deep-copy the model before fully_shard"),
     "pickle_param": ("NotImplementedError", "full_state_dict"),
+    "move": ("NotImplementedError", "cast the model before fully_shard"),
     "wrong_checkpoint": ("ValueError", "'weight': the state dict holds shape [5, 4]"),
 }
 
@@ -91,3 +96,4 @@ def test_what_is_not_supported_is_named_with_what_to_do(ranks):
         for case, (kind, words) in EXPECTED.items():
             assert messages[case].startswith(kind) and words in messages[case], (case,
                                                                                 messages[case])
+        assert messages["move_nowhere"] == "no error"  # .to() where it already is changes nothing

@@ -75,6 +75,20 @@ class FSDPModule:
             if state is not None and state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
 
+    def _apply(self, fn, *args, **kwargs):
+        """``.to()``, ``.cuda()``, ``.half()`` and the like, refused when they would move or cast a
+        shard: the shards are views of padded buffers that the new tensors would not be."""
+        for name, param in self.named_parameters():
+            if isinstance(param, ShardedParameter):
+                moved = fn(param)
+                if moved.device != param.device or moved.dtype != param.dtype:
+                    raise NotImplementedError(
+                        f"{type(self).__name__} would move or cast the sharded parameter "
+                        f"{name!r} ({param.dtype} on {param.device} -> {moved.dtype} on "
+                        f"{moved.device}): move or cast the model before fully_shard, and use "
+                        "MixedPrecisionPolicy for lower-precision compute.")
+        return super()._apply(fn, *args, **kwargs)
+
     def __deepcopy__(self, memo):
         raise NotImplementedError(
             "A module sharded by miniddp.fully_shard cannot be deep-copied (neither can "

@@ -130,7 +130,12 @@ class ParamGroup:
         world_size = self.params[0].spec.world_size
         dtype = self.params[0].compute_dtype
         with torch.no_grad():
-            flat = torch.cat([p.padded.reshape(-1) for p in self.params]).to(dtype)
+            flat = self.params[0].padded.new_empty((sum(p.padded.numel() for p in self.params),),
+                                                   dtype=dtype)
+            offset = 0
+            for p in self.params:  # the cast to the compute dtype happens in this copy
+                flat[offset:offset + p.padded.numel()].copy_(p.padded.reshape(-1))
+                offset += p.padded.numel()
             gathered = flat.new_empty((world_size * flat.numel(),))
             collectives.all_gather_flat(gathered, flat, self.group)
             by_rank = gathered.view(world_size, -1)
@@ -196,7 +201,7 @@ class ParamGroup:
                 rows = grad[p.spec.chunk_rows * rank:][: p.spec.chunk_rows].reshape(-1)
                 buffer[rank, offset:offset + rows.numel()].copy_(rows)
             offset += width
-        del grad
+        del grad, rows
         with_grad.clear()  # the caller's references to the full gradients: free them now
         output = collectives.average(buffer, self.group).to(self.params[0].orig_dtype)
         shards, offset = [], 0

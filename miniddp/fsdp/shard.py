@@ -10,7 +10,8 @@ and the padding stays zero.
 
 Code written for torch's FSDP2 calls ``p.full_tensor()`` and ``p.to_local()`` on the sharded
 parameters (torch's are DTensors); :class:`ShardedParameter` and :class:`ShardedTensor` (its
-gradients) offer those two over a plain tensor.
+gradients) offer those two over a plain tensor. Gradient clipping needs the norm of the whole
+gradient, so the norms of a :class:`ShardedTensor` are taken over every rank.
 """
 
 from __future__ import annotations
@@ -119,9 +120,23 @@ class ShardedParameter(_ShardMethods, nn.Parameter):
 
 
 class ShardedTensor(_ShardMethods, torch.Tensor):
-    """A sharded parameter's gradient: its rows of the reduce-scattered average."""
+    """A sharded parameter's gradient: its rows of the reduce-scattered average.
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    Every operation on it gives a plain tensor, except the norms that
+    ``torch.nn.utils.clip_grad_norm_`` takes (``torch.linalg.vector_norm``,
+    ``torch._foreach_norm``): those are the norms of the whole gradient, over every rank, as a
+    DTensor's are, so that every rank clips by the same factor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+            if func is torch.linalg.vector_norm:
+                return _whole_norms([args[0]], [result], _norm_order(args, kwargs))[0]
+            if func is torch._foreach_norm:
+                return _whole_norms(list(args[0]), list(result), _norm_order(args, kwargs))
+            return result
 
     @staticmethod
     def wrap(local: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
@@ -130,6 +145,55 @@ class ShardedTensor(_ShardMethods, torch.Tensor):
         return tensor
 
 
+def _norm_order(args, kwargs) -> float:
+    return float(kwargs.get("ord", args[1] if len(args) > 1 else 2.0))
+
+
+def _whole_norms(tensors: list, local_norms: list, order: float) -> list:
+    """Each sharded tensor's norm over every rank's rows, from each rank's own norms: the largest
+    for the inf-norm, else the p-th root of the all-reduced sum of p-th powers (for p = 0 and 1,
+    the plain sum), as a DTensor's partial norm is reduced. One all-reduce for the lot."""
+    sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
+    if not sharded:
+        return local_norms
+    stacked = torch.stack([local_norms[i] for i in sharded])
+    if order in (math.inf, -math.inf):
+        op = dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
+        dist.all_reduce(stacked, op=op)
+    elif order in (0.0, 1.0):
+        dist.all_reduce(stacked)
+    else:
+        stacked = stacked ** order
+        dist.all_reduce(stacked)
+        stacked = stacked ** (1.0 / order)
+    whole = list(local_norms)
+    for k, i in enumerate(sharded):
+        whole[i] = stacked[k]
+    return whole
+
+
 def world() -> tuple[int, int]:
     """(world size, rank) of the default process group."""
     return dist.get_world_size(), dist.get_rank()
+
+
+def _count_as_plain_tensors_for_foreach() -> None:
+    """torch's optimizers and ``clip_grad_norm_`` choose their multi-tensor (foreach) kernels
+    only for tensor types on a list, and torch puts DTensor on it: without this, an optimizer of
+    sharded parameters on a GPU would take the one-tensor-at-a-time path that torch's FSDP2 does
+    not, and round differently (seen with Adam in bf16 on CUDA)."""
+    import importlib
+
+    for module, types in (("torch.optim.optimizer", (ShardedParameter,)),
+                          ("torch.utils._foreach_utils", (ShardedParameter, ShardedTensor))):
+        try:
+            owner = importlib.import_module(module)
+        except ImportError:
+            continue
+        supported = getattr(owner, "_foreach_supported_types", None)
+        for kind in types if isinstance(supported, list) else ():
+            if kind not in supported:
+                supported.append(kind)
+
+
+_count_as_plain_tensors_for_foreach()
