@@ -319,7 +319,7 @@ def on_every_rank(memory: dict):
     print0("  loss (mean over the ranks): " + " ".join(f"{loss:.4f}" for loss in losses))
     check(losses[-1] < 0.5 * losses[0], f"the loss fell from {losses[0]} to {losses[-1]} only")
     print0(f"\n2. One detail broken at a time, {world} ranks: gradient elements that differ "
-           "from torch's\n   after one backward")
+           "from torch's\n   after one backward (from 3 ranks on: at 2, a + b is b + a)")
     for mistake, count in broken_details(rank, world).items():
         print0(f"  {mistake:<76} {count:>5}")
         check((count > 0) == (world >= 3), f"at {world} ranks '{mistake}' differs from torch's "
