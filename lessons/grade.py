@@ -7,7 +7,7 @@ DistributedDataParallel or DistributedSampler, and says which check failed and w
 expected. Where torch's bits cannot be expected, the check says why and what it asks instead.
 
     python lessons/grade.py                # grade your exercises as they stand
-    python lessons/grade.py 06             # grade one (03 04 05 06 07 15)
+    python lessons/grade.py 06             # grade one (03 04 05 06 07 15 17)
     python lessons/grade.py --hint 06      # the code-level steps of one, if you are stuck
     python lessons/grade.py --dir D        # grade the files NN_*.py of directory D
     python lessons/grade.py --solutions    # grade the reference solutions (all pass)
@@ -29,6 +29,7 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import grading_checks as checks  # noqa: E402
 import torch  # noqa: E402
+from grading_fsdp import HINT_17, grade_17  # noqa: E402
 from grading_reducer import grade_06  # noqa: E402
 from grading_zero import HINT_15, grade_15  # noqa: E402
 
@@ -36,7 +37,7 @@ from miniddp.launch import RankError  # noqa: E402
 
 EXERCISES = Path(__file__).resolve().parent / "exercises"
 GRADERS = {"03": checks.grade_03, "04": checks.grade_04, "05": checks.grade_05, "06": grade_06,
-           "07": checks.grade_07, "15": grade_15}
+           "07": checks.grade_07, "15": grade_15, "17": grade_17}
 
 # The code-level steps behind each instruction, for --hint: the instructions say what must be
 # true; these say how, for a learner who is stuck.
@@ -78,6 +79,7 @@ for j, (x, y) in enumerate(micro_batches):
         (F.mse_loss(ddp(x), y) / k).backward()
 optimizer.step()""",
     "15": HINT_15,
+    "17": HINT_17,
 }
 
 

@@ -15,9 +15,24 @@ from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
 
+
+
+def _has_fsdp2() -> bool:
+    """torch's fully_shard: public from 2.6, under ``_composable`` before."""
+    for name in ("torch.distributed.fsdp", "torch.distributed._composable.fsdp"):
+        try:
+            if hasattr(importlib.import_module(name), "fully_shard"):
+                return True
+        except ImportError:
+            pass
+    return False
+
+
 #: Lessons the installed torch cannot run, and why: each prints ``SKIPPED: why`` and exits 0.
 CANNOT_RUN_HERE = {} if TORCH_HAS_IS_COMPILING else {
     "16_compile": "lesson 16 needs torch >= 2.3 (torch.compiler.is_compiling)"}
+if not _has_fsdp2():
+    CANNOT_RUN_HERE["17_fsdp"] = "lesson 17 needs torch's FSDP2 (fully_shard)"
 
 
 def runnable_here(stem: str):

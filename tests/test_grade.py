@@ -15,7 +15,7 @@ from warm_python import warm_python
 
 GRADE = LESSONS_DIR / "grade.py"
 SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
-NUMBERS = ["03", "04", "05", "06", "07", "15"]
+NUMBERS = ["03", "04", "05", "06", "07", "15", "17"]
 
 
 GRADER_WARM = ("grade", "torch._dynamo")  # the grader's own imports, with its settings

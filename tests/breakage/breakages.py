@@ -322,3 +322,51 @@ def apply(name: str) -> None:
         patch(sys.modules[module_name])
     else:
         sys.meta_path.insert(0, _PatchOnImport(module_name, patch))
+
+
+def fsdp_scales_before_the_sum(module):
+    """Lesson 17: miniddp's FSDP multiplies the gradients by 1/W before the sum (DDP's
+    arithmetic) instead of dividing the sum by W (torch FSDP2's): other roundings at 3 ranks."""
+    import torch.distributed as dist
+
+    def mean(buffer, group=None):
+        return module.reduce_scatter_sum(buffer.mul_(1 / dist.get_world_size(group)), group)
+    _patch(module, "reduce_scatter_mean", lambda original: mean)
+
+
+def fsdp_flat_layout(module):
+    """Lesson 17: miniddp's FSDP sums its gradients laid out whole, one after another (FSDP1's
+    flat parameter), instead of in torch's rank-major rows: the same sums, in other places of
+    the buffer, so gloo adds them in another order at 3 ranks."""
+    import torch
+    import torch.distributed as dist
+
+    collectives = module.collectives
+
+    def flat_average(widths):
+        def average(buffer, group=None):
+            world, rank = buffer.shape[0], dist.get_rank(group)
+            parts = buffer.split(widths, dim=1)  # each (W, width): one gradient, whole
+            flat = torch.cat([p.reshape(-1) for p in parts])
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            whole = flat.split([p.numel() for p in parts])
+            return torch.cat([w.view(world, -1)[rank] for w in whole])
+        return average
+
+    def reduce_scatter(original):
+        def in_flat_layout(self, with_grad):
+            average, collectives.average = collectives.average, flat_average(
+                [p.padded.numel() for p, _ in with_grad])
+            try:
+                return original(self, with_grad)
+            finally:
+                collectives.average = average
+        return in_flat_layout
+    _patch(module.ParamGroup, "reduce_scatter", reduce_scatter)
+
+
+BREAKAGES.update({
+    "fsdp_scales_before_the_sum": ("miniddp.fsdp.collectives", fsdp_scales_before_the_sum),
+    "fsdp_flat_layout": ("miniddp.fsdp.param_group", fsdp_flat_layout),
+})

@@ -1,0 +1,67 @@
+"""Exercise 17 (lesson 17): FSDP's reduce-scatter of one unit's gradients, as torch's
+``fully_shard`` does it.
+
+After a unit's backward every rank holds the gradients of the unit's whole parameters, each from
+its own batch. Each rank must end with its own shard of their average, and nothing else: the
+rows ``torch.chunk(grad, world_size)`` gives it (``chunk`` below), in one collective for the
+whole unit, with torch's bits. Two pieces to write:
+
+* ``divide_factors``: the division by the world size, split into a part before the sum and a
+  part after it, as torch splits it: for fp32 and bf16 none before, all after (a sum, then a
+  division by W: what gloo's ``ReduceOp.AVG`` does); for fp16, whose range is small, a power of
+  two near sqrt(W) before (start at 1 and double it while it divides W and W / it is larger than
+  it), the rest after;
+* ``reduce_scatter_gradients``: torch's layout, a buffer in ``reduce_dtype`` with one row per
+  rank, row r holding chunk r of every gradient in order, each padded with zeros to chunk 0's
+  rows so that every row has the same length; divide before; one reduce-scatter (``SUM``, the
+  helper below); divide after; this rank's row cut back into its shards, unpadded, in each
+  gradient's own dtype.
+
+Graded by ``python lessons/grade.py 17``: the factors against torch's for 1 to 8 ranks; then at
+3 ranks, beside torch's ``fully_shard`` on the same model and batches, with fp32, bf16 and fp16
+reduction, the buffer handed to the collective (the layout, and what was divided before), and
+every rank's shards bit for bit.
+"""
+
+import torch
+import torch.distributed as dist
+
+
+def chunk(t: torch.Tensor, world_size: int, rank: int) -> torch.Tensor:
+    """The rows ``torch.chunk(t, world_size)`` gives ``rank``: ceil(rows / world_size) of them,
+    fewer or none for the last ranks."""
+    rows = -(-t.shape[0] // world_size)
+    return t[rank * rows:(rank + 1) * rows]
+
+
+def reduce_scatter(output: torch.Tensor, buffer: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """``output`` = this rank's 1/W of ``buffer`` (flat), reduced with ``op`` over the ranks
+    (``reduce_scatter_single``, named ``reduce_scatter_tensor`` before torch 2.13)."""
+    (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(output, buffer,
+                                                                                 op=op)
+
+
+def divide_factors(world_size: int, reduce_dtype: torch.dtype) -> tuple[float, float]:
+    """(before, after): the gradients are divided by ``before`` ahead of the sum over the
+    ranks and by ``after`` once summed; before x after == world_size."""
+    raise NotImplementedError(
+        "exercise 17: return (before, after) with before x after == world_size, torch's split "
+        "of the averaging: for fp32 and bf16 nothing before the sum, all of it after; for "
+        "float16 (small range: a sum of W gradients may overflow) a power of two before, "
+        "starting at 1 and doubling while it divides world_size and world_size / it is larger "
+        "than it, the rest after. Stuck? python lessons/grade.py --hint 17")
+
+
+def reduce_scatter_gradients(grads: list[torch.Tensor],
+                             reduce_dtype: torch.dtype) -> list[torch.Tensor]:
+    """This rank's shard of the average over the ranks of each of ``grads``, as torch's
+    ``fully_shard`` computes it: chunk ``rank`` of each, unpadded, in the gradient's dtype."""
+    raise NotImplementedError(
+        "exercise 17: lay the gradients out as torch does, one flat buffer in reduce_dtype "
+        "made of world_size equal rows, row r holding chunk(g, world_size, r) of every "
+        "gradient g in order, each padded with rows of zeros to chunk 0's rows; divide it by "
+        "divide_factors' before; reduce_scatter it into a tensor of one row's length; divide "
+        "that by after; cut it at each gradient's padded chunk size and keep the unpadded rows "
+        "of this rank's chunk, viewed in the chunk's shape, in the gradient's dtype. Look up "
+        "Tensor.new_zeros, torch.cat, Tensor.split, Tensor.view_as. Stuck? python "
+        "lessons/grade.py --hint 17")
