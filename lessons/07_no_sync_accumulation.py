@@ -1,39 +1,28 @@
 """Lesson 07: gradient accumulation with ``no_sync``, one all_reduce per k micro-batches.
 
-What this adds since lesson 06: batches larger than memory. When the batch you want does not
-fit in memory at once, you split it into k micro-batches, run forward and backward on each, let
-the gradients add up in ``.grad``, and step the optimizer once. With DDP, every backward ends
-with an all_reduce, so a plain loop would communicate k times per step, where once is enough:
-summing k local gradients and then averaging them across ranks gives the same gradient as
-averaging after every micro-batch (up to rounding), for a k-th of the communication.
-``ddp.no_sync()`` does that: a forward *inside* it makes the following backward skip the
-all_reduce; the gradients stay local and accumulate. The first synchronized backward
-afterwards reduces the whole accumulated ``.grad`` once.
+What this adds since lesson 06: batches larger than memory. Split the batch into k
+micro-batches, run forward and backward on each, let ``.grad`` add them up, step once. A plain
+DDP loop would all_reduce after every backward; ``ddp.no_sync()`` skips that for the first k - 1,
+and the last, synchronized backward averages the whole accumulated gradient once: the same
+mean gradient for a k-th of the communication.
 
-Why it matters: the effective batch is ``ranks x k x micro-batch``. This loop, with
-``loss / k``, computes the gradient of the mean loss over all of it: what one process with the
-whole batch computes (lesson 00's oracle, up to float rounding), and what torch's DDP computes,
-bit for bit. Two mistakes the loop avoids, common in tutorials: forgetting ``/ k`` (each step
-becomes k times larger) and calling ``zero_grad()`` per micro-batch (nothing accumulates).
+Why it matters: the effective batch becomes ``ranks x k x micro-batch`` at the memory cost of
+one micro-batch. With ``loss / k`` and one ``zero_grad()`` per step this is the gradient of the
+mean loss over the whole batch: lesson 00's one-process oracle (up to float rounding) and
+torch's DDP (bit for bit). Forgetting ``/ k``, or zeroing per micro-batch, silently breaks it.
 
-The trap, checked at the end: ``no_sync`` sets a flag that DDP reads **when forward runs**. A
-forward inside ``no_sync`` followed by ``backward()`` outside it does *not* synchronize, and a
-forward outside followed by a backward inside *does*. Put both inside the ``with`` block.
-Why forward decides is written out by hand (``FlagReadAtForward``, a dozen lines): forward
-copies the flag into a note for the backward it starts, and the gradient hooks read only that
-note. It synchronizes exactly when both DDPs do, to their gradients; a variant whose hooks read
-the flag itself (``FlagReadAtBackward``) gives the opposite answer in both cases.
+The idea in a dozen lines (``FlagReadAtForward``): ``no_sync`` sets a flag, forward copies it
+into a note for the backward it starts, and the gradient hooks read only the note. Three
+consequences, each shown on miniddp, torch's DDP and the version by hand:
 
-A second trap, in its own section at the end (``the_forward_without_backward``): a forward with
-grad enabled that no backward follows, such as a validation pass without ``torch.no_grad()``.
-That forward prepared a reduction, and ``no_sync`` only stops a forward from preparing one: it
-cancels nothing. So the next backward, even inside ``no_sync``, is the one that reduction
-waits for, and it all_reduces. torch's DDP does exactly this, and so does miniddp, down to a
-model with ``find_unused_parameters=True`` and an output the loss ignores: DDP passes every
-forward's outputs through one identity autograd function (torch's ``_DDPSink``,
-``miniddp.options.unused``), inside ``no_sync`` too, so the parameters behind the ignored
-output still report in and the reduction completes. The cure is the usual one: validate under
-``torch.no_grad()``.
+* **where forward runs decides**: a forward inside ``no_sync`` with its backward outside does not
+  synchronize; a forward outside with its backward inside does (``FlagReadAtBackward``, the
+  variant whose hooks read the flag, does the opposite). Keep both inside the ``with``.
+* **no_sync restores the flag it found**: nested in another ``no_sync`` (a helper that
+  accumulates on its own), leaving the inner block must leave the outer one accumulating.
+* **no_sync cancels nothing**: a forward with grad enabled that no backward follows (validation
+  without ``torch.no_grad()``) prepared a reduction, so the next backward, even inside
+  ``no_sync``, completes it and all_reduces. Validate under ``torch.no_grad()``.
 
 Run it:
 
@@ -41,17 +30,12 @@ Run it:
     python lessons/07_no_sync_accumulation.py --nproc 3 --micro-batches 8
     torchrun --standalone --nproc_per_node=2 lessons/07_no_sync_accumulation.py
 
-On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
-one rank per GPU with NCCL; with fewer GPUs than ranks it stays on the CPU with gloo.
+With one GPU per rank (``--nproc N`` on N GPUs) it uses NCCL.
 
-What you will see: for the first step, a table of the k micro-batches (inside ``no_sync`` or
-not, all_reduce calls, whether the gradients agree across ranks: only after the last one); the
-loss falling; the total count of all_reduce calls (one per bucket per step, a k-th of a plain
-loop's); the largest difference from the one-process oracle (about 1e-7, not 0: see
-``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs
-and on the wrapper by hand (and its variant read at backward, the other way round); the second
-trap, the same on both DDPs, with one sentence for the warning torch prints from C++ there; and
-``OK: ...``. About 10 s.
+What you should see: in the first step's table, all_reduce calls only in the last micro-batch
+and the ranks' gradients equal only after it; the loss falling; a k-th of a plain loop's
+all_reduces; miniddp equal to torch's DDP bit for bit and close to the oracle; each trap
+behaving alike on all three; ``OK: ...``. About 10 s.
 """
 
 import argparse
@@ -221,11 +205,12 @@ class FlagReadAtForward(nn.Module):
 
     @contextmanager
     def no_sync(self):
+        old = self.require_backward_grad_sync  # restored, not set to True: no_sync may nest
         self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.require_backward_grad_sync = True
+            self.require_backward_grad_sync = old
 
     def forward(self, *inputs):
         self.sync_this_backward = self.require_backward_grad_sync  # the flag, read HERE
@@ -306,6 +291,29 @@ def the_trap(rank, device):
           f"wrapper by hand made {synced['by hand'][2]} all_reduces, expected {params} (one per "
           "parameter: the note forward left was set)")
     print0("  the wrapper by hand, which reads the flag in forward, does what both DDPs do")
+
+
+def nested_no_sync(rank, device):
+    """A helper that accumulates with its own ``no_sync``, called inside the loop's: leaving
+    the inner block must restore the flag it found (False), so the outer one goes on
+    accumulating."""
+    x, y = (t.to(device) for t in make_dataset(n=16, seed=30 + rank).tensors)
+    seen = {}
+    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP),
+                            ("by hand", FlagReadAtForward)):
+        ddp = wrap(ddp_class, make_model(seed=0).to(device), device)
+        with ddp.no_sync():
+            with ddp.no_sync():
+                F.mse_loss(ddp(x), y).backward()
+            F.mse_loss(ddp(x), y).backward()  # after the inner block, inside the outer one
+            seen[name] = grads_agree_across_ranks(ddp)
+    print0("\nno_sync inside no_sync, then a micro-batch in the outer block only: " + ", ".join(
+        f"{name}: {'synchronized' if synced else 'NOT synchronized'}"
+        for name, synced in seen.items()))
+    for name, synced in seen.items():
+        check(not synced, f"{name}: a backward inside the outer no_sync, after an inner no_sync "
+              "ended, synchronized: leaving no_sync must restore the flag it found (False "
+              "here), not set it to True")
 
 
 # ----- a second trap: a forward that no backward follows -----
@@ -411,6 +419,7 @@ def on_every_rank(k):
            "steps")
 
     the_trap(rank, device)
+    nested_no_sync(rank, device)
     the_forward_without_backward(rank, device)
     return world, steps, losses[0], losses[-1]
 

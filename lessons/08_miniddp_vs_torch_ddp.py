@@ -68,6 +68,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import miniddp
@@ -99,6 +100,25 @@ class StudentWithExtras(nn.Module):
     def forward(self, x, use_sometimes: bool = False):
         h = self.body(x)
         return self.head(h) + self.sometimes(h) if use_sometimes else self.head(h)
+
+
+class BlockCheckpointedTwice(nn.Module):
+    """A block applied twice, each time under reentrant checkpointing: its parameters'
+    gradients arrive twice in one backward, and are ready only at the second arrival."""
+
+    def __init__(self, seed: int, hidden: int = 32):
+        super().__init__()
+        student = make_model(seed=seed, hidden=hidden)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.embed, self.head = student[0], student[2]
+            self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        for _ in range(2):
+            h = checkpoint(self.block, h, use_reentrant=True)
+        return self.head(h)
 
 
 def wrap(ddp_class, module, device, **kwargs):
@@ -156,7 +176,8 @@ def show_buckets(title, ddp):
                f"{info.dtype} elements, {info.nbytes} bytes")
 
 
-def train_side_by_side(models, loader, device, forward_kwargs=None, progress=None):
+def train_side_by_side(models, loader, device, forward_kwargs=None, progress=None,
+                       set_to_none=True):
     """Train every wrapped model on the same batches; after every step compare each one with
     ``models[1]`` (torch's). Returns, per model, the first step where it differed (or None),
     and the bucket layouts of ``models[0]`` and of torch's after every step."""
@@ -168,7 +189,7 @@ def train_side_by_side(models, loader, device, forward_kwargs=None, progress=Non
             x, y = x.to(device), y.to(device)
             kwargs = forward_kwargs(step) if forward_kwargs else {}
             for model, optimizer in zip(models, optimizers):
-                optimizer.zero_grad()
+                optimizer.zero_grad(set_to_none=set_to_none)
                 loss = F.mse_loss(model(x, **kwargs), y)
                 loss.backward()
                 optimizer.step()
@@ -299,6 +320,29 @@ def with_buffers_and_unused_heads(rank, world, device):
           "an evaluation forward through DDP should give every rank rank 0's statistics")
 
 
+def two_options(rank, world, device):
+    """``static_graph`` on a block whose gradients arrive twice per backward (ready at the
+    second arrival only), and ``gradient_as_bucket_view`` on the student. Gradients are zeroed
+    in place, so that from step 1 on each ``.grad`` is its bucket's view and is divided there,
+    in place, as torch divides it (at 3 ranks ``grad / 3`` and ``grad * (1 / 3)`` differ)."""
+    loader = DataLoader(shard(make_dataset(n=256 * world, seed=1), rank, world),
+                        batch_size=BATCH_SIZE, drop_last=True)
+    print0("\ntwo options, gradients zeroed in place:")
+    for option, model, what in (
+            ("static_graph", BlockCheckpointedTwice(seed=rank),
+             "a block checkpointed twice, its gradients arriving twice per backward"),
+            ("gradient_as_bucket_view", make_model(seed=rank), "the student")):
+        ours, theirs = (wrap(cls, model, device, bucket_cap_mb=BUCKET_CAP_MB, **{option: True})
+                        for cls in (miniddp.DistributedDataParallel, TorchDDP))
+        first_difference, layouts = train_side_by_side([ours, theirs], loader, device,
+                                                       set_to_none=False)
+        step, names = first_difference[0] or (None, [])
+        check(step is None, f"rank {rank}: with {option}=True, at {world} ranks miniddp differs "
+                            f"from torch's DDP after step {step}, in {', '.join(names)}")
+        print0(f"  {option}=True, {what}: equal to torch's DDP bit for bit after each of the "
+               f"{len(layouts)} steps, at {world} ranks")
+
+
 def rank_agreement(t) -> bool:
     """Is ``t`` the same on every rank (a collective)?"""
     everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
@@ -341,6 +385,7 @@ def on_every_rank():
     controls, steps, losses = the_plain_student(rank, world, device)
     unused_without_the_flag(rank, device)
     with_buffers_and_unused_heads(rank, world, device)
+    two_options(rank, world, device)
     judge_the_controls(world, controls, steps)
     return world, steps, losses[0], losses[-1]
 
@@ -349,6 +394,7 @@ def at_three_ranks():
     """The plain student again, at 3 ranks: miniddp still equal, both controls not."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     controls, steps, _ = the_plain_student(rank, world, device, verbose=False)
+    two_options(rank, world, device)
     judge_the_controls(world, controls, steps)
 
 
