@@ -207,11 +207,16 @@ def buckets_like_torch(device):
     print0("at construction (iteration 0): one bucket, in parameter order")
     show(ddp.buckets)
     x, y = (t.to(device) for t in make_dataset(n=32, seed=dist.get_rank()).tensors)
-    for model in (ddp, theirs):
-        for _ in range(3):  # rebuilt at the second forward; torch logs it at the third
-            F.mse_loss(model(x), y).backward()
-    print0("after the first backward: rebuilt in the order gradients became ready")
+    built = [b.param_indices for b in ddp.buckets]
+    F.mse_loss(ddp(x), y).backward()  # records the order in which gradients become ready
+    check([b.param_indices for b in ddp.buckets] == built, "the buckets changed before the "
+          "second forward: the order of the first backward is only complete at its end")
+    F.mse_loss(ddp(x), y).backward()  # its forward rebuilds the buckets in that order
+    print0("from the second forward on: rebuilt in the order gradients became ready in the "
+           "first backward")
     show(ddp.buckets)
+    for _ in range(3):  # torch rebuilds at the second forward too, and logs it at the third
+        F.mse_loss(theirs(x), y).backward()
 
     logged = theirs._get_ddp_logging_data()  # what torch's reducer reports about its buckets
     torch_buckets = [[int(i) for i in b.split()]

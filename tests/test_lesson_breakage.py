@@ -10,6 +10,7 @@ test_lesson_mechanisms.py, beside the mechanism it breaks.
 """
 
 import functools
+import importlib.util
 import os
 import re
 import subprocess
@@ -174,3 +175,39 @@ def test_a_breakage_whose_target_is_gone_fails_loudly(tmp_path):
         breakages.divide_instead_of_multiply(type("module", (), {"Reducer": object})())
     with pytest.raises(KeyError, match="no breakage named"):
         breakages.apply("nothing_broken")
+
+
+# What miniddp's launcher prints when ranks fail differently: the first failure in full, the
+# others' first lines after it; rank 0's check blames the data, rank 1's the real cause.
+FORKED_FAILURE = """step 0/40 | loss 0.52211
+Traceback (most recent call last):
+miniddp.launch.rank_group.RankError: rank 0 of 3 raised:
+Traceback (most recent call last):
+  File "lesson.py", line 3, in on_every_rank
+miniddp.train.report.CheckFailed: the epoch read 64 samples, 60 distinct
+(then rank 1 raised: miniddp.train.report.CheckFailed: the buckets differ; a; b; rank 2 died \
+without reporting: exit code -9 (SIGKILL))"""
+
+
+def course_runner():
+    spec = importlib.util.spec_from_file_location("run_course", REPO / "lessons" / "run_course.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_course_summary_shows_the_first_line_of_every_ranks_failure():
+    why = course_runner().why_it_failed(FORKED_FAILURE.splitlines()).splitlines()
+    assert why == ["rank 0 of 3: CheckFailed: the epoch read 64 samples, 60 distinct",
+                   "rank 1 of 3: CheckFailed: the buckets differ; a; b",
+                   "rank 2 of 3: died without reporting: exit code -9 (SIGKILL)"]
+
+
+def test_course_summary_shows_every_torchrun_workers_failure():
+    lines = ["[agent 1] rank 1 of 2 raised:", "[agent 1] Traceback (most recent call last):",
+             "[agent 1] miniddp.train.report.CheckFailed: the workers differ",
+             "[agent 0] rank 0 of 2 raised:", "[agent 0] RuntimeError: Connection closed by peer",
+             "[agent 1] torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
+    assert course_runner().why_it_failed(lines).splitlines() == [
+        "rank 1 of 2: CheckFailed: the workers differ",
+        "rank 0 of 2: RuntimeError: Connection closed by peer"]
