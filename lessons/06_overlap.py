@@ -2,87 +2,43 @@
 
 What this adds since lesson 05: buckets made communication cheaper; this makes it start earlier.
 Backward computes gradients from the last layer to the first, so the last layers' gradients are
-final long before backward ends. DDP's reducer puts a hook on every parameter that fires as soon
-as that parameter's gradient is final and copies it into its bucket. When a bucket is full, its
-all_reduce is launched at once, asynchronously (``async_op=True``), while backward carries on
-with earlier layers. When the last gradient is done, a callback queued on the autograd engine
-waits for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns
-with synchronized gradients, exactly as with ``miniddp.AllReduceBucketsAfterBackward``, the rung
-before this one: lesson 05's buckets, launched only once backward has ended.
+final long before it ends. A hook on every parameter copies its gradient into its bucket as
+soon as it is final; a full bucket's all_reduce is launched at once (``async_op=True``) while
+backward goes on; a callback queued on the autograd engine waits for every bucket at the end and
+writes the averages into ``.grad``. ``AllReduceBucketsAfterBackward`` is the rung before: the
+same buckets, launched only once backward has ended.
 
-The lesson first writes that reducer out, ``SmallReducer`` below (about 50 lines): the hooks
-(``register_post_accumulate_grad_hook``), ``grad * (1 / world_size)`` copied into the bucket,
-``dist.all_reduce(bucket, async_op=True)`` when a bucket is full (buckets launched strictly in
-order, so every rank issues the same collectives in the same order), and the callback
-(``torch.autograd.Variable._execution_engine.queue_callback``) that waits and writes back. Like
-torch, it uses one bucket for the first step (the order gradients arrive in is not known yet)
-and rebuilds the buckets in the order they arrived (``rebuilt_buckets``). It is checked bit for
-bit against torch's ``DistributedDataParallel`` at every step: at 2 ranks, and at 3 ranks too,
-where the bits depend on the bucket layout (lesson 08). The full version is
-``miniddp.reducer.Reducer``; it adds a hook on the AccumulateGrad node (it runs after a user's
-own post-accumulate hooks and also sees parameters that got no gradient), unused parameters
-(``find_unused_parameters``), ``no_sync``, ``gradient_as_bucket_view``, rank 0's layout
-broadcast at the rebuild, several GPUs' threads, and errors that name the parameter.
+Why it matters: a step then costs about max(compute, communication) instead of their sum (the
+DDP paper: 22-38% shorter iterations on GPUs). What stays exposed is the last bucket's
+communication, which is why the first bucket is kept small.
 
-Why it matters: with overlap a step costs about max(compute, communication) instead of their
-sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
-gloo). What is left exposed is the communication of the last bucket(s) after the last gradient;
-the first bucket is kept small (lesson 05's 1 MiB) so that communication starts early. Here
-``bucket_cap_mb=0.5`` cuts the buckets at the hidden layers, so the picture has several: each
-hidden weight (576 KiB) crosses the cap by itself, so every bucket holds one hidden layer, except
-that the small output layer shares the first bucket with the last hidden layer (its gradients
-come first), and the small input layer has the last bucket to itself. The lesson prints the
-layout and checks it. (Before torch 2.4 the cap did not cover the first bucket, which closes at
-1 MiB and so holds two hidden layers.)
+The idea, in about 50 lines: ``SmallReducer`` (the hooks, ``grad * (1 / world_size)`` into the
+bucket, buckets launched strictly in order, the callback that waits and writes back, one bucket
+for the first step and then ``rebuilt_buckets`` in arrival order), checked bit for bit against
+torch's DDP at every step, at 2 and at 3 ranks. The library's full version is
+``miniddp.reducer.Reducer`` (unused parameters, ``no_sync``, errors that name the parameter...).
 
-The proof is the library reducer's own record, ``ddp.reducer.timeline``: when each parameter
-became ready, when each bucket was launched and finished, when backward ended. The lesson trains
-the same model with ``miniddp.DistributedDataParallel`` (overlap) and with
-``AllReduceBucketsAfterBackward`` (no overlap), in turns, on the same data, and checks:
+The proof that the library overlaps is its own record, ``ddp.reducer.timeline``. Trained beside
+``AllReduceBucketsAfterBackward`` on the same data, with ``bucket_cap_mb=0.5`` (one hidden layer
+per bucket, checked): gradients must become ready while an all_reduce is in flight, shown in
+the timed steps and checked in steps where every rank but 0 starts backward late (rank 0's first
+all_reduce cannot finish before they join); never without overlap; the same gradients bit for
+bit; and one backward recorded with ``ddp.trace()`` must launch every bucket once, in order, and
+wait for each, in order, before the write-back.
 
-* with overlap, gradients become ready while an all_reduce is in flight (after the bucket's
-  launch and before its completion, which gloo's thread records); without overlap, never. In
-  the timed steps this happens by chance, and how often is shown, not checked. The check is
-  made on a few steps in which every rank but 0 starts backward late: an all_reduce needs every
-  rank, so rank 0's first one cannot finish before they join, and if it was launched during
-  backward the gradients that follow must arrive while it is in flight, however loaded the
-  machine. A reducer that waits for each all_reduce right after launching it, or launches only
-  after backward, fails it;
-* one more backward, recorded with ``ddp.trace()`` on every rank, shows what it must: every
-  parameter ready once, each bucket launched once its gradients are in, in order, then the end
-  of backward, every launched bucket waited for in order, and the write-back last. The check
-  reads the lines the trace prints, so a trace that dropped or reordered events fails it;
-* the gradients of the two, of ``SmallReducer`` and of torch's DDP are equal bit for bit at
-  every step: the same buckets summed the same way, only launched at other moments.
-
-``--trace`` prints that backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
-the same for your own model): each gradient as it becomes ready with its bucket and how full the
-bucket is, each all_reduce launched and finished, the end of backward, the waits and the
-write-back.
-
-What a 2-core CPU shows and does not: gloo runs each all_reduce on a helper thread, which must
-find a core while backward keeps one busy per rank, so communication stretches out and the
-step-time gain is small or nothing here. The picture shows the order of events; the speed-up
-needs hardware where communication has its own engine (GPUs with NCCL's own stream). There,
-the timeline's times are when the CPU launched work (CUDA is asynchronous); use a profiler to
-see when the GPU ran it.
+On a 2-core CPU gloo's helper thread competes with backward for the cores, so the step-time gain
+is small or none: the picture shows the order of events, not a speed-up (that needs a GPU, where
+NCCL has its own stream; there the timeline records when the CPU launched work).
 
 Run it:
 
     python lessons/06_overlap.py              # forks 2 ranks, gloo on CPU
-    python lessons/06_overlap.py --nproc 3
     python lessons/06_overlap.py --trace      # one backward, event by event, every rank
     torchrun --standalone --nproc_per_node=2 lessons/06_overlap.py
 
-With one GPU per rank it uses NCCL and the GPUs.
-
-What you will see: ``SmallReducer`` equal to torch's DDP bit for bit, the loss falling with each
-run's own milliseconds per step, step times and the communication left exposed after backward for
-each run, how many gradients became ready while an all_reduce was in flight (in the timed steps,
-and in the staggered ones), "the trace ... shows each of the buckets ...", the timeline of one
-step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png`` (the
-order of events, not a speed-up: on a CPU with gloo the overlapped step can be the slower one),
-the same check at 3 ranks, and ``OK: ...``. About 15 s.
+What you should see: ``SmallReducer`` equal to torch's DDP; the loss falling; step times and
+exposed communication of both runs; gradients ready while an all_reduce was in flight (counted,
+and in the staggered steps); the trace's verdict; ``runs/06_overlap.png``; ``OK: ...``. 15 s.
 """
 
 import argparse

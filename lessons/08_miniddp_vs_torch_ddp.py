@@ -1,47 +1,28 @@
 """Lesson 08: the whole miniddp DistributedDataParallel, bit for bit against torch's.
 
-What this adds since lesson 07: no new mechanism, the proof that all of them together are
-torch's DDP. Lessons 03-07 built the pieces (averaging gradients, buckets, overlap, no_sync);
-``miniddp.DistributedDataParallel`` puts them behind torch's constructor, and here it trains next
-to ``torch.nn.parallel.DistributedDataParallel`` on every rank: same model, same batches, same
-optimizer. After every step, every parameter, gradient and buffer must be equal bit for bit
-(compared as raw bits, not with ``allclose``, nor even ``torch.equal``, for which ``0.0`` equals
-``-0.0``). Three things come along that a simple reimplementation gets wrong:
+What this adds since lesson 07: the proof that the pieces of lessons 03-07 together are torch's
+DDP. ``miniddp.DistributedDataParallel`` trains beside ``torch.nn.parallel.
+DistributedDataParallel`` on the same batches, and after every step every parameter, gradient
+and buffer must be equal as raw bits (not ``allclose``, nor ``torch.equal``, for which
+``0.0 == -0.0``). Along come what a simple reimplementation gets wrong:
 
-* **the bucket rebuild.** At construction DDP cannot know in which order gradients will become
-  ready, so the first backward uses one bucket per dtype and device with the parameters in model
-  order (so torch does without ``find_unused_parameters``; with it, and no ``static_graph``, torch
-  cuts buckets by size already at construction, in reverse model order, the first at 1 MiB by
-  default). During that backward it records the order the gradients arrive in (last layer first,
-  and for ``nn.Linear`` the bias before the weight) and, at the next forward, rebuilds the
-  buckets in that order, cutting them at ``bucket_cap_mb``. Printed before and after, and
-  compared with the buckets inside torch's C++ reducer at every step.
-* **unused parameters.** A parameter that takes no part in the loss never gets a gradient, so
-  its bucket never fills and the next forward fails, on both DDPs (shown). With
-  ``find_unused_parameters=True``, each forward walks the autograd graph and marks the
-  parameters it cannot reach as ready, contributing zeros: a parameter unused on some ranks gets
-  the sum of the other ranks' gradients divided by the *whole* world size (the ranks that did not
-  use it count as zeros), one unused everywhere keeps ``.grad = None``.
-* **buffers.** BatchNorm's running statistics are not gradients: each rank updates its own in
-  forward. DDP broadcasts rank 0's buffers at the start of the first forward and of every forward
-  that follows a synchronized one (grad enabled, outside ``no_sync``): torch's ``_post_forward``
-  records whether this forward was one (``require_forward_param_sync``), and the next
-  ``_pre_forward`` reads it (``will_sync_module_buffers``). So after training the ranks'
-  statistics differ, and an evaluation forward through the wrapper starts by giving every rank
-  rank 0's; a forward after a ``no_grad`` or ``no_sync`` forward broadcasts nothing.
+* **the bucket rebuild**: one bucket in model order for the first backward, then buckets in
+  the order gradients arrived, cut at ``bucket_cap_mb``: compared with torch's C++ reducer's
+  buckets at every step.
+* **unused parameters**: without ``find_unused_parameters`` both DDPs fail at the next forward;
+  with it, a parameter unused on some ranks gets the others' sum over the *whole* world size.
+* **buffers**: BatchNorm's statistics are broadcast from rank 0 at a forward that follows a
+  synchronized one, so an evaluation forward gives every rank rank 0's.
+* **two options**: ``static_graph`` on a block checkpointed twice (its gradients arrive twice
+  per backward and are ready at the second), ``gradient_as_bucket_view`` (each ``.grad`` lives
+  in its bucket and is divided there, in place).
 
-Why 3 ranks are the harder test: at 2 ranks an all_reduce computes ``a + b`` or ``b + a``, the
-same float either way, and halving is exact, so ``grad / 2`` and ``grad * (1 / 2)`` are the same
-bits too. At 3 or more, neither holds. ``grad / 3`` and ``grad * (1 / 3)`` round differently
-(``1 / 3`` is itself rounded), and torch's built-in reducer multiplies by the reciprocal. And
-gloo's ring adds the ranks' values in an order that depends on the element's offset inside the
-flat bucket and on the bucket's size, so the bits match only if the bucket layout is exactly
-torch's. Two controls show it, one cause each: a miniddp whose buckets are cut differently (the
-ring's order), and a torch DDP with torch's own ``allreduce_hook``, a communication hook that
-divides, then sums, on torch's very buckets (the division). Both match at 2 ranks; at 3, neither
-does, while miniddp still matches bit for bit. A lesson run on 2 ranks
-therefore forks 3 more for that part (a second or two); under torchrun it needs
-``--nproc_per_node=3``.
+Why 3 ranks are the harder test: at 2, ``a + b == b + a`` and halving is exact, so any bucket
+layout and ``grad / 2`` or ``grad * (1 / 2)`` give the same bits. At 3, gloo's ring adds in an
+order set by the bucket layout, and ``grad / 3 != grad * (1 / 3)``. Two controls show it, one
+cause each: a miniddp with other buckets, and torch's DDP with its own dividing
+``allreduce_hook``. Both match at 2 ranks, neither at 3, while miniddp still does. Run on 2
+ranks, the lesson forks 3 more for that part (under torchrun: ``--nproc_per_node=3``).
 
 Run it:
 
@@ -49,14 +30,12 @@ Run it:
     python lessons/08_miniddp_vs_torch_ddp.py --nproc 3    # the harder test
     torchrun --standalone --nproc_per_node=2 lessons/08_miniddp_vs_torch_ddp.py
 
-On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
-one rank per GPU with NCCL; the bit-for-bit claim then rests on NCCL, which both DDPs call on
-the same buffers in the same order.
+With one GPU per rank it uses NCCL; the claim then rests on both DDPs calling NCCL alike.
 
-What you will see: the buckets before and after the rebuild, the loss falling, "equal bit for
-bit after every step" for the plain model and for a model with BatchNorm and unused heads, the
-error both DDPs raise without ``find_unused_parameters``, BatchNorm statistics before and after
-the broadcast, the two controls at 2 ranks and again at 3, and ``OK: ...``. About 15 s.
+What you should see: the buckets before and after the rebuild; "equal bit for bit after each of
+the ... steps" for the student, for BatchNorm with unused heads, and for each option; the error
+both DDPs raise without ``find_unused_parameters``; the statistics equal after an evaluation
+forward; the controls equal at 2 ranks and not at 3; ``OK: ...``. About 15 s.
 """
 
 import argparse
