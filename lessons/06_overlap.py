@@ -43,7 +43,6 @@ and in the staggered steps); the trace's verdict; ``runs/06_overlap.png``; ``OK:
 
 import argparse
 import functools
-import re
 import statistics
 import time
 
@@ -279,71 +278,42 @@ def staggered_step(ddp, optimizer, x, y) -> int:
     return ready_while_in_flight(ddp.reducer.timeline) if dist.get_rank() == 0 else 0
 
 
-TRACE_LINE = re.compile(r"\s*[\d.]+ ms  (\w+)\s+(?:bucket (\d+)|(\S+) -> bucket (\d+) "
-                        r"\((\d+)/(\d+)\))?")
-
-
-def trace_problems(lines: list[str], names: list[str], buckets: int) -> list[str]:
-    """What is wrong with one rank's trace, read from the lines it prints: every parameter ready
-    once; each bucket launched once, in order, once all its gradients are in; then the end of
-    backward; every launched bucket waited for, in order, after it; the write-back last."""
-    events, complete = [], set()  # (kind, bucket or parameter, buckets complete so far)
-    for line in lines:
-        found = TRACE_LINE.match(line)
-        if not found:
-            continue
-        kind, bucket, name, into, filled, size = found.groups()
-        if kind == "ready" and name is not None:
-            if filled == size:
-                complete.add(int(into))
-            events.append((kind, name, set(complete)))
-        else:
-            events.append((kind, None if bucket is None else int(bucket), set(complete)))
+def reducer_work_problems(events, buckets: int) -> list[str]:
+    """What is missing from one rank's recorded backward: every bucket launched once, in order;
+    every launched bucket waited for, in launch order, between the end of backward and the
+    write-back."""
     kinds = [kind for kind, _, _ in events]
+    launched = [i for kind, i, _ in events if kind == "launch"]
+    waited = [i for kind, i, _ in events if kind == "waited"]
     problems = []
-    ready = [name for kind, name, _ in events if kind == "ready"]
-    if sorted(ready) != sorted(names):
-        problems.append(f"{len(ready)} 'ready' lines for {len(names)} parameters")
-    launched = [b for kind, b, _ in events if kind == "launch"]
-    waited = [b for kind, b, _ in events if kind == "waited"]
     if launched != list(range(buckets)):
         problems.append(f"buckets launched {launched}, expected {list(range(buckets))}")
     if waited != launched:
         problems.append(f"buckets waited for {waited}, but launched {launched}: every launched "
                         "all_reduce must be waited for, in launch order")
-    early = [b for kind, b, complete in events if kind == "launch" and b not in complete]
-    if early:
-        problems.append(f"buckets {early} launched before their last gradient was ready")
-    if kinds.count("backward") != 1 or kinds.count("finalized") != 1:
-        problems.append(f"{kinds.count('backward')} 'backward' and {kinds.count('finalized')} "
-                        "'finalized' lines, expected one each")
-        return problems
-    end, written = kinds.index("backward"), kinds.index("finalized")
-    if "ready" in kinds[end:]:
-        problems.append("a gradient ready after the end of backward")
+    if kinds.count("backward_end") != 1 or kinds.count("finalized") != 1:
+        return problems + ["no single end of backward and write-back"]
+    end, written = kinds.index("backward_end"), kinds.index("finalized")
     if any(kind == "waited" and not end < at < written for at, kind in enumerate(kinds)):
         problems.append("a wait outside the end of backward and the write-back")
-    if any(kind != "done" for kind in kinds[written + 1:]):
-        problems.append(f"events after the write-back: {kinds[written + 1:]}")
     return problems
 
 
 def traced_backward(ddp, x, y, show: bool) -> None:
-    """One more backward, recorded by ``ddp.trace()`` on every rank and checked from what it
-    prints; printed event by event with ``--trace``."""
+    """One more backward, recorded by ``ddp.trace()`` on every rank and checked; printed event
+    by event with ``--trace`` (tests/test_lesson_mechanisms.py checks what the trace prints)."""
     dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)
     with ddp.trace(all_ranks=True) as trace:
         loss.backward()
-    names = [name for name, _ in ddp.module.named_parameters()]
     for each in trace.others:
-        problems = trace_problems(each.lines(), names, len(ddp.buckets))
+        problems = reducer_work_problems(each.events, len(ddp.buckets))
         check(not problems, f"the trace of rank {each.rank}'s backward does not show the "
               f"reducer's work: {'; '.join(problems)}")
     if show:
         print0(f"\none backward, event by event (--trace):\n{trace.format()}")
     print0(f"the trace of one backward on every rank shows each of the {len(ddp.buckets)} "
-           "buckets launched once its gradients were in, in order, and waited for, in order, "
+           "buckets launched once, in order, and waited for, in order, "
            "between the end of backward and the write-back")
 
 

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from course_tools import PlainSGD
 from torch.utils.data import DataLoader
 
 from miniddp import DistributedDataParallel, DistributedSampler
@@ -162,36 +163,6 @@ def the_module_prefix(device):
 
 # ----- part 3, on every rank: the job, its snapshots, the crash and the resume -----
 
-class SGD:
-    """``torch.optim.SGD(params, lr, momentum)``, written out, with the ``state_dict`` and
-    ``load_state_dict`` a snapshot needs (torch's saves the same momentum buffers). Why not
-    torch's: its constructor imports ``torch._dynamo``, 2-4 s of CPU in each fresh worker, and
-    this lesson starts four."""
-
-    def __init__(self, params, lr: float, momentum: float):
-        self.params, self.lr, self.momentum = list(params), lr, momentum
-        self.buffers = [None] * len(self.params)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def step(self):
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if self.buffers[i] is None:  # the first step: the buffer is the gradient
-                    self.buffers[i] = p.grad.clone()
-                else:
-                    self.buffers[i].mul_(self.momentum).add_(p.grad)
-                p.add_(self.buffers[i], alpha=-self.lr)
-
-    def state_dict(self) -> dict:
-        return {"momentum_buffers": [None if b is None else b.clone() for b in self.buffers]}
-
-    def load_state_dict(self, state: dict):
-        self.buffers = [None if b is None else b.clone() for b in state["momentum_buffers"]]
-
-
 def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kill_at=None,
           verbose=False):
     """The job: miniddp's DDP, the sampler, SGD with momentum, per-rank input noise.
@@ -208,7 +179,7 @@ def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kil
                         generator=torch.Generator())  # keeps iter(loader) off the global RNG
     ids = [device] if device.type == "cuda" else None
     ddp = DistributedDataParallel(make_model(seed=0).to(device), device_ids=ids)
-    optimizer = SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    optimizer = PlainSGD(ddp.parameters(), lr=LR, momentum=0.9)
     torch.manual_seed(1000 + rank)  # each rank its own noise
     epoch = step = 0
     if resume_from:

@@ -64,12 +64,8 @@ CASES = [
      "after the join, miniddp's final model differs from torch's DDP's"),
     ("14_uneven_inputs", "join_skips_the_final_sync",
      "after the join, miniddp's final model differs from torch's DDP's"),
-    # what the trace shows: waits and launches dropped or reordered, in the printing or the record
-    ("06_overlap", "trace_drops_waits", "does not show the reducer's work: buckets waited for []"),
-    ("06_overlap", "trace_drops_launches", "does not show the reducer's work: buckets launched []"),
-    ("06_overlap", "trace_waits_reversed",  # (4 buckets on torch < 2.4, 5 after)
-     re.compile(r"does not show the reducer's work: buckets waited for \[(\d, )+1, 0\], "
-                r"but launched \[0, 1, ")),
+    # the reducer's record (that the trace prints) without its waits; what the trace prints is
+    # checked in test_lesson_mechanisms.py
     ("06_overlap", "reducer_records_no_waits",
      "does not show the reducer's work: buckets waited for []"),
     ("06_overlap", "write_back_before_wait", "the overlapped gradients differ"),
