@@ -14,9 +14,10 @@ shows how to turn noisy step times into a conclusion:
   their ratio cancels most of it; the A/A control (two identical torch DDPs) stays near 1
   while absolute times swing by 2x.
 * **a confidence interval of the median ratio** (exact, from order statistics:
-  :func:`median_interval`), not the spread of single rounds: a ratio whose 95% interval excludes
-  1 is a finding. Comparing a median with the A/A control's interquartile range dismisses real
-  gaps however many rounds are run; both rules are shown on simulated rounds 11% apart.
+  ``course_tools.median_interval``), not the spread of single rounds: a ratio whose 95%
+  interval excludes 1 is a finding. Comparing a median with the A/A control's interquartile
+  range dismisses real gaps however many rounds are run; both rules are shown on simulated
+  rounds 11% apart.
 * **what the model predicts**: each bucket is one all_reduce and pays ``alpha``, so B buckets
   cost ``(B - B_default) * alpha`` more than the default's; large buckets lose overlap instead
   (lesson 06). On gloo with 2 cores there is little overlap to lose; on NCCL there is. Measure on
@@ -45,9 +46,7 @@ rules on simulated rounds; ``runs/11_benchmarking_buckets.png``; one line per sa
 
 import argparse
 import copy
-import json
 import math
-import random
 import statistics
 import time
 from pathlib import Path
@@ -55,6 +54,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from course_tools import (
+    alternate,
+    median_interval,
+    per_round,
+    quartiles,
+    slowest_rank,
+    summarize_saved_sweeps,
+    sync,
+    verdict,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
@@ -109,41 +118,6 @@ class Contestant:
         self.losses.append(loss.detach())
 
 
-def synchronize(device):
-    if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
-        torch.cuda.synchronize(device)
-
-
-def slowest_rank(seconds: list[list[float]], device) -> list[list[float]]:
-    """Element-wise maximum over ranks: a step is over when its slowest rank is done."""
-    t = torch.tensor(seconds, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def alternate(contestants: dict, rounds: int, device) -> dict[str, list[float]]:
-    """One step of every contestant per round, in a new order each round (the same on every
-    rank: the same seed), never one twice in a row; seconds per timed step (the slowest
-    rank's) of every contestant, round by round."""
-    names = list(contestants)
-    seconds = {name: [] for name in names}
-    shuffle, order = random.Random(0).shuffle, list(names)
-    for round_ in range(WARMUP + rounds):
-        last = order[-1]
-        shuffle(order)
-        if order[0] == last:  # it just ran: swap it to the end
-            order[0], order[-1] = order[-1], order[0]
-        for name in order:
-            synchronize(device)
-            dist.barrier()  # everyone starts the step together; not timed
-            start = time.perf_counter()
-            contestants[name].step()
-            synchronize(device)
-            if round_ >= WARMUP:
-                seconds[name].append(time.perf_counter() - start)
-    return dict(zip(names, slowest_rank([seconds[n] for n in names], device)))
-
-
 def alpha_and_beta(nbytes: int, device, calls: int = 30) -> tuple[float, float]:
     """Median time of a 4-byte all_reduce (``alpha``) and of one holding every gradient, which
     gives ``beta`` (seconds per byte). Alternated too; the slowest rank's times."""
@@ -151,11 +125,11 @@ def alpha_and_beta(nbytes: int, device, calls: int = 30) -> tuple[float, float]:
     times = [[], []]
     for k in range(calls + 2):
         for i, t in enumerate((tiny, full)):
-            synchronize(device)
+            sync(device)
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)
-            synchronize(device)
+            sync(device)
             if k >= 2:
                 times[i].append(time.perf_counter() - start)
     alpha, full_time = (statistics.median(t) for t in slowest_rank(times, device))
@@ -192,7 +166,8 @@ def on_every_rank(rounds: int):
         TorchDDP(copy.deepcopy(student), device_ids=ids), batches)
     print0(f"{len(contestants)} contestants, {WARMUP} warm-up rounds, {rounds} timed rounds of "
            f"one step each ({BATCH_SIZE} samples per rank)")
-    times = alternate(contestants, rounds, device)
+    times = alternate({name: c.step for name, c in contestants.items()}, rounds, device,
+                      WARMUP)
 
     for (name, label), contestant in contestants.items():  # before any time is looked at
         theirs = contestants["torch", label].ddp
@@ -216,40 +191,6 @@ def on_every_rank(rounds: int):
 
 def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.2f}"
-
-
-def per_round(a: list[float], b: list[float]) -> list[float]:
-    return [x / y for x, y in zip(a, b)]
-
-
-def quartiles(values: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """The median of ``values`` and an interval that holds the true median with probability at
-    least ``confidence``: ``[x_(k), x_(n+1-k)]``, the k-th smallest and k-th largest value.
-
-    Each round's ratio falls below the true median with probability 1/2, so the count below it
-    is Binomial(n, 1/2), and that interval misses the median only when k or fewer fall on one
-    side: probability ``2 * P(B <= k - 1)``. Take the largest k that keeps this within
-    ``1 - confidence``. Nothing is assumed about the shape of the noise.
-    """
-    ordered, n = sorted(values), len(values)
-    below = lambda k: sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # P(B <= k)
-    k = 1
-    while k < n // 2 and 2 * below(k) <= 1 - confidence:
-        k += 1
-    return statistics.median(ordered), ordered[k - 1], ordered[n - k]
-
-
-def verdict(low: float, high: float) -> str:
-    if low > 1:
-        return "slower"
-    if high < 1:
-        return "faster"
-    return "not shown"
 
 
 def read(result: dict) -> dict:
@@ -361,45 +302,6 @@ def plot(result: dict):
     save_figure("11_benchmarking_buckets", draw)
 
 
-def summarize_saved_results(alpha: float, backend: str, device: str):
-    """One line per sweep of ``benchmarks/bucket_sweep.py`` saved in ``benchmarks/results``, read
-    by intervals: miniddp / torch at each cap (the saved 95% intervals), and one bucket per
-    parameter over torch's best cap (the median of per-round ratios, every cap being timed in
-    each round), with the model's prediction at this run's ``alpha`` where it applies (the same
-    backend on the same kind of device)."""
-    files = sorted(SAVED.glob("bucket_sweep-*.json"))
-    if not files:
-        print0(f"\nno saved sweep in {SAVED}: run python benchmarks/bucket_sweep.py")
-        return
-    print0(f"\nthe full sweeps saved in {SAVED.relative_to(SAVED.parents[1])} (95% intervals):")
-    for path in files:
-        saved = json.loads(path.read_text())
-        setup, model, rows = saved["setup"], saved["model"], saved["sweep"]
-        verdicts = [verdict(*row["ratio_ci95"]) for row in rows]
-        counts = ", ".join(f"{word} at {verdicts.count(word)}"
-                           for word in ("slower", "faster", "not shown") if word in verdicts)
-        pooled = saved["all_caps"]
-        line = (f"  {path.stem[len('bucket_sweep-'):]}: {model['tensors']} tensors, "
-                f"{model['gradient_mb']:.0f} MB, {setup['pairs']} rounds; miniddp/torch "
-                f"{counts} of {len(rows)} caps, pooled {pooled['ratio']:.3f} "
-                f"({verdict(*pooled['ratio_ci95'])})")
-        torch_ms = {row["bucket_cap_mb"]: row["torch"] for row in rows}
-        if "per-parameter" in torch_ms:
-            best = min((cap for cap in torch_ms if cap != "per-parameter"),
-                       key=lambda cap: torch_ms[cap]["median_ms"])
-            mid, low, high = median_interval(per_round(torch_ms["per-parameter"]["times_ms"],
-                                                       torch_ms[best]["times_ms"]))
-            line += (f"; one bucket per parameter {mid:.2f}x torch's best cap ({best} MiB; "
-                     f"{low:.2f}-{high:.2f})")
-            if (setup["backend"], setup["device"]) == (backend, device):
-                buckets = {row["bucket_cap_mb"]: row["buckets"] for row in rows}
-                extra = 1e3 * alpha * (buckets["per-parameter"] - buckets[best])
-                line += f", model {1 + extra / torch_ms[best]['median_ms']:.2f}x"
-        print0(line)
-    print0("the method and all the numbers: benchmarks/README.md; rerun with "
-           "python benchmarks/bucket_sweep.py (--quick for a smoke run)")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2,
@@ -416,7 +318,7 @@ def main():
           f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 30% of it")
     ratios = read(result)
     plot(result)
-    summarize_saved_results(result["alpha"], result["backend"], result["device"])
+    summarize_saved_sweeps(SAVED, result["alpha"], result["backend"], result["device"])
     verdicts = ", ".join(f"{label} {r['verdict']}" for label, r in ratios.items())
     ok(f"miniddp bit-identical to torch's DDP, with torch's buckets, at {len(CAPS)} bucket caps; "
        f"miniddp/torch by its 95% interval (read, not checked): {verdicts}")

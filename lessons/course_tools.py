@@ -1,5 +1,6 @@
 """What several lessons share and none of them teaches: loading an earlier lesson, gathering a
-value from every rank, timing in alternation, an SGD that starts fast.
+value from every rank, timing in alternation and reading the times (lesson 11 says why so),
+an SGD that starts fast.
 
 Kept out of the lessons so that each file is its idea; kept out of ``miniddp`` because none of
 it is part of data parallelism. Not a lesson itself: its name starts with no number, so the
@@ -9,6 +10,9 @@ course (``run_course.py``) and the tests' glob pass it by.
 from __future__ import annotations
 
 import importlib.util
+import json
+import math
+import random
 import statistics
 import sys
 import time
@@ -16,6 +20,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from miniddp.train.report import print0
 
 HERE = Path(__file__).resolve().parent
 
@@ -45,25 +51,108 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def alternating_times(calls: dict, device: torch.device, reps: int, warmup: int = 2) -> dict:
-    """Seconds per run of each of ``calls`` (name -> function of no arguments), timed in turns
-    (A B A B ...) so that a machine that slows down or speeds up mid-run affects all alike.
-    The first ``warmup`` rounds are run and not kept."""
-    seconds: dict = {name: [] for name in calls}
-    for round_ in range(warmup + reps):
-        for name, call in calls.items():
+def slowest_rank(seconds: list[list[float]], device) -> list[list[float]]:
+    """Element-wise maximum over ranks: a step is over when its slowest rank is done."""
+    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def alternate(calls: dict, rounds: int, device, warmup: int) -> dict[str, list[float]]:
+    """Time ``calls`` (name -> function of no arguments) in rounds: each round runs every one
+    once, in a new order (the same on every rank: the same seed), never one twice in a row
+    (it would find its tensors in cache), each after a barrier. The first ``warmup`` rounds are
+    not kept. Returns the seconds of each call, round by round, the slowest rank's."""
+    names = list(calls)
+    seconds = {name: [] for name in names}
+    shuffle, order = random.Random(0).shuffle, list(names)
+    for round_ in range(warmup + rounds):
+        last = order[-1]
+        shuffle(order)
+        if order[0] == last:  # it just ran: swap it to the end
+            order[0], order[-1] = order[-1], order[0]
+        for name in order:
             sync(device)
+            dist.barrier()  # everyone starts together; not timed
             start = time.perf_counter()
-            call()
+            calls[name]()
             sync(device)
             if round_ >= warmup:
                 seconds[name].append(time.perf_counter() - start)
-    return seconds
+    return dict(zip(names, slowest_rank([seconds[n] for n in names], device)))
 
 
-def median_ratio(a: list[float], b: list[float]) -> float:
-    """The median of the pairwise ratios ``a[i] / b[i]`` of two alternating series."""
-    return statistics.median(x / y for x, y in zip(a, b))
+def per_round(a: list[float], b: list[float]) -> list[float]:
+    return [x / y for x, y in zip(a, b)]
+
+
+def quartiles(values: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
+    """The median of ``values`` and an interval that holds the true median with probability at
+    least ``confidence``: ``[x_(k), x_(n+1-k)]``, the k-th smallest and k-th largest value.
+
+    Each round's ratio falls below the true median with probability 1/2, so the count below it
+    is Binomial(n, 1/2), and that interval misses the median only when k or fewer fall on one
+    side: probability ``2 * P(B <= k - 1)``. Take the largest k that keeps this within
+    ``1 - confidence``. Nothing is assumed about the shape of the noise.
+    """
+    ordered, n = sorted(values), len(values)
+    below = lambda k: sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # P(B <= k)
+    k = 1
+    while k < n // 2 and 2 * below(k) <= 1 - confidence:
+        k += 1
+    return statistics.median(ordered), ordered[k - 1], ordered[n - k]
+
+
+def verdict(low: float, high: float) -> str:
+    if low > 1:
+        return "slower"
+    if high < 1:
+        return "faster"
+    return "not shown"
+
+
+def summarize_saved_sweeps(saved: Path, alpha: float, backend: str, device: str):
+    """One line per sweep of ``benchmarks/bucket_sweep.py`` saved in ``benchmarks/results``, read
+    by intervals: miniddp / torch at each cap (the saved 95% intervals), and one bucket per
+    parameter over torch's best cap (the median of per-round ratios, every cap being timed in
+    each round), with the model's prediction at this run's ``alpha`` where it applies (the same
+    backend on the same kind of device)."""
+    files = sorted(saved.glob("bucket_sweep-*.json"))
+    if not files:
+        print0(f"\nno saved sweep in {saved}: run python benchmarks/bucket_sweep.py")
+        return
+    print0(f"\nthe full sweeps saved in {saved.relative_to(saved.parents[1])} (95% intervals):")
+    for path in files:
+        saved = json.loads(path.read_text())
+        setup, model, rows = saved["setup"], saved["model"], saved["sweep"]
+        verdicts = [verdict(*row["ratio_ci95"]) for row in rows]
+        counts = ", ".join(f"{word} at {verdicts.count(word)}"
+                           for word in ("slower", "faster", "not shown") if word in verdicts)
+        pooled = saved["all_caps"]
+        line = (f"  {path.stem[len('bucket_sweep-'):]}: {model['tensors']} tensors, "
+                f"{model['gradient_mb']:.0f} MB, {setup['pairs']} rounds; miniddp/torch "
+                f"{counts} of {len(rows)} caps, pooled {pooled['ratio']:.3f} "
+                f"({verdict(*pooled['ratio_ci95'])})")
+        torch_ms = {row["bucket_cap_mb"]: row["torch"] for row in rows}
+        if "per-parameter" in torch_ms:
+            best = min((cap for cap in torch_ms if cap != "per-parameter"),
+                       key=lambda cap: torch_ms[cap]["median_ms"])
+            mid, low, high = median_interval(per_round(torch_ms["per-parameter"]["times_ms"],
+                                                       torch_ms[best]["times_ms"]))
+            line += (f"; one bucket per parameter {mid:.2f}x torch's best cap ({best} MiB; "
+                     f"{low:.2f}-{high:.2f})")
+            if (setup["backend"], setup["device"]) == (backend, device):
+                buckets = {row["bucket_cap_mb"]: row["buckets"] for row in rows}
+                extra = 1e3 * alpha * (buckets["per-parameter"] - buckets[best])
+                line += f", model {1 + extra / torch_ms[best]['median_ms']:.2f}x"
+        print0(line)
+    print0("the method and all the numbers: benchmarks/README.md; rerun with "
+           "python benchmarks/bucket_sweep.py (--quick for a smoke run)")
 
 
 class PlainSGD:
