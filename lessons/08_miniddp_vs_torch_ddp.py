@@ -2,27 +2,22 @@
 
 What this adds since lesson 07: the proof that the pieces of lessons 03-07 together are torch's
 DDP. ``miniddp.DistributedDataParallel`` trains beside ``torch.nn.parallel.
-DistributedDataParallel`` on the same batches, and after every step every parameter, gradient
-and buffer must be equal as raw bits (not ``allclose``, nor ``torch.equal``, for which
-``0.0 == -0.0``). Along come what a simple reimplementation gets wrong:
-
-* **the bucket rebuild**: one bucket in model order for the first backward, then buckets in
-  the order gradients arrived, cut at ``bucket_cap_mb``: compared with torch's C++ reducer's
-  buckets at every step.
-* **unused parameters**: without ``find_unused_parameters`` both DDPs fail at the next forward;
-  with it, a parameter unused on some ranks gets the others' sum over the *whole* world size.
-* **buffers**: BatchNorm's statistics are broadcast from rank 0 at a forward that follows a
-  synchronized one, so an evaluation forward gives every rank rank 0's.
-* **two options**: ``static_graph`` on a block checkpointed twice (its gradients arrive twice
-  per backward and are ready at the second), ``gradient_as_bucket_view`` (each ``.grad`` lives
-  in its bucket and is divided there, in place).
+DistributedDataParallel`` on the same batches, and after every step every parameter and
+gradient must be equal as raw bits (not ``allclose``, nor ``torch.equal``, for which
+``0.0 == -0.0``). The bucket rebuild comes along: one bucket in model order for the first
+backward, then buckets in the order the gradients arrived, cut at ``bucket_cap_mb``, compared
+with the buckets inside torch's C++ reducer at every step. Part 2
+(``08_miniddp_vs_torch_ddp_extras.py``) does the same for unused parameters, BatchNorm's
+buffers, ``static_graph`` and ``gradient_as_bucket_view``.
 
 Why 3 ranks are the harder test: at 2, ``a + b == b + a`` and halving is exact, so any bucket
 layout and ``grad / 2`` or ``grad * (1 / 2)`` give the same bits. At 3, gloo's ring adds in an
-order set by the bucket layout, and ``grad / 3 != grad * (1 / 3)``. Two controls show it, one
-cause each: a miniddp with other buckets, and torch's DDP with its own dividing
-``allreduce_hook``. Both match at 2 ranks, neither at 3, while miniddp still does. Run on 2
-ranks, the lesson forks 3 more for that part (under torchrun: ``--nproc_per_node=3``).
+order set by the element's offset in its bucket and the bucket's size, and
+``grad / 3 != grad * (1 / 3)`` (torch's reducer multiplies by the reciprocal). Two controls
+show it, one cause each: a miniddp with torch's default, larger buckets, and torch's own DDP
+with its dividing ``allreduce_hook``. Both match at 2 ranks, neither at 3, while miniddp still
+does. Run on 2 ranks, the lesson forks 3 more for that part (under torchrun:
+``--nproc_per_node=3``).
 
 Run it:
 
@@ -32,10 +27,9 @@ Run it:
 
 With one GPU per rank it uses NCCL; the claim then rests on both DDPs calling NCCL alike.
 
-What you should see: the buckets before and after the rebuild; "equal bit for bit after each of
-the ... steps" for the student, for BatchNorm with unused heads, and for each option; the error
-both DDPs raise without ``find_unused_parameters``; the statistics equal after an evaluation
-forward; the controls equal at 2 ranks and not at 3; ``OK: ...``. About 15 s.
+What you should see: every rank's own random model replaced by rank 0's; the buckets before and
+after the rebuild; the loss falling; "equal to torch's DDP bit for bit after each of the ...
+steps"; the controls equal at 2 ranks and not at 3, each with its cause; ``OK: ...``. 15 s.
 """
 
 import argparse
@@ -44,60 +38,21 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from course_tools import same_bits
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import miniddp
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import OUT_FEATURES, make_dataset, make_model, shard
+from miniddp.train.data import make_dataset, make_model, shard
 from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2
 LR = 0.2
 BUCKET_CAP_MB = 0.0005  # about 520 bytes: two buckets for lesson 00's student after the rebuild
-
-
-class StudentWithExtras(nn.Module):
-    """Lesson 00's student with BatchNorm after its first layer, and two extra heads:
-    ``sometimes`` joins the output on some ranks and steps only, ``never`` is never used."""
-
-    def __init__(self, seed: int, hidden: int = 64):
-        super().__init__()
-        student = make_model(seed=seed, hidden=hidden)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.body = nn.Sequential(student[0], nn.BatchNorm1d(hidden), student[1])
-            self.head = student[2]
-            self.sometimes = nn.Linear(hidden, OUT_FEATURES)
-            self.never = nn.Linear(hidden, OUT_FEATURES)
-
-    def forward(self, x, use_sometimes: bool = False):
-        h = self.body(x)
-        return self.head(h) + self.sometimes(h) if use_sometimes else self.head(h)
-
-
-class BlockCheckpointedTwice(nn.Module):
-    """A block applied twice, each time under reentrant checkpointing: its parameters'
-    gradients arrive twice in one backward, and are ready only at the second arrival."""
-
-    def __init__(self, seed: int, hidden: int = 32):
-        super().__init__()
-        student = make_model(seed=seed, hidden=hidden)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.embed, self.head = student[0], student[2]
-            self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
-
-    def forward(self, x):
-        h = torch.tanh(self.embed(x))
-        for _ in range(2):
-            h = checkpoint(self.block, h, use_reentrant=True)
-        return self.head(h)
 
 
 def wrap(ddp_class, module, device, **kwargs):
@@ -114,16 +69,6 @@ def wrap(ddp_class, module, device, **kwargs):
         return ddp_class(copy.deepcopy(module).to(device), device_ids=ids, **kwargs)
     finally:
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
 
 
 def differences(ours, theirs) -> list[str]:
@@ -238,97 +183,6 @@ def the_plain_student(rank, world, device, verbose=True):
     return controls, len(layouts), losses
 
 
-def unused_without_the_flag(rank, device):
-    """Both DDPs refuse, at the next forward, a model whose loss left parameters unused."""
-    x, y = (t.to(device) for t in make_dataset(n=BATCH_SIZE, seed=10 + rank).tensors)
-    model = StudentWithExtras(seed=0)
-    print0("\nwithout find_unused_parameters, 'sometimes' and 'never' block their bucket:")
-    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
-        ddp = wrap(ddp_class, model, device)
-        F.mse_loss(ddp(x), y).backward()
-        try:
-            ddp(x)
-            error = "no error"
-        except RuntimeError as e:
-            error = str(e)
-        print0(f"  {name:<7} raises at the next forward: {error[:80]}...")
-        check("Expected to have finished reduction in the prior iteration" in error,
-              f"{name}: a forward after a backward that left parameters without gradients "
-              f"should fail, got: {error[:300]}")
-
-
-def with_buffers_and_unused_heads(rank, world, device):
-    """BatchNorm buffers and parameters that only some ranks use, on both DDPs."""
-    model = StudentWithExtras(seed=rank)
-    ours = wrap(miniddp.DistributedDataParallel, model, device, find_unused_parameters=True)
-    theirs = wrap(TorchDDP, model, device, find_unused_parameters=True)
-    loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
-                        batch_size=BATCH_SIZE, drop_last=True)
-    used = lambda step: {"use_sometimes": (step + rank) % 3 == 0}  # per rank and step
-    progress = Progress(EPOCHS * len(loader), quiet=True)
-    first_difference, layouts = train_side_by_side([ours, theirs], loader, device, used,
-                                                   progress)
-    check(first_difference[0] is None, f"rank {rank}: with BatchNorm and unused heads, miniddp "
-                                       f"differs from torch's DDP after step "
-                                       f"{first_difference[0]}")
-    losses = progress.losses()
-    check(losses[-1] < 0.2 * losses[0], f"with BatchNorm the loss went from {losses[0]:.4f} to "
-                                        f"{losses[-1]:.4f}, not below 20% of it")
-    print0(f"\nwith find_unused_parameters=True, BatchNorm, a head used on some ranks and steps "
-           f"and one never used:\n  equal to torch's DDP bit for bit after each of the "
-           f"{len(layouts)} steps (loss {losses[0]:.3f} -> {losses[-1]:.4f})")
-    never = [m.module.never.weight.grad for m in (ours, theirs)]
-    check(never == [None, None], "a parameter no rank ever used must keep .grad = None")
-    print0("  'never' was unused on every rank: its .grad is still None on both")
-
-    bn = [m.module.body[1].running_mean for m in (ours, theirs)]
-    before = rank_agreement(bn[0])
-    ours.eval(), theirs.eval()
-    with torch.no_grad():  # the forward before was synchronized: this one broadcasts first
-        x = make_dataset(n=BATCH_SIZE, seed=20 + rank).tensors[0].to(device)
-        ours(x), theirs(x)
-    after = rank_agreement(bn[0])
-    say = {True: "yes", False: "no"}
-    print0(f"  BatchNorm running_mean equal on every rank? after the last training forward: "
-           f"{say[before]} (each rank updated its own);\n  after one evaluation forward through "
-           f"the wrapper: {say[after]} (rank 0's, broadcast at its start, since the forward "
-           "before it was a synchronized one)")
-    check(not before or world == 1, "each rank updated its running statistics with its own "
-                                    "batch: they should differ after training")
-    check(after and same_bits(bn[0], bn[1]),
-          "an evaluation forward through DDP should give every rank rank 0's statistics")
-
-
-def two_options(rank, world, device):
-    """``static_graph`` on a block whose gradients arrive twice per backward (ready at the
-    second arrival only), and ``gradient_as_bucket_view`` on the student. Gradients are zeroed
-    in place, so that from step 1 on each ``.grad`` is its bucket's view and is divided there,
-    in place, as torch divides it (at 3 ranks ``grad / 3`` and ``grad * (1 / 3)`` differ)."""
-    loader = DataLoader(shard(make_dataset(n=256 * world, seed=1), rank, world),
-                        batch_size=BATCH_SIZE, drop_last=True)
-    print0("\ntwo options, gradients zeroed in place:")
-    for option, model, what in (
-            ("static_graph", BlockCheckpointedTwice(seed=rank),
-             "a block checkpointed twice, its gradients arriving twice per backward"),
-            ("gradient_as_bucket_view", make_model(seed=rank), "the student")):
-        ours, theirs = (wrap(cls, model, device, bucket_cap_mb=BUCKET_CAP_MB, **{option: True})
-                        for cls in (miniddp.DistributedDataParallel, TorchDDP))
-        first_difference, layouts = train_side_by_side([ours, theirs], loader, device,
-                                                       set_to_none=False)
-        step, names = first_difference[0] or (None, [])
-        check(step is None, f"rank {rank}: with {option}=True, at {world} ranks miniddp differs "
-                            f"from torch's DDP after step {step}, in {', '.join(names)}")
-        print0(f"  {option}=True, {what}: equal to torch's DDP bit for bit after each of the "
-               f"{len(layouts)} steps, at {world} ranks")
-
-
-def rank_agreement(t) -> bool:
-    """Is ``t`` the same on every rank (a collective)?"""
-    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, t)
-    return all(same_bits(everyone[0], other) for other in everyone)
-
-
 def judge_the_controls(world: int, controls: dict, steps: int) -> None:
     """Both controls match torch at 2 ranks and neither does at 3 or more on gloo: one for the
     ring's order of additions, one for the division."""
@@ -362,9 +216,6 @@ def on_every_rank():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     controls, steps, losses = the_plain_student(rank, world, device)
-    unused_without_the_flag(rank, device)
-    with_buffers_and_unused_heads(rank, world, device)
-    two_options(rank, world, device)
     judge_the_controls(world, controls, steps)
     return world, steps, losses[0], losses[-1]
 
@@ -373,7 +224,6 @@ def at_three_ranks():
     """The plain student again, at 3 ranks: miniddp still equal, both controls not."""
     rank, world, device = dist.get_rank(), dist.get_world_size(), rank_device()
     controls, steps, _ = the_plain_student(rank, world, device, verbose=False)
-    two_options(rank, world, device)
     judge_the_controls(world, controls, steps)
 
 
@@ -392,8 +242,8 @@ def main():
         launch(at_three_ranks, 3)
         at_three = True
     ok(f"miniddp's DDP equal to torch's bit for bit after each of {steps} steps on {world} ranks "
-       f"(loss {first:.3f} -> {last:.4f}), same buckets, rebuilt at the same step; unused "
-       "parameters and BatchNorm buffers too" + ("; at 3 ranks too, where other buckets or "
+       f"(loss {first:.3f} -> {last:.4f}), same buckets, rebuilt at the same step"
+       + ("; at 3 ranks too, where other buckets or "
                                                  "dividing by the world size are not" * at_three))
 
 

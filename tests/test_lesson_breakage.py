@@ -78,9 +78,9 @@ CASES = [
     ("07_no_sync_accumulation", "no_sync_exits_to_true",
      "must restore the flag it found (False here), not set it to True"),
     # at 2 ranks x / 2 == x * 0.5: the lesson's 3-rank part is where it shows
-    ("08_miniddp_vs_torch_ddp", "bucket_view_multiplied",
+    ("08_miniddp_vs_torch_ddp_extras", "bucket_view_multiplied",
      "with gradient_as_bucket_view=True, at 3 ranks miniddp differs from torch's DDP"),
-    ("08_miniddp_vs_torch_ddp", "static_graph_ready_at_first_arrival",
+    ("08_miniddp_vs_torch_ddp_extras", "static_graph_ready_at_first_arrival",
      "with static_graph=True, at 2 ranks miniddp differs from torch's DDP"),
     ("15_sharded_optimizer", "zero_ties_reversed",
      "with equal sizes, miniddp's ZeroRedundancyOptimizer gives this rank the parameters"),
