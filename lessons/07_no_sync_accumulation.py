@@ -12,17 +12,12 @@ mean loss over the whole batch: lesson 00's one-process oracle (up to float roun
 torch's DDP (bit for bit). Forgetting ``/ k``, or zeroing per micro-batch, silently breaks it.
 
 The idea in a dozen lines (``FlagReadAtForward``): ``no_sync`` sets a flag, forward copies it
-into a note for the backward it starts, and the gradient hooks read only the note. Three
-consequences, each shown on miniddp, torch's DDP and the version by hand:
-
-* **where forward runs decides**: a forward inside ``no_sync`` with its backward outside does not
-  synchronize; a forward outside with its backward inside does (``FlagReadAtBackward``, the
-  variant whose hooks read the flag, does the opposite). Keep both inside the ``with``.
-* **no_sync restores the flag it found**: nested in another ``no_sync`` (a helper that
-  accumulates on its own), leaving the inner block must leave the outer one accumulating.
-* **no_sync cancels nothing**: a forward with grad enabled that no backward follows (validation
-  without ``torch.no_grad()``) prepared a reduction, so the next backward, even inside
-  ``no_sync``, completes it and all_reduces. Validate under ``torch.no_grad()``.
+into a note for the backward it starts, and the gradient hooks read only the note. So **where
+forward runs decides**: a forward inside ``no_sync`` with its backward outside does not
+synchronize; a forward outside with its backward inside does. Shown on miniddp, torch's DDP and
+the version by hand; ``FlagReadAtBackward``, whose hooks read the flag itself, does the
+opposite in both cases. Keep forward and backward inside the ``with``. Part 2
+(``07_no_sync_accumulation_traps.py``) shows what ``no_sync`` does not do.
 
 Run it:
 
@@ -34,12 +29,11 @@ With one GPU per rank (``--nproc N`` on N GPUs) it uses NCCL.
 
 What you should see: in the first step's table, all_reduce calls only in the last micro-batch
 and the ranks' gradients equal only after it; the loss falling; a k-th of a plain loop's
-all_reduces; miniddp equal to torch's DDP bit for bit and close to the oracle; each trap
-behaving alike on all three; ``OK: ...``. About 10 s.
+all_reduces; miniddp equal to torch's DDP bit for bit and close to the oracle; the trap
+behaving alike on both DDPs and by hand; ``OK: ...``. About 10 s.
 """
 
 import argparse
-import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -51,8 +45,8 @@ from torch.utils.data import DataLoader, Subset
 
 import miniddp
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import IN_FEATURES, make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, cpp_stderr, ok, print0
+from miniddp.train.data import make_dataset, make_model, shard
+from miniddp.train.report import Progress, check, ok, print0
 
 MICRO_BATCH = 16  # samples per micro-batch on each rank
 EPOCHS = 6
@@ -293,101 +287,6 @@ def the_trap(rank, device):
     print0("  the wrapper by hand, which reads the flag in forward, does what both DDPs do")
 
 
-def nested_no_sync(rank, device):
-    """A helper that accumulates with its own ``no_sync``, called inside the loop's: leaving
-    the inner block must restore the flag it found (False), so the outer one goes on
-    accumulating."""
-    x, y = (t.to(device) for t in make_dataset(n=16, seed=30 + rank).tensors)
-    seen = {}
-    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP),
-                            ("by hand", FlagReadAtForward)):
-        ddp = wrap(ddp_class, make_model(seed=0).to(device), device)
-        with ddp.no_sync():
-            with ddp.no_sync():
-                F.mse_loss(ddp(x), y).backward()
-            F.mse_loss(ddp(x), y).backward()  # after the inner block, inside the outer one
-            seen[name] = grads_agree_across_ranks(ddp)
-    print0("\nno_sync inside no_sync, then a micro-batch in the outer block only: " + ", ".join(
-        f"{name}: {'synchronized' if synced else 'NOT synchronized'}"
-        for name, synced in seen.items()))
-    for name, synced in seen.items():
-        check(not synced, f"{name}: a backward inside the outer no_sync, after an inner no_sync "
-              "ended, synchronized: leaving no_sync must restore the flag it found (False "
-              "here), not set it to True")
-
-
-# ----- a second trap: a forward that no backward follows -----
-
-
-class WithIgnoredHead(nn.Module):
-    """The lesson's model, plus a second output that the training loss never uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = make_model(seed=0)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            self.ignored = nn.Linear(IN_FEATURES, 1)
-
-    def forward(self, x):
-        return self.body(x), self.ignored(x)
-
-
-def warned_nothing_unused(captured: list) -> bool:
-    """True when this DDP warned that it found no unused parameter; anything else captured is
-    passed on to stderr as it was, so that nothing unexpected is hidden."""
-    lines = "".join(captured).splitlines(keepends=True)
-    warned = [line for line in lines if "did not find any unused parameters" in line]
-    sys.stderr.write("".join(line for line in lines if line not in warned))
-    return bool(warned)
-
-
-def the_forward_without_backward(rank, device):
-    """Validation without ``torch.no_grad()``, then a step whose first micro-batch runs in
-    ``no_sync``: that micro-batch is synchronized after all, in both DDPs, bit for bit."""
-    print0("\nthe second trap: a forward without backward (validation without no_grad), then "
-           "a micro-batch inside no_sync")
-    x, y = (t.to(device) for t in make_dataset(n=48, seed=20 + rank).tensors)
-    results, warned = {}, []
-    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
-        ddp = ddp_class(WithIgnoredHead().to(device), find_unused_parameters=True,
-                        device_ids=[device.index] if device.type == "cuda" else None)
-        captured = []
-        with cpp_stderr(captured):  # both DDPs print a warning here (said below)
-            ddp(x[32:])  # "validation", grad enabled: it prepares a reduction no backward runs
-        if warned_nothing_unused(captured):
-            warned.append(name)
-        with ddp.no_sync():  # ... so no_sync cancels nothing: this backward is reduced
-            prediction, _ignored = ddp(x[:16])
-            F.mse_loss(prediction, y[:16]).backward()
-        reduced_in_no_sync = grads_agree_across_ranks(ddp.module.body)
-        try:  # had the ignored head not reported in, this forward would raise
-            prediction, _ignored = ddp(x[16:32])
-        except RuntimeError as error:
-            check(False, f"{name}: the reduction that the validation forward prepared never "
-                         f"completed: {str(error).splitlines()[0]}")
-        F.mse_loss(prediction, y[16:32]).backward()
-        results[name] = (reduced_in_no_sync, [p.grad for p in ddp.module.body.parameters()],
-                         ddp.module.ignored.weight.grad)
-
-    if warned:
-        print0(f"  ({' and '.join(warned)} warned that find_unused_parameters=True found no "
-               "unused parameter in the validation forward: true, every parameter is reached "
-               "from an output, the ignored head too; only the loss, after forward, ignores it)")
-    for name, (reduced, _, _) in results.items():
-        print0(f"  {name}: the no_sync micro-batch was "
-               f"{'synchronized' if reduced else 'NOT synchronized'}")
-    for name, (reduced, _, ignored_grad) in results.items():
-        check(reduced, f"{name}: the backward after a forward that no backward followed was not "
-                       "synchronized; that forward's reduction must still be waiting for it")
-        check(ignored_grad is None, f"{name}: the ignored head got a gradient")
-    same = all(torch.equal(a, b) for a, b in zip(results["miniddp"][1], results["torch"][1]))
-    check(same, f"rank {rank}: after a forward without backward, miniddp's gradients differ "
-                "from torch's DDP")
-    print0("  miniddp's gradients equal torch's DDP's bit for bit; validate under "
-           "torch.no_grad() to avoid all of it")
-
-
 def on_every_rank(k):
     rank, world = dist.get_rank(), dist.get_world_size()
     check(world >= 2, "no_sync only matters with someone to synchronize with: run 2+ ranks")
@@ -419,8 +318,6 @@ def on_every_rank(k):
            "steps")
 
     the_trap(rank, device)
-    nested_no_sync(rank, device)
-    the_forward_without_backward(rank, device)
     return world, steps, losses[0], losses[-1]
 
 
@@ -434,8 +331,7 @@ def main():
     world, steps, first, last = launch(on_every_rank, args.nproc, (args.micro_batches,))[0]
     ok(f"{args.micro_batches} micro-batches per step on {world} ranks: one all_reduce round per "
        f"step, loss {first:.3f} -> {last:.4f}, equal to torch's DDP bit for bit and to the "
-       "one-process oracle within float rounding; no_sync is read at forward time, and cancels "
-       "no reduction a forward without backward prepared")
+       "one-process oracle within float rounding; no_sync is read at forward time")
 
 
 if __name__ == "__main__":

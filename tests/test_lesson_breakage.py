@@ -41,7 +41,7 @@ CASES = [
     ("04_the_sampler", "set_epoch_ignored",
      "with set_epoch, three epochs must give three different orders"),
     ("07_no_sync_accumulation", "no_sync_ignored", "all_reduce calls"),
-    ("07_no_sync_accumulation", "no_sync_outputs_unwatched",
+    ("07_no_sync_accumulation_traps", "no_sync_outputs_unwatched",
      "the reduction that the validation forward prepared never completed"),
     ("08_miniddp_vs_torch_ddp", "divide_instead_of_multiply",
      "at 3 ranks miniddp differs from torch's DDP"),
@@ -75,7 +75,7 @@ CASES = [
      "average"),
     ("04_the_sampler", "reshard_skips_by_the_new_world_size",
      "must skip the 12 samples already read"),
-    ("07_no_sync_accumulation", "no_sync_exits_to_true",
+    ("07_no_sync_accumulation_traps", "no_sync_exits_to_true",
      "must restore the flag it found (False here), not set it to True"),
     # at 2 ranks x / 2 == x * 0.5: the lesson's 3-rank part is where it shows
     ("08_miniddp_vs_torch_ddp_extras", "bucket_view_multiplied",

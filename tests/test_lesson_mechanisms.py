@@ -250,7 +250,8 @@ def run_edited(lesson: str, old: str, new: str, tmp_path) -> subprocess.Complete
 
 @pytest.mark.lesson
 def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_time(tmp_path):
-    done = run_edited("07_*.py", "        if self.sync_this_backward:  # what forward noted",
+    done = run_edited("07_no_sync_accumulation.py",
+                      "        if self.sync_this_backward:  # what forward noted",
                       "        if self.require_backward_grad_sync:  # what forward noted",
                       tmp_path)
     assert done.returncode != 0, done.stdout
