@@ -68,7 +68,7 @@ CASES = [
     # checked in test_lesson_mechanisms.py
     ("06_overlap", "reducer_records_no_waits",
      "does not show the reducer's work: buckets waited for []"),
-    ("06_overlap", "write_back_before_wait", "the overlapped gradients differ"),
+    ("06_overlap_timeline", "write_back_before_wait", "the overlapped gradients differ"),
     # the averages written into .grad before the wait: said as seen, no cause guessed
     ("07_no_sync_accumulation", "write_back_before_wait",
      "The all_reduces were launched as expected, yet the ranks' .grad do not hold their common "

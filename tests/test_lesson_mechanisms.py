@@ -38,6 +38,7 @@ BREAKAGES = {name: patch for name, (_, patch) in _BY_NAME.items()}
 ring = load_lesson("01")
 buckets = load_lesson("05")
 overlap = load_lesson("06")
+timeline = load_lesson("06_overlap_timeline")
 accumulation = load_lesson("07")
 uneven = load_lesson("14")
 compiled = load_lesson("16")
@@ -293,7 +294,7 @@ def synchronous_timeline():
         ddp.reducer._launch = launch_and_wait if synchronous else launch
         ddp.reducer.timeline = []
         F.mse_loss(ddp(x), y).backward()
-        counts.append(overlap.ready_while_in_flight(ddp.reducer.timeline))
+        counts.append(timeline.ready_while_in_flight(ddp.reducer.timeline))
     return counts
 
 
@@ -306,7 +307,7 @@ def test_ready_while_in_flight_sees_overlap_and_not_synchronous_all_reduces(rank
 def test_ready_while_in_flight_counts_gradients_between_launch_and_done():
     events = [("ready", 0, 1.0), ("launch", 0, 2.0), ("ready", 1, 3.0), ("done", 0, 4.0),
               ("ready", 2, 5.0), ("launch", 1, 6.0), ("done", 1, 7.0)]
-    assert overlap.ready_while_in_flight(events) == 1
+    assert timeline.ready_while_in_flight(events) == 1
 
 
 # Ways to lose the overlap, each applied from outside before the lesson runs. (Waiting for
@@ -328,10 +329,11 @@ reducer.Reducer.__init__ = after_backward
 """,
 }
 RUN_LESSON = """
-import runpy, sys
+import os, runpy, sys
 import miniddp.reducer as reducer
 {patch}
 sys.argv = [sys.argv[1]]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as python does for a script
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -342,8 +344,8 @@ def test_lesson_06_fails_when_communication_does_not_overlap_backward(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", RUN_LESSON.format(patch=NO_OVERLAP[how]),
-                           str(LESSONS_DIR / "06_overlap.py")], env=env, capture_output=True,
-                          text=True, timeout=180, cwd=LESSONS_DIR.parent)
+                           str(LESSONS_DIR / "06_overlap_timeline.py")], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=LESSONS_DIR.parent)
     assert done.returncode != 0, done.stdout
     assert "while an all_reduce is in flight" in done.stderr, done.stderr[-2000:]
     assert "OK:" not in done.stdout
