@@ -335,6 +335,19 @@ def static_graph_ready_at_first_arrival(module):
     _patch(module.StaticGraph, "final_firing", final_firing)
 
 
+def buckets_never_rebuilt(module):
+    """Lessons 05 and 08: the reducer keeps the one bucket of construction for good, never
+    rebuilding the buckets in the order gradients became ready."""
+    _patch(module.Reducer, "should_rebuild", lambda original: property(lambda self: False))
+
+
+def rebuilt_in_model_order(module):
+    """Lesson 05: the rebuild cuts the buckets in model order instead of the order in which the
+    gradients became ready in the first backward."""
+    _patch(module, "rebuilt_assignment", lambda original: lambda params, order, *args, **kwargs:
+           original(params, sorted(order), *args, **kwargs))
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -370,6 +383,8 @@ BREAKAGES = {
     "bucket_view_multiplied": ("miniddp.options.gradient_views", bucket_view_multiplied),
     "static_graph_ready_at_first_arrival": ("miniddp.options.static_graph",
                                             static_graph_ready_at_first_arrival),
+    "buckets_never_rebuilt": ("miniddp.reducer", buckets_never_rebuilt),
+    "rebuilt_in_model_order": ("miniddp.reducer", rebuilt_in_model_order),
 }
 
 
