@@ -18,28 +18,19 @@ one copy behave differently from another. Every collective below is checked agai
 computed by hand, then timed, next to the bytes a ring algorithm sends per rank.
 
 Then all_reduce is written out by hand, as gloo does it on the CPU: a *ring*. Cut the buffer
-into ``world_size`` chunks; in ``world_size - 1`` steps each rank sends one chunk to its left
-neighbour and adds the chunk arriving from its right into its own (*reduce-scatter*: rank ``c``
-ends with chunk ``c`` summed over every rank); in ``world_size - 1`` more steps the finished
-chunks travel round the ring (*all-gather*). Each rank sends ``2 (W - 1) / W`` times the buffer,
-whatever ``W``: that is why the ring scales. ``ring_all_reduce`` below uses only ``isend`` and
-``irecv`` and equals ``dist.all_reduce`` exactly on integers, and on floats at 2 ranks. At 3
-ranks it shows why float bits depend on where an element sits in the buffer: chunk ``c`` is
-summed as ``x_c + (x_c+1 + (... + x_c-1))``, a different order for every chunk, and float
-addition is not associative. With ``1.0`` on rank 0 and ``2**-24`` on the others, the very same
-three numbers give ``1.0000001`` in chunk 0 and ``1.0`` elsewhere, in the ring by hand and in
-gloo's own all_reduce. That is why DDP must use torch's bucket layout to match torch's bits at
-3 ranks and more (lessons 05 and 08). gloo's ring also cuts chunks into segments, so it matches
-this one in the order's idea, not in every bit (``miniddp/buckets.py``'s docstring says how the
-offset and the buffer's length decide an element's order).
+into ``world_size`` chunks; in ``W - 1`` steps each rank sends one chunk to its left neighbour
+and adds the one arriving from its right into its own (*reduce-scatter*: rank ``c`` ends with
+chunk ``c`` summed); in ``W - 1`` more the finished chunks travel round (*all-gather*). Each rank
+sends ``2 (W - 1) / W`` times the buffer, whatever ``W``: that is why the ring scales.
+``ring_all_reduce`` (``isend``/``irecv`` only) equals ``dist.all_reduce`` exactly on integers, and
+on floats at 2 ranks. At 3 it shows why float bits depend on where an element sits: each chunk is
+summed in its own order, and with ``1.0`` on rank 0 and ``2**-24`` on the others the same three
+numbers give ``1.0000001`` in chunk 0 and ``1.0`` elsewhere, by hand and in gloo's all_reduce.
+That is why DDP must use torch's bucket layout to match torch's bits at 3 ranks (lessons 05, 08).
 
-Who starts the processes:
-
-* ``miniddp.launch.launch(fn, world_size)`` forks them from this script and forms the group
-  through a file in a temporary directory: no ports, no environment variables;
-* ``torchrun`` starts them itself and tells each one ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
-  ``MASTER_ADDR`` and ``MASTER_PORT``; ``launch`` sees those and joins that group instead.
-  torchrun is what scales to many machines (lesson 12).
+The ranks are started by ``miniddp.launch.launch(fn, world_size)`` (forked from this script, the
+group formed through a file: no ports), or by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``... for each; ``launch`` then joins that group (lesson 12 takes it to many nodes).
 
 Run it:
 

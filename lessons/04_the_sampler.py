@@ -180,10 +180,37 @@ def resume_mid_epoch():
            f"{list(restarted)[:batch]} and rereads {seen} samples")
 
 
+def resume_at_another_world_size():
+    """A state saved by W ranks, loaded by another number with ``reshard=True``: the positions
+    no rank had reached are dealt over the new ranks. Every rank is simulated here, in one
+    process, so the whole epoch can be checked: each sample read exactly once."""
+    n, epoch, used = 60, 1, 4  # 60: divisible by 2, 3 and 4, so no padding blurs the count
+    print0("\n6. resuming at another world size (every rank simulated in this process)")
+    for saved_by, resumed_by in ((3, 2), (2, 4)):
+        read = []
+        for rank in range(saved_by):
+            sampler = DistributedSampler(range(n), saved_by, rank, seed=7)
+            sampler.set_epoch(epoch)
+            indices = iter(sampler)
+            read += [next(indices) for _ in range(used)]
+            state = sampler.state_dict()  # every rank has used `used` samples: the same state
+        for rank in range(resumed_by):
+            sampler = DistributedSampler(range(n), resumed_by, rank, seed=7)
+            sampler.load_state_dict(state, reshard=True)
+            sampler.set_epoch(epoch)
+            read += list(sampler)
+        print0(f"   {saved_by} ranks read {used} each, {resumed_by} ranks read the rest: "
+               f"{len(read)} samples, {len(set(read))} distinct")
+        check(sorted(read) == list(range(n)), f"saved by {saved_by} ranks after {used} samples "
+              f"each and resumed by {resumed_by}, the epoch read {len(read)} samples, "
+              f"{len(set(read))} distinct: expected each of the {n} exactly once (the resume "
+              f"must skip the {used * saved_by} samples already read)")
+
+
 def train(device):
     """DDP with a sampler and set_epoch; the oracle is one process on the same permutations."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    print0(f"\n6. training: {world} ranks x {LOCAL_BATCH} samples per step, reshuffled each epoch")
+    print0(f"\n7. training: {world} ranks x {LOCAL_BATCH} samples per step, reshuffled each epoch")
     data = make_dataset(n=2048, seed=0)
     seed = 0
     sampler = DistributedSampler(data, seed=seed)
@@ -232,6 +259,7 @@ def on_every_rank():
     without_a_sampler()
     same_as_torch()
     resume_mid_epoch()
+    resume_at_another_world_size()
     return dist.get_world_size(), train(device)
 
 

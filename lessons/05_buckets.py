@@ -1,56 +1,33 @@
 """Lesson 05: gradient buckets, and the latency-bandwidth model that says why they pay.
 
-What this adds since lesson 04: lesson 03 all_reduced every gradient on its own, one call per
-parameter tensor. DDP packs gradients into a few flat buffers, *buckets*, and reduces each with
-one call. This lesson measures why, on your machine.
+What this adds since lesson 04: lesson 03 all_reduced every gradient tensor on its own. DDP packs
+gradients into a few flat buffers, *buckets*, and reduces each with one call. Here by hand
+(``assign_by_hand``, ``all_reduce_in_buckets``), then proven equal to ``ddp.buckets``, to
+torch's DDP, and to lesson 03's per-parameter version.
 
-The cost model: a collective on ``n`` bytes costs about ``t(n) = alpha + n * beta``. ``alpha``
-(latency) is paid on every call, however small: waking the other ranks, handshakes, Python.
-``beta`` (seconds per byte) is the inverse of the bandwidth. Below ``n = alpha / beta`` bytes a
-message is mostly latency. A model with P parameter tensors and N bytes of gradients costs
+Why it matters: a collective on ``n`` bytes costs about ``t(n) = alpha + n * beta``; ``alpha``
+(latency: waking the other ranks, handshakes, Python) is paid on every call, however small. For
+P tensors and N bytes, one call each costs ``P * alpha + N * beta``, B buckets
+``B * alpha + N * beta``. One bucket would be cheapest, but it can start only once the last
+gradient exists (lesson 06 keeps a few for that reason).
 
-* one call per parameter:  ``P * alpha + N * beta``,
-* B buckets:               ``B * alpha + N * beta``,
-* one bucket:              ``alpha + N * beta`` (cheapest, but it can only start once the very
-  last gradient exists: lesson 06 shows why DDP keeps a few buckets instead).
+The idea, in two short functions:
 
-The lesson times all_reduce over message sizes from 16 bytes to 4 MiB, fits ``alpha`` and
-``beta``, predicts the three costs for a 26-layer model (52 small tensors, 1.5 MiB), and times
-them. Everything is timed in turns (every size and strategy once per round, in a shuffled order,
-round after round) and summarized by medians, so a burst of load from other programs hits them
-all alike. The times are shown and read, never checked: on a shared machine a burst of load can
-bend the line by half or reorder two strategies, and that is nobody's mistake. What the lesson
-checks is what no load can change: the buckets and the bits. Expect the prediction to get the
-ranking and the order of magnitude right, not the milliseconds: on a shared machine a long run
-of back-to-back calls often costs more per call than the short bursts the line was fitted on;
-when the line misses most sizes by more than half, the lesson says so and why.
+* ``assign_by_hand``, torch's rule: walk the parameters in an order; per dtype and device, add
+  each to the open bucket and close it once it holds at least the limit (1 MiB for the first,
+  then ``bucket_cap_mb``, 25 MiB by default; never splitting a parameter). At construction DDP
+  cannot know the order gradients become ready, so iteration 0 uses one bucket in parameter
+  order; the first backward records that order (last layer first, a Linear's bias before its
+  weight) and the second forward rebuilds the buckets in it. (With
+  ``find_unused_parameters=True`` torch never rebuilds and cuts buckets at construction, in
+  model order, the list reversed.)
+* ``all_reduce_in_buckets``: each bucket's gradients flattened, times ``1 / world_size``, into one
+  buffer, one all_reduce, the averages copied back into ``.grad``.
 
-And the buckets themselves (``ddp.buckets``): at construction DDP cannot know the order in which
-gradients will become ready, so iteration 0 uses one bucket in parameter order. During the first
-backward it records that order (the last layer first, and for ``nn.Linear`` the bias before the
-weight); at the next forward it rebuilds the buckets in that order: the first one closes as soon
-as it holds at least 1 MiB (small, so that communication can start early), the others at 25 MiB
-(``bucket_cap_mb``). They are checked against the buckets torch's own DDP builds for the same
-model.
-
-Before the library does it, the lesson does it by hand, in two short functions:
-
-* ``assign_by_hand``: torch's assignment rule. Walk the parameters in an order; per dtype and
-  device, add each one to the open bucket and close the bucket once it holds at least the limit
-  (the first limit, then the cap; a parameter is never split). Torch uses it at two moments. At
-  construction, *when it will never rebuild* (``find_unused_parameters=True``; otherwise the
-  first step runs with one bucket holding everything), it walks the parameters in model order and
-  *reverses* the list of buckets (the last layers' bucket is reduced first). At the rebuild,
-  after the first step, it walks them in the order their gradients became ready.
-* ``all_reduce_in_buckets``: flatten each bucket's gradients, times ``1 / world_size``, into one
-  buffer, one all_reduce per bucket, copy the averages back into ``.grad``.
-
-The layouts equal ``ddp.buckets`` and torch's (at construction and after the rebuild), and the
-averaged gradients equal lesson 03's one-all_reduce-per-parameter version bit for bit at 2 ranks
-(at 3 ranks not quite: lesson 08 shows why) and miniddp's and torch's DDP bit for bit at any
-world size. The complete versions are ``miniddp.buckets.assign_buckets`` and
-``miniddp.buckets.Bucket`` (views with each parameter's strides, several devices) used by
-``miniddp.reducer.Reducer``, which fills each bucket during backward (lesson 06).
+The times are measured in turns (every size and strategy once per round, shuffled) and shown as
+medians next to the fitted line, but never checked: load on a shared machine can bend them.
+``alpha`` here is per call in a burst of calls back to back; lesson 11 measures one call after a
+barrier, which costs more (it says why). The checks are what no load changes: layouts and bits.
 
 Run it:
 
@@ -58,14 +35,11 @@ Run it:
     python lessons/05_buckets.py --nproc 4    # more ranks than cores? watch alpha explode
     torchrun --standalone --nproc_per_node=2 lessons/05_buckets.py
 
-With one GPU per rank it uses NCCL, where ``alpha`` is tens of microseconds and the bandwidth
-(over NVLink) hundreds of GB/s; the model and the conclusions carry over, the numbers do not.
-
-What you will see: the buckets before and after the rebuild with names and sizes, the layouts and
-gradients by hand equal to the library's and torch's, the all_reduce time of each message size
-next to the fitted line, ``alpha``, ``beta`` and the size where they balance, a table of
-predicted and measured costs for the three strategies, the picture ``runs/05_buckets.png``, and
-``OK: ...``. About 15 s.
+What you should see: the one bucket of construction, then the rebuilt buckets (the first closing
+at 1 MiB), equal to torch's; gradients by hand equal to miniddp's and torch's bit for bit; the
+all_reduce time per size next to the fitted line, ``alpha``, ``beta`` and the size where they
+balance; predicted and measured costs of one call per tensor, a few buckets, one bucket, ranked
+alike; ``runs/05_buckets.png``; ``OK: ...``. About 15 s.
 """
 
 import argparse
@@ -207,11 +181,16 @@ def buckets_like_torch(device):
     print0("at construction (iteration 0): one bucket, in parameter order")
     show(ddp.buckets)
     x, y = (t.to(device) for t in make_dataset(n=32, seed=dist.get_rank()).tensors)
-    for model in (ddp, theirs):
-        for _ in range(3):  # rebuilt at the second forward; torch logs it at the third
-            F.mse_loss(model(x), y).backward()
-    print0("after the first backward: rebuilt in the order gradients became ready")
+    built = [b.param_indices for b in ddp.buckets]
+    F.mse_loss(ddp(x), y).backward()  # records the order in which gradients become ready
+    check([b.param_indices for b in ddp.buckets] == built, "the buckets changed before the "
+          "second forward: the order of the first backward is only complete at its end")
+    F.mse_loss(ddp(x), y).backward()  # its forward rebuilds the buckets in that order
+    print0("from the second forward on: rebuilt in the order gradients became ready in the "
+           "first backward")
     show(ddp.buckets)
+    for _ in range(3):  # torch rebuilds at the second forward too, and logs it at the third
+        F.mse_loss(theirs(x), y).backward()
 
     logged = theirs._get_ddp_logging_data()  # what torch's reducer reports about its buckets
     torch_buckets = [[int(i) for i in b.split()]

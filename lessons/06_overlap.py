@@ -1,94 +1,42 @@
-"""Lesson 06: overlapping communication with backward, built by hand, then seen on a timeline.
+"""Lesson 06: overlapping communication with backward: DDP's reducer, written small.
 
 What this adds since lesson 05: buckets made communication cheaper; this makes it start earlier.
 Backward computes gradients from the last layer to the first, so the last layers' gradients are
-final long before backward ends. DDP's reducer puts a hook on every parameter that fires as soon
-as that parameter's gradient is final and copies it into its bucket. When a bucket is full, its
-all_reduce is launched at once, asynchronously (``async_op=True``), while backward carries on
-with earlier layers. When the last gradient is done, a callback queued on the autograd engine
-waits for every bucket and writes the averages into ``.grad``, so ``loss.backward()`` returns
-with synchronized gradients, exactly as with ``miniddp.AllReduceBucketsAfterBackward``, the rung
-before this one: lesson 05's buckets, launched only once backward has ended.
+final long before it ends. A hook on every parameter copies its gradient into its bucket as
+soon as it is final; a full bucket's all_reduce is launched at once (``async_op=True``) while
+backward goes on with earlier layers; a callback queued on the autograd engine waits for every
+bucket at the end and writes the averages into ``.grad``, so ``loss.backward()`` returns with
+synchronized gradients.
 
-The lesson first writes that reducer out, ``SmallReducer`` below (about 50 lines): the hooks
-(``register_post_accumulate_grad_hook``), ``grad * (1 / world_size)`` copied into the bucket,
-``dist.all_reduce(bucket, async_op=True)`` when a bucket is full (buckets launched strictly in
-order, so every rank issues the same collectives in the same order), and the callback
-(``torch.autograd.Variable._execution_engine.queue_callback``) that waits and writes back. Like
-torch, it uses one bucket for the first step (the order gradients arrive in is not known yet)
-and rebuilds the buckets in the order they arrived (``rebuilt_buckets``). It is checked bit for
-bit against torch's ``DistributedDataParallel`` at every step: at 2 ranks, and at 3 ranks too,
-where the bits depend on the bucket layout (lesson 08). The full version is
-``miniddp.reducer.Reducer``; it adds a hook on the AccumulateGrad node (it runs after a user's
-own post-accumulate hooks and also sees parameters that got no gradient), unused parameters
-(``find_unused_parameters``), ``no_sync``, ``gradient_as_bucket_view``, rank 0's layout
-broadcast at the rebuild, several GPUs' threads, and errors that name the parameter.
+Why it matters: a step then costs about max(compute, communication) instead of their sum (the
+DDP paper: 22-38% shorter iterations on GPUs). What stays exposed is the last bucket's
+communication, which is why the first bucket is kept small.
 
-Why it matters: with overlap a step costs about max(compute, communication) instead of their
-sum; the DDP paper measured 22-38% shorter iterations (ResNet50 and BERT on GPUs, over NCCL and
-gloo). What is left exposed is the communication of the last bucket(s) after the last gradient;
-the first bucket is kept small (lesson 05's 1 MiB) so that communication starts early. Here
-``bucket_cap_mb=0.5`` cuts the buckets at the hidden layers, so the picture has several: each
-hidden weight (576 KiB) crosses the cap by itself, so every bucket holds one hidden layer, except
-that the small output layer shares the first bucket with the last hidden layer (its gradients
-come first), and the small input layer has the last bucket to itself. The lesson prints the
-layout and checks it. (Before torch 2.4 the cap did not cover the first bucket, which closes at
-1 MiB and so holds two hidden layers.)
-
-The proof is the library reducer's own record, ``ddp.reducer.timeline``: when each parameter
-became ready, when each bucket was launched and finished, when backward ended. The lesson trains
-the same model with ``miniddp.DistributedDataParallel`` (overlap) and with
-``AllReduceBucketsAfterBackward`` (no overlap), in turns, on the same data, and checks:
-
-* with overlap, gradients become ready while an all_reduce is in flight (after the bucket's
-  launch and before its completion, which gloo's thread records); without overlap, never. In
-  the timed steps this happens by chance, and how often is shown, not checked. The check is
-  made on a few steps in which every rank but 0 starts backward late: an all_reduce needs every
-  rank, so rank 0's first one cannot finish before they join, and if it was launched during
-  backward the gradients that follow must arrive while it is in flight, however loaded the
-  machine. A reducer that waits for each all_reduce right after launching it, or launches only
-  after backward, fails it;
-* one more backward, recorded with ``ddp.trace()`` on every rank, shows what it must: every
-  parameter ready once, each bucket launched once its gradients are in, in order, then the end
-  of backward, every launched bucket waited for in order, and the write-back last. The check
-  reads the lines the trace prints, so a trace that dropped or reordered events fails it;
-* the gradients of the two, of ``SmallReducer`` and of torch's DDP are equal bit for bit at
-  every step: the same buckets summed the same way, only launched at other moments.
-
-``--trace`` prints that backward event by event (``miniddp.checks.trace``; ``ddp.trace()`` does
-the same for your own model): each gradient as it becomes ready with its bucket and how full the
-bucket is, each all_reduce launched and finished, the end of backward, the waits and the
-write-back.
-
-What a 2-core CPU shows and does not: gloo runs each all_reduce on a helper thread, which must
-find a core while backward keeps one busy per rank, so communication stretches out and the
-step-time gain is small or nothing here. The picture shows the order of events; the speed-up
-needs hardware where communication has its own engine (GPUs with NCCL's own stream). There,
-the timeline's times are when the CPU launched work (CUDA is asynchronous); use a profiler to
-see when the GPU ran it.
+The idea, in about 50 lines: ``SmallReducer``. The hooks (``register_post_accumulate_grad_hook``),
+``grad * (1 / world_size)`` into the bucket, buckets launched strictly in order (every rank must
+issue the same collectives in the same order), and the callback
+(``Variable._execution_engine.queue_callback``) that waits and writes back; one bucket for the
+first step, then ``rebuilt_buckets`` in the order the gradients arrived. It is checked bit for
+bit against torch's DDP at every step, at 2 ranks and at 3 (where the layout decides the bits).
+The library's full version, ``miniddp.reducer.Reducer``, adds unused parameters, ``no_sync``,
+``gradient_as_bucket_view``, errors that name the parameter; with ``bucket_cap_mb=0.5`` its
+buckets hold one hidden layer each (checked), and one backward recorded with ``ddp.trace()``
+must launch every bucket once, in order, and wait for each, in order, before the write-back.
+Part 2 (``06_overlap_timeline.py``) proves from the reducer's timeline that it overlaps.
 
 Run it:
 
     python lessons/06_overlap.py              # forks 2 ranks, gloo on CPU
-    python lessons/06_overlap.py --nproc 3
     python lessons/06_overlap.py --trace      # one backward, event by event, every rank
     torchrun --standalone --nproc_per_node=2 lessons/06_overlap.py
 
-With one GPU per rank it uses NCCL and the GPUs.
-
-What you will see: ``SmallReducer`` equal to torch's DDP bit for bit, the loss falling with each
-run's own milliseconds per step, step times and the communication left exposed after backward for
-each run, how many gradients became ready while an all_reduce was in flight (in the timed steps,
-and in the staggered ones), "the trace ... shows each of the buckets ...", the timeline of one
-step (per bucket: gradients arriving, all_reduce in flight) in ``runs/06_overlap.png`` (the
-order of events, not a speed-up: on a CPU with gloo the overlapped step can be the slower one),
-the same check at 3 ranks, and ``OK: ...``. About 15 s.
+What you should see: ``SmallReducer`` equal to torch's DDP bit for bit at 2 ranks, then at 3;
+the library's buckets by layer; the trace's verdict (with ``--trace``, every gradient ready, each
+bucket launched, finished and waited for, the write-back); ``OK: ...``. About 10 s.
 """
 
 import argparse
 import functools
-import re
-import statistics
 import time
 
 import torch
@@ -97,19 +45,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
+from miniddp import DistributedDataParallel
 from miniddp.buckets import bucket_limits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.train.report import check, mean_over_ranks, ok, print0, save_figure
+from miniddp.train.report import check, ok, print0
 
 LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: with a 0.5 MiB cap, one hidden layer
 # per bucket (the small output layer joins the first, the input layer has the last)
 BUCKET_CAP_MB = 0.5
-STEPS = 30
-STAGGERED_STEPS = 3
-STAGGER_S = 0.2  # seconds: rank 0's backward of this model takes milliseconds
 LOCAL_BATCH = 32
 LR = 0.1
 
@@ -226,168 +171,42 @@ def small_reducer_matches_torch(steps: int = 4) -> int:
     return len(reducer.buckets)
 
 
-def step(ddp, optimizer, x, y, device):
-    """One training step, timed, with the reducer recording its timeline."""
-    ddp.reducer.timeline = []
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    loss = F.mse_loss(ddp(x), y)
-    optimizer.zero_grad()
-    backward_start = time.perf_counter()
-    loss.backward()
-    grads = [p.grad.clone() for p in ddp.parameters()]
-    optimizer.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    events = [(kind, ident, t - backward_start) for kind, ident, t in ddp.reducer.timeline]
-    return loss, grads, events, time.perf_counter() - start
-
-
-def when(events, kind, ident=-1) -> float:
-    return next(t for k, i, t in events if k == kind and i == ident)
-
-
-def ready_while_in_flight(events) -> int:
-    """How many gradients became ready while some all_reduce was in flight: after its launch
-    and before gloo's thread recorded it done. 0 when communication never overlapped backward
-    (launched after backward, or waited for right after each launch)."""
-    launched = {i: t for k, i, t in events if k == "launch"}
-    done = {i: t for k, i, t in events if k == "done"}
-    return sum(any(launched[b] < t < done[b] for b in launched)
-               for k, _, t in events if k == "ready")
-
-
-def on_any_rank(counts: list[int]) -> list[int]:
-    """The largest of every rank's counts, step by step: the rank that launched a bucket first
-    sees its gradients arrive while it waits; the last to launch may find the all_reduce done
-    at once."""
-    t = torch.tensor(counts, device=rank_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def draw_timelines(timelines: dict, buckets):
-    """Per bucket: a thin line while its gradients arrive, a thick bar while it is reduced."""
-    def draw(ax):
-        row, ticks, labels = 0, [], []
-        for (name, events), colour in zip(timelines.items(), ("tab:blue", "tab:orange")):
-            ready = {i: t for k, i, t in events if k == "ready"}
-            for b in buckets:
-                first = min(ready[i] for i in b.param_indices)
-                last = max(ready[i] for i in b.param_indices)
-                launched = when(events, "launch", b.index)
-                done = when(events, "done", b.index)
-                ax.plot([1e3 * first, 1e3 * last], [row, row], color="gray", lw=1.5)
-                ax.barh(row, 1e3 * (done - launched), left=1e3 * launched, height=0.6,
-                        color=colour)
-                ticks.append(row)
-                labels.append(f"{name}: bucket {b.index}")
-                row += 1
-            for kind, style in (("backward_end", "--"), ("finalized", ":")):
-                ax.vlines(1e3 * when(events, kind), row - len(buckets) - 0.5, row - 0.5,
-                          colors=colour, linestyles=style)
-            row += 1
-        from matplotlib.lines import Line2D  # only here: matplotlib is optional
-
-        ax.legend(handles=[Line2D([], [], color="gray", label="its gradients arriving"),
-                           Line2D([], [], color="black", lw=6, label="its all_reduce in flight"),
-                           Line2D([], [], color="black", ls="--", label="last gradient computed"),
-                           Line2D([], [], color="black", ls=":", label="backward() returns")],
-                  fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
-        ax.set_yticks(ticks, labels, fontsize=7)
-        ax.invert_yaxis()
-        ax.set(xlabel="ms since loss.backward() was called",
-               title=f"one step on {dist.get_world_size()} ranks ({dist.get_backend()}), "
-                     "rank 0's view")
-
-    return save_figure("06_overlap", draw)
-
-
-def staggered_step(ddp, optimizer, x, y) -> int:
-    """One step in which every rank but 0 starts its backward ``STAGGER_S`` late; how many of
-    rank 0's gradients became ready while one of its all_reduces was in flight (0 elsewhere).
-
-    An all_reduce needs every rank, so rank 0's first one cannot finish before the others start
-    backward: if rank 0 launched it during its backward (overlap), the gradients that follow
-    arrive while it is in flight, however loaded the machine; if it waited at the launch or
-    launched after backward, none does. The timed steps above show the same thing by chance."""
-    dist.barrier()
-    loss = F.mse_loss(ddp(x), y)
-    optimizer.zero_grad()
-    if dist.get_rank() > 0:
-        time.sleep(STAGGER_S)
-    ddp.reducer.timeline = []
-    loss.backward()
-    optimizer.step()
-    return ready_while_in_flight(ddp.reducer.timeline) if dist.get_rank() == 0 else 0
-
-
-TRACE_LINE = re.compile(r"\s*[\d.]+ ms  (\w+)\s+(?:bucket (\d+)|(\S+) -> bucket (\d+) "
-                        r"\((\d+)/(\d+)\))?")
-
-
-def trace_problems(lines: list[str], names: list[str], buckets: int) -> list[str]:
-    """What is wrong with one rank's trace, read from the lines it prints: every parameter ready
-    once; each bucket launched once, in order, once all its gradients are in; then the end of
-    backward; every launched bucket waited for, in order, after it; the write-back last."""
-    events, complete = [], set()  # (kind, bucket or parameter, buckets complete so far)
-    for line in lines:
-        found = TRACE_LINE.match(line)
-        if not found:
-            continue
-        kind, bucket, name, into, filled, size = found.groups()
-        if kind == "ready" and name is not None:
-            if filled == size:
-                complete.add(int(into))
-            events.append((kind, name, set(complete)))
-        else:
-            events.append((kind, None if bucket is None else int(bucket), set(complete)))
+def reducer_work_problems(events, buckets: int) -> list[str]:
+    """What is missing from one rank's recorded backward: every bucket launched once, in order;
+    every launched bucket waited for, in launch order, between the end of backward and the
+    write-back."""
     kinds = [kind for kind, _, _ in events]
+    launched = [i for kind, i, _ in events if kind == "launch"]
+    waited = [i for kind, i, _ in events if kind == "waited"]
     problems = []
-    ready = [name for kind, name, _ in events if kind == "ready"]
-    if sorted(ready) != sorted(names):
-        problems.append(f"{len(ready)} 'ready' lines for {len(names)} parameters")
-    launched = [b for kind, b, _ in events if kind == "launch"]
-    waited = [b for kind, b, _ in events if kind == "waited"]
     if launched != list(range(buckets)):
         problems.append(f"buckets launched {launched}, expected {list(range(buckets))}")
     if waited != launched:
         problems.append(f"buckets waited for {waited}, but launched {launched}: every launched "
                         "all_reduce must be waited for, in launch order")
-    early = [b for kind, b, complete in events if kind == "launch" and b not in complete]
-    if early:
-        problems.append(f"buckets {early} launched before their last gradient was ready")
-    if kinds.count("backward") != 1 or kinds.count("finalized") != 1:
-        problems.append(f"{kinds.count('backward')} 'backward' and {kinds.count('finalized')} "
-                        "'finalized' lines, expected one each")
-        return problems
-    end, written = kinds.index("backward"), kinds.index("finalized")
-    if "ready" in kinds[end:]:
-        problems.append("a gradient ready after the end of backward")
+    if kinds.count("backward_end") != 1 or kinds.count("finalized") != 1:
+        return problems + ["no single end of backward and write-back"]
+    end, written = kinds.index("backward_end"), kinds.index("finalized")
     if any(kind == "waited" and not end < at < written for at, kind in enumerate(kinds)):
         problems.append("a wait outside the end of backward and the write-back")
-    if any(kind != "done" for kind in kinds[written + 1:]):
-        problems.append(f"events after the write-back: {kinds[written + 1:]}")
     return problems
 
 
 def traced_backward(ddp, x, y, show: bool) -> None:
-    """One more backward, recorded by ``ddp.trace()`` on every rank and checked from what it
-    prints; printed event by event with ``--trace``."""
+    """One more backward, recorded by ``ddp.trace()`` on every rank and checked; printed event
+    by event with ``--trace`` (tests/test_lesson_mechanisms.py checks what the trace prints)."""
     dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)
     with ddp.trace(all_ranks=True) as trace:
         loss.backward()
-    names = [name for name, _ in ddp.module.named_parameters()]
     for each in trace.others:
-        problems = trace_problems(each.lines(), names, len(ddp.buckets))
+        problems = reducer_work_problems(each.events, len(ddp.buckets))
         check(not problems, f"the trace of rank {each.rank}'s backward does not show the "
               f"reducer's work: {'; '.join(problems)}")
     if show:
         print0(f"\none backward, event by event (--trace):\n{trace.format()}")
     print0(f"the trace of one backward on every rank shows each of the {len(ddp.buckets)} "
-           "buckets launched once its gradients were in, in order, and waited for, in order, "
+           "buckets launched once, in order, and waited for, in order, "
            "between the end of backward and the write-back")
 
 
@@ -411,86 +230,18 @@ def check_layout(ddp) -> None:
 
 
 def on_every_rank(show_the_trace: bool):
-    rank = dist.get_rank()
     device = rank_device()
-    ids = [device.index] if device.type == "cuda" else None
     buckets_by_hand = small_reducer_matches_torch()
     print0(f"SmallReducer ({buckets_by_hand} buckets after the rebuild) gave torch's DDP's "
            f"gradients bit for bit at every step on {dist.get_world_size()} ranks\n")
-
-    runs = {"overlap": DistributedDataParallel, "after backward": AllReduceBucketsAfterBackward}
-    models = {name: cls(wide_student(device), device_ids=ids, bucket_cap_mb=BUCKET_CAP_MB)
-              for name, cls in runs.items()}
-    optimizers = {name: torch.optim.SGD(m.parameters(), lr=LR, momentum=0.9)
-                  for name, m in models.items()}
-    x_all, y_all = (t.to(device) for t in make_dataset(n=LOCAL_BATCH * STEPS, seed=rank).tensors)
-
-    seconds = {name: [] for name in runs}
-    exposed = {name: [] for name in runs}
-    timelines, losses = {}, []
-    for s in range(STEPS):
-        x = x_all[s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH]
-        y = y_all[s * LOCAL_BATCH:(s + 1) * LOCAL_BATCH]
-        grads, took = {}, {}
-        for name in runs if s % 2 == 0 else reversed(runs):  # A B B A: neither always first
-            loss, grads[name], events, took[name] = step(models[name], optimizers[name], x, y,
-                                                         device)
-            if s >= 2:  # from step 2 on, both run on the rebuilt buckets, warmed up
-                seconds[name].append(took[name])
-                exposed[name].append(when(events, "finalized") - when(events, "backward_end"))
-                timelines.setdefault(name, []).append((took[name], events))
-            if name == "overlap":
-                losses.append(loss.detach())
-        if s % 5 == 0 or s == STEPS - 1:  # each run's own time: they ran one after the other
-            print0(f"step {s:>2}/{STEPS} | loss {mean_over_ranks(losses[-1]):.5f} | step time: "
-                   + ", ".join(f"{name} {1e3 * took[name]:6.2f} ms" for name in runs))
-        same = all(torch.equal(a, b) for a, b in zip(grads["overlap"], grads["after backward"]))
-        check(same, f"step {s}, rank {rank}: the overlapped gradients differ from the "
-                    "non-overlapped ones")
-    first, last = mean_over_ranks(losses[0]), mean_over_ranks(losses[-1])
-    check(last < 0.5 * first, f"the loss went from {first:.4f} to {last:.4f}: not below half")
-
-    overlapped = on_any_rank([ready_while_in_flight(e) for _, e in timelines["overlap"]])
-    control = on_any_rank([ready_while_in_flight(e) for _, e in timelines["after backward"]])
-    in_flight_steps = sum(n > 0 for n in overlapped)
-    buckets = models["overlap"].buckets
-    check_layout(models["overlap"])
-    print0(f"\n{len(buckets)} buckets; in the timed steps, with overlap, gradients became ready "
-           f"while an all_reduce was in flight in {in_flight_steps} of {len(overlapped)} steps "
-           f"(a median of {statistics.median(overlapped):g} of "
-           f"{len(list(models['overlap'].parameters()))} per step, on the rank that saw most); "
-           f"without overlap, in {sum(n > 0 for n in control)}. How often depends on the load")
-    staggered = {name: on_any_rank([staggered_step(models[name], optimizers[name], x, y)
-                                    for _ in range(STAGGERED_STEPS)]) for name in runs}
-    print0(f"{STAGGERED_STEPS} steps with the other ranks starting backward {STAGGER_S:g} s "
-           f"late: gradients ready on rank 0 while its all_reduce was in flight: "
-           + ", ".join(f"{name} {counts}" for name, counts in staggered.items()))
-    check(any(staggered["overlap"]), "with overlap, rank 0's gradients must become ready while "
-          "an all_reduce is in flight when the other ranks start backward late (its first "
-          "all_reduce cannot finish before they join); none did in "
-          f"{STAGGERED_STEPS} such steps: {staggered['overlap']}. The all_reduces were waited "
-          "for as soon as they were launched, or launched only after backward")
-    check(not any(staggered["after backward"]) and not any(control),
-          "the control, which launches after backward, overlapped communication with "
-          f"backward: {staggered['after backward']}, {control}. The check above could not "
-          "tell them apart")
-
-    print0(f"\n{'median over steps':<18} {'step':>9} {'exposed communication':>22}")
-    for name in runs:
-        print0(f"{name:<18} {1e3 * statistics.median(seconds[name]):7.2f}ms "
-               f"{1e3 * statistics.median(exposed[name]):20.2f}ms")
-    print0("(exposed: from the last gradient computed to backward() returning. On a CPU with "
-           "few cores these\ntimes are noisy and the saving can be small or none: see the "
-           "docstring)")
-    # the step of median duration, one per run, stands for the rest in the picture
-    if draw_timelines({name: sorted(steps, key=lambda x: x[0])[len(steps) // 2][1]
-                       for name, steps in timelines.items()}, buckets):
-        print0("(the picture shows the order of events: each bucket's all_reduce in flight "
-               "while earlier layers'\ngradients still arrive. On a CPU with gloo that need "
-               "not be a speed-up: the overlap run can be\nthe slower one, gloo's threads "
-               "competing with backward for the same cores)")
-    traced_backward(models["overlap"], x_all[:LOCAL_BATCH], y_all[:LOCAL_BATCH], show_the_trace)
-    return len(buckets), STEPS
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(wide_student(device), device_ids=ids,
+                                  bucket_cap_mb=BUCKET_CAP_MB)
+    x, y = (t.to(device) for t in make_dataset(n=LOCAL_BATCH, seed=dist.get_rank()).tensors)
+    F.mse_loss(ddp(x), y).backward()  # the buckets are rebuilt at the next forward
+    traced_backward(ddp, x, y, show_the_trace)
+    check_layout(ddp)
+    return len(ddp.buckets)
 
 
 def main():
@@ -500,13 +251,12 @@ def main():
     parser.add_argument("--trace", action="store_true",
                         help="print one backward event by event, rank after rank")
     args = parser.parse_args()
-    buckets, steps = launch(on_every_rank, args.nproc, (args.trace,))[0]
+    buckets = launch(on_every_rank, args.nproc, (args.trace,))[0]
     if not launched_by_torchrun() and args.nproc != 3:
         launch(small_reducer_matches_torch, 3)  # where the bucket layout decides the bits
         print0("SmallReducer gave torch's DDP's gradients bit for bit on 3 ranks too")
-    ok(f"SmallReducer equals torch's DDP bit for bit; {buckets} buckets launched during "
-       "backward, with gradients becoming ready while all_reduces were in flight, and "
-       f"{steps} steps gave the non-overlapped gradients bit for bit")
+    ok(f"SmallReducer equals torch's DDP bit for bit; the library's {buckets} buckets were "
+       "launched once each, in order, and waited for in order before the write-back")
 
 
 if __name__ == "__main__":

@@ -1,39 +1,23 @@
 """Lesson 07: gradient accumulation with ``no_sync``, one all_reduce per k micro-batches.
 
-What this adds since lesson 06: batches larger than memory. When the batch you want does not
-fit in memory at once, you split it into k micro-batches, run forward and backward on each, let
-the gradients add up in ``.grad``, and step the optimizer once. With DDP, every backward ends
-with an all_reduce, so a plain loop would communicate k times per step, where once is enough:
-summing k local gradients and then averaging them across ranks gives the same gradient as
-averaging after every micro-batch (up to rounding), for a k-th of the communication.
-``ddp.no_sync()`` does that: a forward *inside* it makes the following backward skip the
-all_reduce; the gradients stay local and accumulate. The first synchronized backward
-afterwards reduces the whole accumulated ``.grad`` once.
+What this adds since lesson 06: batches larger than memory. Split the batch into k
+micro-batches, run forward and backward on each, let ``.grad`` add them up, step once. A plain
+DDP loop would all_reduce after every backward; ``ddp.no_sync()`` skips that for the first k - 1,
+and the last, synchronized backward averages the whole accumulated gradient once: the same
+mean gradient for a k-th of the communication.
 
-Why it matters: the effective batch is ``ranks x k x micro-batch``. This loop, with
-``loss / k``, computes the gradient of the mean loss over all of it: what one process with the
-whole batch computes (lesson 00's oracle, up to float rounding), and what torch's DDP computes,
-bit for bit. Two mistakes the loop avoids, common in tutorials: forgetting ``/ k`` (each step
-becomes k times larger) and calling ``zero_grad()`` per micro-batch (nothing accumulates).
+Why it matters: the effective batch becomes ``ranks x k x micro-batch`` at the memory cost of
+one micro-batch. With ``loss / k`` and one ``zero_grad()`` per step this is the gradient of the
+mean loss over the whole batch: lesson 00's one-process oracle (up to float rounding) and
+torch's DDP (bit for bit). Forgetting ``/ k``, or zeroing per micro-batch, silently breaks it.
 
-The trap, checked at the end: ``no_sync`` sets a flag that DDP reads **when forward runs**. A
-forward inside ``no_sync`` followed by ``backward()`` outside it does *not* synchronize, and a
-forward outside followed by a backward inside *does*. Put both inside the ``with`` block.
-Why forward decides is written out by hand (``FlagReadAtForward``, a dozen lines): forward
-copies the flag into a note for the backward it starts, and the gradient hooks read only that
-note. It synchronizes exactly when both DDPs do, to their gradients; a variant whose hooks read
-the flag itself (``FlagReadAtBackward``) gives the opposite answer in both cases.
-
-A second trap, in its own section at the end (``the_forward_without_backward``): a forward with
-grad enabled that no backward follows, such as a validation pass without ``torch.no_grad()``.
-That forward prepared a reduction, and ``no_sync`` only stops a forward from preparing one: it
-cancels nothing. So the next backward, even inside ``no_sync``, is the one that reduction
-waits for, and it all_reduces. torch's DDP does exactly this, and so does miniddp, down to a
-model with ``find_unused_parameters=True`` and an output the loss ignores: DDP passes every
-forward's outputs through one identity autograd function (torch's ``_DDPSink``,
-``miniddp.options.unused``), inside ``no_sync`` too, so the parameters behind the ignored
-output still report in and the reduction completes. The cure is the usual one: validate under
-``torch.no_grad()``.
+The idea in a dozen lines (``FlagReadAtForward``): ``no_sync`` sets a flag, forward copies it
+into a note for the backward it starts, and the gradient hooks read only the note. So **where
+forward runs decides**: a forward inside ``no_sync`` with its backward outside does not
+synchronize; a forward outside with its backward inside does. Shown on miniddp, torch's DDP and
+the version by hand; ``FlagReadAtBackward``, whose hooks read the flag itself, does the
+opposite in both cases. Keep forward and backward inside the ``with``. Part 2
+(``07_no_sync_accumulation_traps.py``) shows what ``no_sync`` does not do.
 
 Run it:
 
@@ -41,21 +25,15 @@ Run it:
     python lessons/07_no_sync_accumulation.py --nproc 3 --micro-batches 8
     torchrun --standalone --nproc_per_node=2 lessons/07_no_sync_accumulation.py
 
-On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
-one rank per GPU with NCCL; with fewer GPUs than ranks it stays on the CPU with gloo.
+With one GPU per rank (``--nproc N`` on N GPUs) it uses NCCL.
 
-What you will see: for the first step, a table of the k micro-batches (inside ``no_sync`` or
-not, all_reduce calls, whether the gradients agree across ranks: only after the last one); the
-loss falling; the total count of all_reduce calls (one per bucket per step, a k-th of a plain
-loop's); the largest difference from the one-process oracle (about 1e-7, not 0: see
-``ORACLE_TOLERANCE``); miniddp equal to torch's DDP bit for bit; the trap shown on both DDPs
-and on the wrapper by hand (and its variant read at backward, the other way round); the second
-trap, the same on both DDPs, with one sentence for the warning torch prints from C++ there; and
-``OK: ...``. About 10 s.
+What you should see: in the first step's table, all_reduce calls only in the last micro-batch
+and the ranks' gradients equal only after it; the loss falling; a k-th of a plain loop's
+all_reduces; miniddp equal to torch's DDP bit for bit and close to the oracle; the trap
+behaving alike on both DDPs and by hand; ``OK: ...``. About 10 s.
 """
 
 import argparse
-import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -67,8 +45,8 @@ from torch.utils.data import DataLoader, Subset
 
 import miniddp
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import IN_FEATURES, make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, cpp_stderr, ok, print0
+from miniddp.train.data import make_dataset, make_model, shard
+from miniddp.train.report import Progress, check, ok, print0
 
 MICRO_BATCH = 16  # samples per micro-batch on each rank
 EPOCHS = 6
@@ -221,11 +199,12 @@ class FlagReadAtForward(nn.Module):
 
     @contextmanager
     def no_sync(self):
+        old = self.require_backward_grad_sync  # restored, not set to True: no_sync may nest
         self.require_backward_grad_sync = False
         try:
             yield
         finally:
-            self.require_backward_grad_sync = True
+            self.require_backward_grad_sync = old
 
     def forward(self, *inputs):
         self.sync_this_backward = self.require_backward_grad_sync  # the flag, read HERE
@@ -308,78 +287,6 @@ def the_trap(rank, device):
     print0("  the wrapper by hand, which reads the flag in forward, does what both DDPs do")
 
 
-# ----- a second trap: a forward that no backward follows -----
-
-
-class WithIgnoredHead(nn.Module):
-    """The lesson's model, plus a second output that the training loss never uses."""
-
-    def __init__(self):
-        super().__init__()
-        self.body = make_model(seed=0)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(1)
-            self.ignored = nn.Linear(IN_FEATURES, 1)
-
-    def forward(self, x):
-        return self.body(x), self.ignored(x)
-
-
-def warned_nothing_unused(captured: list) -> bool:
-    """True when this DDP warned that it found no unused parameter; anything else captured is
-    passed on to stderr as it was, so that nothing unexpected is hidden."""
-    lines = "".join(captured).splitlines(keepends=True)
-    warned = [line for line in lines if "did not find any unused parameters" in line]
-    sys.stderr.write("".join(line for line in lines if line not in warned))
-    return bool(warned)
-
-
-def the_forward_without_backward(rank, device):
-    """Validation without ``torch.no_grad()``, then a step whose first micro-batch runs in
-    ``no_sync``: that micro-batch is synchronized after all, in both DDPs, bit for bit."""
-    print0("\nthe second trap: a forward without backward (validation without no_grad), then "
-           "a micro-batch inside no_sync")
-    x, y = (t.to(device) for t in make_dataset(n=48, seed=20 + rank).tensors)
-    results, warned = {}, []
-    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
-        ddp = ddp_class(WithIgnoredHead().to(device), find_unused_parameters=True,
-                        device_ids=[device.index] if device.type == "cuda" else None)
-        captured = []
-        with cpp_stderr(captured):  # both DDPs print a warning here (said below)
-            ddp(x[32:])  # "validation", grad enabled: it prepares a reduction no backward runs
-        if warned_nothing_unused(captured):
-            warned.append(name)
-        with ddp.no_sync():  # ... so no_sync cancels nothing: this backward is reduced
-            prediction, _ignored = ddp(x[:16])
-            F.mse_loss(prediction, y[:16]).backward()
-        reduced_in_no_sync = grads_agree_across_ranks(ddp.module.body)
-        try:  # had the ignored head not reported in, this forward would raise
-            prediction, _ignored = ddp(x[16:32])
-        except RuntimeError as error:
-            check(False, f"{name}: the reduction that the validation forward prepared never "
-                         f"completed: {str(error).splitlines()[0]}")
-        F.mse_loss(prediction, y[16:32]).backward()
-        results[name] = (reduced_in_no_sync, [p.grad for p in ddp.module.body.parameters()],
-                         ddp.module.ignored.weight.grad)
-
-    if warned:
-        print0(f"  ({' and '.join(warned)} warned that find_unused_parameters=True found no "
-               "unused parameter in the validation forward: true, every parameter is reached "
-               "from an output, the ignored head too; only the loss, after forward, ignores it)")
-    for name, (reduced, _, _) in results.items():
-        print0(f"  {name}: the no_sync micro-batch was "
-               f"{'synchronized' if reduced else 'NOT synchronized'}")
-    for name, (reduced, _, ignored_grad) in results.items():
-        check(reduced, f"{name}: the backward after a forward that no backward followed was not "
-                       "synchronized; that forward's reduction must still be waiting for it")
-        check(ignored_grad is None, f"{name}: the ignored head got a gradient")
-    same = all(torch.equal(a, b) for a, b in zip(results["miniddp"][1], results["torch"][1]))
-    check(same, f"rank {rank}: after a forward without backward, miniddp's gradients differ "
-                "from torch's DDP")
-    print0("  miniddp's gradients equal torch's DDP's bit for bit; validate under "
-           "torch.no_grad() to avoid all of it")
-
-
 def on_every_rank(k):
     rank, world = dist.get_rank(), dist.get_world_size()
     check(world >= 2, "no_sync only matters with someone to synchronize with: run 2+ ranks")
@@ -411,7 +318,6 @@ def on_every_rank(k):
            "steps")
 
     the_trap(rank, device)
-    the_forward_without_backward(rank, device)
     return world, steps, losses[0], losses[-1]
 
 
@@ -425,8 +331,7 @@ def main():
     world, steps, first, last = launch(on_every_rank, args.nproc, (args.micro_batches,))[0]
     ok(f"{args.micro_batches} micro-batches per step on {world} ranks: one all_reduce round per "
        f"step, loss {first:.3f} -> {last:.4f}, equal to torch's DDP bit for bit and to the "
-       "one-process oracle within float rounding; no_sync is read at forward time, and cancels "
-       "no reduction a forward without backward prepared")
+       "one-process oracle within float rounding; no_sync is read at forward time")
 
 
 if __name__ == "__main__":

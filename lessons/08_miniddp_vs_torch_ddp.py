@@ -1,47 +1,23 @@
 """Lesson 08: the whole miniddp DistributedDataParallel, bit for bit against torch's.
 
-What this adds since lesson 07: no new mechanism, the proof that all of them together are
-torch's DDP. Lessons 03-07 built the pieces (averaging gradients, buckets, overlap, no_sync);
-``miniddp.DistributedDataParallel`` puts them behind torch's constructor, and here it trains next
-to ``torch.nn.parallel.DistributedDataParallel`` on every rank: same model, same batches, same
-optimizer. After every step, every parameter, gradient and buffer must be equal bit for bit
-(compared as raw bits, not with ``allclose``, nor even ``torch.equal``, for which ``0.0`` equals
-``-0.0``). Three things come along that a simple reimplementation gets wrong:
+What this adds since lesson 07: the proof that the pieces of lessons 03-07 together are torch's
+DDP. ``miniddp.DistributedDataParallel`` trains beside ``torch.nn.parallel.
+DistributedDataParallel`` on the same batches, and after every step every parameter and
+gradient must be equal as raw bits (not ``allclose``, nor ``torch.equal``, for which
+``0.0 == -0.0``). The bucket rebuild comes along: one bucket in model order for the first
+backward, then buckets in the order the gradients arrived, cut at ``bucket_cap_mb``, compared
+with the buckets inside torch's C++ reducer at every step. Part 2
+(``08_miniddp_vs_torch_ddp_extras.py``) does the same for unused parameters, BatchNorm's
+buffers, ``static_graph`` and ``gradient_as_bucket_view``.
 
-* **the bucket rebuild.** At construction DDP cannot know in which order gradients will become
-  ready, so the first backward uses one bucket per dtype and device with the parameters in model
-  order (so torch does without ``find_unused_parameters``; with it, and no ``static_graph``, torch
-  cuts buckets by size already at construction, in reverse model order, the first at 1 MiB by
-  default). During that backward it records the order the gradients arrive in (last layer first,
-  and for ``nn.Linear`` the bias before the weight) and, at the next forward, rebuilds the
-  buckets in that order, cutting them at ``bucket_cap_mb``. Printed before and after, and
-  compared with the buckets inside torch's C++ reducer at every step.
-* **unused parameters.** A parameter that takes no part in the loss never gets a gradient, so
-  its bucket never fills and the next forward fails, on both DDPs (shown). With
-  ``find_unused_parameters=True``, each forward walks the autograd graph and marks the
-  parameters it cannot reach as ready, contributing zeros: a parameter unused on some ranks gets
-  the sum of the other ranks' gradients divided by the *whole* world size (the ranks that did not
-  use it count as zeros), one unused everywhere keeps ``.grad = None``.
-* **buffers.** BatchNorm's running statistics are not gradients: each rank updates its own in
-  forward. DDP broadcasts rank 0's buffers at the start of the first forward and of every forward
-  that follows a synchronized one (grad enabled, outside ``no_sync``): torch's ``_post_forward``
-  records whether this forward was one (``require_forward_param_sync``), and the next
-  ``_pre_forward`` reads it (``will_sync_module_buffers``). So after training the ranks'
-  statistics differ, and an evaluation forward through the wrapper starts by giving every rank
-  rank 0's; a forward after a ``no_grad`` or ``no_sync`` forward broadcasts nothing.
-
-Why 3 ranks are the harder test: at 2 ranks an all_reduce computes ``a + b`` or ``b + a``, the
-same float either way, and halving is exact, so ``grad / 2`` and ``grad * (1 / 2)`` are the same
-bits too. At 3 or more, neither holds. ``grad / 3`` and ``grad * (1 / 3)`` round differently
-(``1 / 3`` is itself rounded), and torch's built-in reducer multiplies by the reciprocal. And
-gloo's ring adds the ranks' values in an order that depends on the element's offset inside the
-flat bucket and on the bucket's size, so the bits match only if the bucket layout is exactly
-torch's. Two controls show it, one cause each: a miniddp whose buckets are cut differently (the
-ring's order), and a torch DDP with torch's own ``allreduce_hook``, a communication hook that
-divides, then sums, on torch's very buckets (the division). Both match at 2 ranks; at 3, neither
-does, while miniddp still matches bit for bit. A lesson run on 2 ranks
-therefore forks 3 more for that part (a second or two); under torchrun it needs
-``--nproc_per_node=3``.
+Why 3 ranks are the harder test: at 2, ``a + b == b + a`` and halving is exact, so any bucket
+layout and ``grad / 2`` or ``grad * (1 / 2)`` give the same bits. At 3, gloo's ring adds in an
+order set by the element's offset in its bucket and the bucket's size, and
+``grad / 3 != grad * (1 / 3)`` (torch's reducer multiplies by the reciprocal). Two controls
+show it, one cause each: a miniddp with torch's default, larger buckets, and torch's own DDP
+with its dividing ``allreduce_hook``. Both match at 2 ranks, neither at 3, while miniddp still
+does. Run on 2 ranks, the lesson forks 3 more for that part (under torchrun:
+``--nproc_per_node=3``).
 
 Run it:
 
@@ -49,14 +25,11 @@ Run it:
     python lessons/08_miniddp_vs_torch_ddp.py --nproc 3    # the harder test
     torchrun --standalone --nproc_per_node=2 lessons/08_miniddp_vs_torch_ddp.py
 
-On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
-one rank per GPU with NCCL; the bit-for-bit claim then rests on NCCL, which both DDPs call on
-the same buffers in the same order.
+With one GPU per rank it uses NCCL; the claim then rests on both DDPs calling NCCL alike.
 
-What you will see: the buckets before and after the rebuild, the loss falling, "equal bit for
-bit after every step" for the plain model and for a model with BatchNorm and unused heads, the
-error both DDPs raise without ``find_unused_parameters``, BatchNorm statistics before and after
-the broadcast, the two controls at 2 ranks and again at 3, and ``OK: ...``. About 15 s.
+What you should see: every rank's own random model replaced by rank 0's; the buckets before and
+after the rebuild; the loss falling; "equal to torch's DDP bit for bit after each of the ...
+steps"; the controls equal at 2 ranks and not at 3, each with its cause; ``OK: ...``. 15 s.
 """
 
 import argparse
@@ -65,7 +38,7 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
+from course_tools import same_bits
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
@@ -73,32 +46,13 @@ from torch.utils.data import DataLoader
 import miniddp
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import OUT_FEATURES, make_dataset, make_model, shard
+from miniddp.train.data import make_dataset, make_model, shard
 from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2
 LR = 0.2
 BUCKET_CAP_MB = 0.0005  # about 520 bytes: two buckets for lesson 00's student after the rebuild
-
-
-class StudentWithExtras(nn.Module):
-    """Lesson 00's student with BatchNorm after its first layer, and two extra heads:
-    ``sometimes`` joins the output on some ranks and steps only, ``never`` is never used."""
-
-    def __init__(self, seed: int, hidden: int = 64):
-        super().__init__()
-        student = make_model(seed=seed, hidden=hidden)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            self.body = nn.Sequential(student[0], nn.BatchNorm1d(hidden), student[1])
-            self.head = student[2]
-            self.sometimes = nn.Linear(hidden, OUT_FEATURES)
-            self.never = nn.Linear(hidden, OUT_FEATURES)
-
-    def forward(self, x, use_sometimes: bool = False):
-        h = self.body(x)
-        return self.head(h) + self.sometimes(h) if use_sometimes else self.head(h)
 
 
 def wrap(ddp_class, module, device, **kwargs):
@@ -115,16 +69,6 @@ def wrap(ddp_class, module, device, **kwargs):
         return ddp_class(copy.deepcopy(module).to(device), device_ids=ids, **kwargs)
     finally:
         dist._DEFAULT_FIRST_BUCKET_BYTES = saved
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
 
 
 def differences(ours, theirs) -> list[str]:
@@ -156,7 +100,8 @@ def show_buckets(title, ddp):
                f"{info.dtype} elements, {info.nbytes} bytes")
 
 
-def train_side_by_side(models, loader, device, forward_kwargs=None, progress=None):
+def train_side_by_side(models, loader, device, forward_kwargs=None, progress=None,
+                       set_to_none=True):
     """Train every wrapped model on the same batches; after every step compare each one with
     ``models[1]`` (torch's). Returns, per model, the first step where it differed (or None),
     and the bucket layouts of ``models[0]`` and of torch's after every step."""
@@ -168,7 +113,7 @@ def train_side_by_side(models, loader, device, forward_kwargs=None, progress=Non
             x, y = x.to(device), y.to(device)
             kwargs = forward_kwargs(step) if forward_kwargs else {}
             for model, optimizer in zip(models, optimizers):
-                optimizer.zero_grad()
+                optimizer.zero_grad(set_to_none=set_to_none)
                 loss = F.mse_loss(model(x, **kwargs), y)
                 loss.backward()
                 optimizer.step()
@@ -238,74 +183,6 @@ def the_plain_student(rank, world, device, verbose=True):
     return controls, len(layouts), losses
 
 
-def unused_without_the_flag(rank, device):
-    """Both DDPs refuse, at the next forward, a model whose loss left parameters unused."""
-    x, y = (t.to(device) for t in make_dataset(n=BATCH_SIZE, seed=10 + rank).tensors)
-    model = StudentWithExtras(seed=0)
-    print0("\nwithout find_unused_parameters, 'sometimes' and 'never' block their bucket:")
-    for name, ddp_class in (("miniddp", miniddp.DistributedDataParallel), ("torch", TorchDDP)):
-        ddp = wrap(ddp_class, model, device)
-        F.mse_loss(ddp(x), y).backward()
-        try:
-            ddp(x)
-            error = "no error"
-        except RuntimeError as e:
-            error = str(e)
-        print0(f"  {name:<7} raises at the next forward: {error[:80]}...")
-        check("Expected to have finished reduction in the prior iteration" in error,
-              f"{name}: a forward after a backward that left parameters without gradients "
-              f"should fail, got: {error[:300]}")
-
-
-def with_buffers_and_unused_heads(rank, world, device):
-    """BatchNorm buffers and parameters that only some ranks use, on both DDPs."""
-    model = StudentWithExtras(seed=rank)
-    ours = wrap(miniddp.DistributedDataParallel, model, device, find_unused_parameters=True)
-    theirs = wrap(TorchDDP, model, device, find_unused_parameters=True)
-    loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
-                        batch_size=BATCH_SIZE, drop_last=True)
-    used = lambda step: {"use_sometimes": (step + rank) % 3 == 0}  # per rank and step
-    progress = Progress(EPOCHS * len(loader), quiet=True)
-    first_difference, layouts = train_side_by_side([ours, theirs], loader, device, used,
-                                                   progress)
-    check(first_difference[0] is None, f"rank {rank}: with BatchNorm and unused heads, miniddp "
-                                       f"differs from torch's DDP after step "
-                                       f"{first_difference[0]}")
-    losses = progress.losses()
-    check(losses[-1] < 0.2 * losses[0], f"with BatchNorm the loss went from {losses[0]:.4f} to "
-                                        f"{losses[-1]:.4f}, not below 20% of it")
-    print0(f"\nwith find_unused_parameters=True, BatchNorm, a head used on some ranks and steps "
-           f"and one never used:\n  equal to torch's DDP bit for bit after each of the "
-           f"{len(layouts)} steps (loss {losses[0]:.3f} -> {losses[-1]:.4f})")
-    never = [m.module.never.weight.grad for m in (ours, theirs)]
-    check(never == [None, None], "a parameter no rank ever used must keep .grad = None")
-    print0("  'never' was unused on every rank: its .grad is still None on both")
-
-    bn = [m.module.body[1].running_mean for m in (ours, theirs)]
-    before = rank_agreement(bn[0])
-    ours.eval(), theirs.eval()
-    with torch.no_grad():  # the forward before was synchronized: this one broadcasts first
-        x = make_dataset(n=BATCH_SIZE, seed=20 + rank).tensors[0].to(device)
-        ours(x), theirs(x)
-    after = rank_agreement(bn[0])
-    say = {True: "yes", False: "no"}
-    print0(f"  BatchNorm running_mean equal on every rank? after the last training forward: "
-           f"{say[before]} (each rank updated its own);\n  after one evaluation forward through "
-           f"the wrapper: {say[after]} (rank 0's, broadcast at its start, since the forward "
-           "before it was a synchronized one)")
-    check(not before or world == 1, "each rank updated its running statistics with its own "
-                                    "batch: they should differ after training")
-    check(after and same_bits(bn[0], bn[1]),
-          "an evaluation forward through DDP should give every rank rank 0's statistics")
-
-
-def rank_agreement(t) -> bool:
-    """Is ``t`` the same on every rank (a collective)?"""
-    everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, t)
-    return all(same_bits(everyone[0], other) for other in everyone)
-
-
 def judge_the_controls(world: int, controls: dict, steps: int) -> None:
     """Both controls match torch at 2 ranks and neither does at 3 or more on gloo: one for the
     ring's order of additions, one for the division."""
@@ -339,8 +216,6 @@ def on_every_rank():
     rank, world = dist.get_rank(), dist.get_world_size()
     device = rank_device()
     controls, steps, losses = the_plain_student(rank, world, device)
-    unused_without_the_flag(rank, device)
-    with_buffers_and_unused_heads(rank, world, device)
     judge_the_controls(world, controls, steps)
     return world, steps, losses[0], losses[-1]
 
@@ -367,8 +242,8 @@ def main():
         launch(at_three_ranks, 3)
         at_three = True
     ok(f"miniddp's DDP equal to torch's bit for bit after each of {steps} steps on {world} ranks "
-       f"(loss {first:.3f} -> {last:.4f}), same buckets, rebuilt at the same step; unused "
-       "parameters and BatchNorm buffers too" + ("; at 3 ranks too, where other buckets or "
+       f"(loss {first:.3f} -> {last:.4f}), same buckets, rebuilt at the same step"
+       + ("; at 3 ranks too, where other buckets or "
                                                  "dividing by the world size are not" * at_three))
 
 

@@ -1,71 +1,43 @@
 """Lesson 09: checkpoints and restarts: a job killed mid-run goes on as if nothing happened.
 
-What this adds since lesson 08: survival. A job on many machines fails sooner or later (a node
-dies, a process is killed, the network drops). Without a snapshot everything is lost; with a
-careless one, the job resumes *differently*. This lesson shows what a snapshot must hold, how to
-write it, and proves it: a worker is SIGKILLed mid-run, torchrun restarts the job, and its final
-weights are bit-identical to those of a run that was never interrupted.
+What this adds since lesson 08: survival. A job on many machines fails sooner or later. Without
+a snapshot everything is lost; with a careless one the job resumes *differently*. Here a worker
+is SIGKILLed mid-run, torchrun restarts the job, and its final weights are bit-identical to
+those of a run that was never interrupted.
 
-* **Rank 0 writes, atomically.** After every synchronized step all replicas hold the same
-  weights, so one copy is enough: N ranks writing one path would race. ``torch.save(obj, path)``
-  empties the file the moment it opens it: a process killed while writing leaves no snapshot at
-  all, not even the previous one. ``miniddp.train.checkpoint.write_atomic`` writes a temporary file,
-  fsyncs it, swaps it in with ``os.replace`` (atomic) and fsyncs the directory: a crash at any
-  moment leaves the old snapshot or the new one. ``checkpoint.save`` gathers every rank's random
-  generators (they differ per rank), rank 0 writes, and everyone waits at a barrier, so nobody
-  goes on, or dies, before the snapshot is on disk. The lesson kills a writer halfway both ways.
-* **The ``module.`` prefix.** A DDP (torch's or miniddp's) holds your model as ``.module``, so
-  its ``state_dict()`` keys are ``module.0.weight``...; the bare model's are ``0.weight``...
-  ``load_state_dict`` refuses the one in the other. ``checkpoint.save`` stores the bare model's
-  keys, and ``checkpoint.load_model_state`` takes either into either. Shown both ways.
-* **Everything that decides the future.** Weights, the optimizer's state (SGD's momentum), the
-  epoch and step, the sampler's position *inside* the epoch (``miniddp.DistributedSampler``
-  has one; torch's does not, so a resume replays the epoch from its start), and every rank's
-  random generators (here each rank adds its own noise to its inputs). Three controls resume
-  without one of them each, and each ends with other weights. The DataLoader gets a generator of
-  its own: ``iter(loader)`` would otherwise draw from the global one and shift every later draw.
-* **Restarts under torchrun.** With ``--max-restarts=N`` torchrun restarts every worker when
-  one dies (N times at most); each starts again from the top of the script and finds the
-  snapshot. On gloo there is a trap: the restarted workers meet in the agent's store, which
-  outlives the restart, and can read the dead workers' keys, then hang or fail (pytorch issue
-  135712; 5 runs in 10 here). The cure used here is ``miniddp.launch.join_torchrun_group``: a
-  ``PrefixStore`` named after ``TORCHELASTIC_RESTART_COUNT``, a fresh namespace per attempt.
-  Setting ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` for torchrun cures it too.
+What a snapshot needs, each shown and checked:
+
+* **rank 0 writes, atomically.** All replicas hold the same weights, so one copy is enough.
+  ``torch.save(obj, path)`` empties the file as it opens it: a crash mid-write loses even the
+  previous snapshot. ``miniddp.train.checkpoint.write_atomic`` writes a temporary file, fsyncs,
+  ``os.replace``-s it in and fsyncs the directory; ``checkpoint.save`` then holds every rank at
+  a barrier until the snapshot is on disk. A writer is killed halfway both ways.
+* **the ``module.`` prefix.** A DDP's ``state_dict()`` keys start with ``module.``, the bare
+  model's do not, and ``load_state_dict`` refuses one in the other; ``checkpoint`` takes either.
+* **everything that decides the future**: weights, the optimizer's state, epoch and step, the
+  sampler's position *inside* the epoch (torch's sampler has none: it replays the epoch), and
+  every rank's random generators. Three controls resume without one each and end elsewhere.
+* **restarts under torchrun** (``--max-restarts``): every worker starts again from the top and
+  finds the snapshot. On gloo, restarted workers can read the dead ones' keys in the agent's
+  store and hang (pytorch issue 135712); ``miniddp.launch.join_torchrun_group`` gives each
+  attempt a fresh ``PrefixStore`` (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` works too).
 
 Run it:
 
     python lessons/09_checkpoints_and_restarts.py     # starts torchrun itself, with a restart
     torchrun --standalone --nproc_per_node=2 lessons/09_checkpoints_and_restarts.py
 
-Run plainly, it starts one torchrun agent, ``python -m torch.distributed.run --standalone
---nproc_per_node=2 --max-restarts=1 --monitor_interval=0.1 lessons/09_checkpoints_and_restarts.py
---workdir DIR``; rank 1 SIGKILLs itself at step 45 (the last snapshot was at step 40, mid-epoch);
-the agent sees it exit with -9 (killed by signal 9), stops rank 0 with SIGTERM if it is still
-running (it nearly always is), and restarts both workers, which resume from the snapshot and
-finish. The agent has a
-deadline; on failure it is stopped with its workers (and the workers die with their agent), and
-the lesson exits non-zero (the plumbing, starting an agent and relaying its output, is
-``miniddp.launch.torchrun_agents``). The workers compute on one thread each (``OMP_NUM_THREADS=1``):
-by hand, torchrun sets that itself for 2+ workers and prints a banner of asterisks to say so,
-which ``export OMP_NUM_THREADS=1`` silences. The same happens by hand with ``--max-restarts=1``
-added to the torchrun line above. Without restarts (that line as it is) nobody may die, so each
-worker plays the crash itself: it stops at step 45, drops everything, and resumes from the
-snapshot. On GPUs (one per worker) the workers use NCCL; ``checkpoint.load`` maps the tensors to
-the model's device.
-Bit-identity after a resume holds here, at 2 ranks; at 3 or more, gloo's sums depend on the
-bucket layout, which DDP rebuilds after a resume's first step, so that step may differ in the
-last bits (lesson 08).
+Run plainly, it starts one torchrun agent with ``--max-restarts=1``; rank 1 SIGKILLs itself at
+step 45 (the last snapshot was at step 40, mid-epoch), the agent stops rank 0 and restarts both,
+and they resume and finish. Under your own torchrun without restarts each worker plays the crash
+itself: it stops at step 45, drops everything and resumes. At 3 ranks and more the first step
+after a resume may differ in the last bits (the buckets are rebuilt: lesson 08).
 
-What you will see: a writer killed halfway (the naive file gone, the atomic one intact), the
-``module.`` prefix refused and then loaded both ways, the loss falling and a snapshot every 10
-steps, rank 1 killed, torchrun's restart (its agent's own log lines, then what they mean), the
-resume (in epoch 3 of 4, after step 40: 256 of 512 samples of that epoch done; that epoch's loss is
-the mean of the steps run after the resume), the same weights as an uninterrupted run bit for bit,
-the three controls differing, the workers' ``OK: ...`` and, once torchrun has exited, this script's
-own ``OK: ...`` that repeats it. Epochs are counted from 1 in what it prints.
-8-15 seconds, nearly all of it processes starting: the agent, then two workers twice, each
-importing torch. (For that reason the SGD here is written out: torch.optim's would import
-``torch._dynamo`` in every worker, seconds more each time; it computes the same bits.)
+What you should see: the naive file gone and the atomic one intact after a killed writer; the
+prefix refused, then loaded both ways; the loss falling, a snapshot every 10 steps; rank 1
+killed and torchrun's restart; the resume in epoch 3 of 4 after step 40; the same weights as an
+uninterrupted run bit for bit; the three controls differing; ``OK: ...``. 8-15 s, most of it
+processes starting (the SGD is written out: torch.optim would import ``torch._dynamo`` each time).
 """
 
 import argparse
@@ -80,6 +52,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from course_tools import PlainSGD
 from torch.utils.data import DataLoader
 
 from miniddp import DistributedDataParallel, DistributedSampler
@@ -190,36 +163,6 @@ def the_module_prefix(device):
 
 # ----- part 3, on every rank: the job, its snapshots, the crash and the resume -----
 
-class SGD:
-    """``torch.optim.SGD(params, lr, momentum)``, written out, with the ``state_dict`` and
-    ``load_state_dict`` a snapshot needs (torch's saves the same momentum buffers). Why not
-    torch's: its constructor imports ``torch._dynamo``, 2-4 s of CPU in each fresh worker, and
-    this lesson starts four."""
-
-    def __init__(self, params, lr: float, momentum: float):
-        self.params, self.lr, self.momentum = list(params), lr, momentum
-        self.buffers = [None] * len(self.params)
-
-    def zero_grad(self):
-        for p in self.params:
-            p.grad = None
-
-    def step(self):
-        with torch.no_grad():
-            for i, p in enumerate(self.params):
-                if self.buffers[i] is None:  # the first step: the buffer is the gradient
-                    self.buffers[i] = p.grad.clone()
-                else:
-                    self.buffers[i].mul_(self.momentum).add_(p.grad)
-                p.add_(self.buffers[i], alpha=-self.lr)
-
-    def state_dict(self) -> dict:
-        return {"momentum_buffers": [None if b is None else b.clone() for b in self.buffers]}
-
-    def load_state_dict(self, state: dict):
-        self.buffers = [None if b is None else b.clone() for b in state["momentum_buffers"]]
-
-
 def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kill_at=None,
           verbose=False):
     """The job: miniddp's DDP, the sampler, SGD with momentum, per-rank input noise.
@@ -236,7 +179,7 @@ def train(device, save_to=None, resume_from=None, forget=None, stop_at=None, kil
                         generator=torch.Generator())  # keeps iter(loader) off the global RNG
     ids = [device] if device.type == "cuda" else None
     ddp = DistributedDataParallel(make_model(seed=0).to(device), device_ids=ids)
-    optimizer = SGD(ddp.parameters(), lr=LR, momentum=0.9)
+    optimizer = PlainSGD(ddp.parameters(), lr=LR, momentum=0.9)
     torch.manual_seed(1000 + rank)  # each rank its own noise
     epoch = step = 0
     if resume_from:

@@ -3,42 +3,27 @@
 What this adds since lesson 09: cheaper arithmetic. ``torch.autocast`` runs the operations that
 gain from it (matrix products, convolutions) in a 16-bit float and keeps the rest in fp32; the
 parameters, their ``.grad`` and the optimizer stay fp32. On GPUs with tensor cores that is
-several times faster, and the activations saved for backward take half the memory. DDP needs no
-change: it averages ``.grad``, and ``.grad`` is fp32 (the backward of autocast's cast turns each
-16-bit weight gradient back into the fp32 parameter's dtype), so its buckets are fp32 and an
-all_reduce sends as many bytes as without autocast. Sending fewer bytes is another technique
-(a communication hook that compresses the buckets), with its own loss of precision.
+several times faster, and saved activations take half the memory. DDP needs no change: ``.grad``
+is fp32 (the backward of autocast's cast returns the parameter's dtype), so the buckets are fp32
+and an all_reduce sends as many bytes as without autocast (sending fewer is lesson 13's hooks).
 
 The two 16-bit formats differ where it matters:
 
-* **bf16** keeps fp32's 8 exponent bits (same range, down to 1e-38) and has 8 bits of mantissa
-  (2 to 3 significant digits). Gradients do not underflow, so bf16 needs nothing more than the
-  ``autocast`` block. It is what the CPU (and recent GPUs) use.
-* **fp16** has 11 bits of mantissa but only 5 of exponent: its normal numbers stop at 6.1e-5;
-  below that, subnormal numbers keep ever fewer significant bits down to 6e-8, the smallest it
-  holds, and a gradient of 1e-8 rounds to zero (it underflows). ``torch.amp.GradScaler`` multiplies
-  the loss by a large scale (by default 65536 at first; the training below starts at 2**20, so
-  that a skipped step shows) so that the gradients computed in fp16 stay representable, divides
-  the fp32 ``.grad`` by it before ``optimizer.step``, and skips the step (halving the scale) if
-  any gradient is inf or NaN. With DDP every rank holds the same averaged gradients when the
-  scaler looks at them, so every rank makes the same decision without an extra collective.
-  The lesson counts what the scaler saves: one backward, through miniddp's DDP, of a loss
-  ``1e-5`` times this task's (a loss averaged over 10^5 times more elements, as a language
-  model's is over its tokens and vocabulary, or the small loss late in training), in fp32, in
-  fp16, in fp16 with a GradScaler, and in bf16. fp16 alone rounds about a third of the gradient
-  elements to zero (their parameters would not move), and the rest, subnormal, are a quarter off
-  (relative error); with the scaler, none is zero and the error is fp16's usual 3e-4; bf16, with
-  no scaler, rounds none to zero either (its error, 3e-3, is its shorter mantissa's).
+* **bf16** keeps fp32's 8 exponent bits (its range, down to 1e-38) with 8 bits of mantissa:
+  gradients do not underflow, so it needs nothing but the ``autocast`` block.
+* **fp16** has 11 bits of mantissa but 5 of exponent: below 6.1e-5 it keeps ever fewer bits, and
+  a gradient of 1e-8 rounds to zero. ``torch.amp.GradScaler`` multiplies the loss by a large
+  scale (65536 by default; 2**20 below, so that a skipped step shows), divides the fp32 ``.grad``
+  by it before the step, and skips the step (halving the scale) on inf or NaN. Under DDP every
+  rank sees the same averaged gradients, so every rank decides alike without a collective.
 
-What this lesson proves, on every rank: fp16 without a scaler rounds gradients to zero, and the
-others far off, where the scaler keeps them (so removing the scaler fails the lesson), and bf16
-keeps them without a scaler; the loss falls under bf16 (and fp16);
-miniddp's DDP and
-torch's DDP, run side by side under the same autocast, stay equal bit for bit after every step;
-buckets and gradients are fp32; and the bf16 run ends close to an fp32 run of the same training
-(close, not equal: bf16 products round at the second or third digit, so the runs drift apart).
-The fp16 part needs a GradScaler for the device: torch >= 2.3 has ``torch.amp.GradScaler`` for
-the CPU; on older torch it is skipped on the CPU, with a note.
+What the lesson proves on every rank: for a small loss (1e-5 times this task's, as a loss
+averaged over many tokens), fp16 alone rounds about a third of the gradient elements to zero and
+the rest are a quarter off, while with the scaler none is zero (so removing the scaler fails the
+lesson) and bf16 needs none; the loss falls under bf16 (and fp16); miniddp's and torch's DDP under
+the same autocast stay equal bit for bit after every step; buckets and gradients are fp32; the
+bf16 run ends close to an fp32 run (close, not equal: bf16 rounds at the third digit). fp16 on
+the CPU needs torch >= 2.3 (``torch.amp.GradScaler``); before, it is skipped with a note.
 
 Run it:
 
@@ -46,15 +31,12 @@ Run it:
     python lessons/10_mixed_precision.py --nproc 3
     torchrun --standalone --nproc_per_node=2 lessons/10_mixed_precision.py
 
-On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) runs
-one rank per GPU with NCCL, fp16 with its scaler and bf16 where the GPU supports it.
+With one GPU per rank it uses NCCL, fp16 with its scaler, and bf16 where the GPU has it.
 
-What you will see: why fp16 needs the scaler (1e-8 in fp16 and in bf16, then the gradient elements
-rounded to zero, counted, and the gradients' error, in fp16 without and with the scaler and in
-bf16), the bf16 training's loss falling (each step timed for both DDPs), the dtypes of the output,
-the gradients and the buckets, "equal bit for bit" for each precision, the scale and skipped steps
-of the fp16 run, the held-out loss of the fp32, bf16 and fp16 runs side by side, and ``OK: ...``. A
-few seconds.
+What you should see: 1e-8 in fp16 and bf16; the gradient elements rounded to zero and the error
+in fp16 without and with the scaler and in bf16; the bf16 loss falling; the dtypes of output,
+gradients and buckets; "equal bit for bit" for each precision; the fp16 run's scale and skipped
+steps; held-out losses of fp32, bf16 and fp16 side by side; ``OK: ...``. A few seconds.
 """
 
 import argparse

@@ -1,64 +1,36 @@
 """Lesson 11: benchmarking bucket sizes against torch's DDP, and how to read the result.
 
-What this adds since lesson 10: numbers you can trust. Lesson 05 predicted from the cost model
-``t(n) = alpha + n * beta`` that buckets beat one all_reduce per parameter; lesson 08 proved
-miniddp computes torch's bits. Here both DDPs train side by side at several ``bucket_cap_mb``,
-timed, and the lesson shows how to turn noisy step times into a conclusion:
+What this adds since lesson 10: numbers you can trust. Lesson 05 predicted from
+``t(n) = alpha + n * beta`` that buckets beat one all_reduce per parameter; lesson 08 proved the
+bits. Here both DDPs train side by side at several ``bucket_cap_mb``, timed, and the lesson
+shows how to turn noisy step times into a conclusion:
 
-* **correctness first.** A timing of code that computes something else is worth nothing, so
-  no step time is printed until every miniddp has the same buckets as the torch DDP with the
-  same cap, and bit-identical parameters after all the timed steps.
-* **alternate, in one process group.** Every round runs each contestant for one training step,
-  in turn, after warm-up rounds that are not timed (they hold the bucket rebuild and the
-  first-call costs). Load from other programs comes and goes in bursts of seconds; alternating
-  spreads each burst over all contestants instead of over one of them. The order is shuffled
-  anew every round, and no contestant runs twice in a row: a step right after its own last one
-  finds its tensors still in cache. (Going A B C, then C B A, does exactly that at both ends of
-  the list, and made torch's DDP 6% slower than itself in the project's own sweep.) Before each
-  step the ranks meet at a barrier, and a step counts as long as its slowest rank.
-* **medians, and the median of per-round ratios.** One slow step (another program woke up) moves
-  a mean, not a median. And two contestants in the same round suffered the same load, so their
-  ratio cancels most of it: the ratio of two identical torch DDPs (an A/A control) stays near 1
-  while their absolute times swing by 2x. That is why benchmarks report ratios.
-* **a confidence interval of the median ratio, not the spread of single rounds.** Whether A is
-  slower than B is a question about the median of the per-round ratios, and its uncertainty
-  shrinks as rounds are added (about as 1 / sqrt(rounds)); the spread of single rounds does
-  not. The number of rounds whose ratio lies below the true median is Binomial(n, 1/2), so
-  the k-th smallest and k-th largest ratios bracket the median with a probability computed
-  exactly (the order-statistic interval, written out in :func:`median_interval`). A ratio whose
-  95% interval excludes 1 is a finding; one whose interval holds 1 is not shown either way.
-  The rule "a difference inside the A/A control's interquartile range is not a finding" is
-  wrong: it compares a median with the spread of single rounds, so it dismisses a real gap as
-  long as single rounds are noisier than the gap, however many rounds are run. The lesson
-  shows both rules on simulated rounds of a contestant assumed 11% slower.
-* **what the A/A control is for.** It checks the method, not the contestants: two identical
-  DDPs must come out equal, so its interval should hold 1. If it does not, something in how the
-  rounds are run (who goes first, a warm cache, a clock) favours one position, and every other
-  ratio carries the same bias. Its spread says how noisy one round is here, and so how many
-  rounds a given precision needs. A finding that matters is then confirmed by running again.
-* **what the model predicts.** Every bucket is one all_reduce, and every all_reduce pays
-  ``alpha``: a cap that makes B buckets instead of the default's costs about
-  ``(B - B_default) * alpha`` more per step. ``alpha`` and ``beta`` are measured here, and the
-  prediction is printed next to the measurement. Large buckets pay no extra ``alpha``; what they
-  lose is overlap (lesson 06): a bucket's all_reduce starts only when its last gradient exists,
-  so with one huge bucket all communication waits for the end of backward.
-* **where the result holds.** With gloo on two CPU cores, gloo's reduction and the backward
-  share the same cores, so there is little overlap to lose and every cap from a few buckets up
-  costs about the same. NCCL on GPUs reduces on the GPU while backward runs, so overlap matters
-  and too-large buckets cost time. The DDP paper (Li et al., VLDB 2020) found 10-50 MB all
-  near-best on NCCL, while on gloo 5 MB was best and 25 MB and 50 MB were worse (ResNet50 on 16
-  GPUs: 0.16 s at 5 MB, 0.175 s at 25 MB, 0.21 s at 50 MB, 0.243 s with one all_reduce per
-  gradient). Measure on the machine you train on.
+* **correctness first**: no time is shown until every miniddp has the buckets of the torch DDP
+  with its cap and bit-identical parameters after all the timed steps.
+* **alternate, in one process group**: each round runs every contestant for one step, in a
+  shuffled order, never one twice in a row (it would find its tensors in cache), after untimed
+  warm-up rounds; a barrier before each step, which counts as long as its slowest rank.
+* **medians of per-round ratios**: two contestants in one round suffered the same load, so
+  their ratio cancels most of it; the A/A control (two identical torch DDPs) stays near 1
+  while absolute times swing by 2x.
+* **a confidence interval of the median ratio** (exact, from order statistics:
+  ``course_tools.median_interval``), not the spread of single rounds: a ratio whose 95%
+  interval excludes 1 is a finding. Comparing a median with the A/A control's interquartile
+  range dismisses real gaps however many rounds are run; both rules are shown on simulated
+  rounds 11% apart.
+* **what the model predicts**: each bucket is one all_reduce and pays ``alpha``, so B buckets
+  cost ``(B - B_default) * alpha`` more than the default's; large buckets lose overlap instead
+  (lesson 06). On gloo with 2 cores there is little overlap to lose; on NCCL there is. Measure on
+  the machine you train on.
 
-The model is lesson 00's task learned by a deep, narrow student (a Linear, 24 residual layers of
-width 128 and a Linear head: 52 tensors, 1.5 MiB of gradients): small enough that a step takes
-milliseconds, with enough tensors that one all_reduce each is costly. The caps: one bucket per
-parameter, 0.125 MiB, torch's default (no ``bucket_cap_mb``: a 1 MiB first bucket, then 25 MiB)
-and an explicit 25, which in current torch (and miniddp) applies to the first bucket too, and so
-makes a single one. Only correctness is checked (buckets and bits) and the method itself (on
-simulated rounds); the times are printed and read, never a condition of OK. The full sweep (a
-49 MB model, caps 1 to 250 MiB, 30 rounds, 95% intervals) is ``benchmarks/bucket_sweep.py``;
-its saved results in ``benchmarks/results/`` are summarized at the end.
+Why ``alpha`` here is larger than lesson 05's (often 2-3x): lesson 05 times bursts of calls back
+to back, per call, with the ranks already in step, and fits a line through many sizes; here it
+is one 4-byte call right after a barrier, the slowest rank's time: what one bucket's all_reduce
+costs inside a step. Both are right for their question.
+
+The model: a deep, narrow student (52 tensors, 1.5 MiB of gradients). The caps: one bucket per
+parameter, 0.125 MiB, torch's default and an explicit 25 (one bucket). The full sweep is
+``benchmarks/bucket_sweep.py``; its saved results are summarized at the end.
 
 Run it:
 
@@ -66,24 +38,15 @@ Run it:
     python lessons/11_benchmarking_buckets.py --rounds 100  # more rounds: steadier medians
     torchrun --standalone --nproc_per_node=2 lessons/11_benchmarking_buckets.py
 
-With one GPU per rank (``--nproc N`` on N GPUs, or torchrun) it runs NCCL on the GPUs, where
-``alpha`` is tens of microseconds: expect the buckets to matter less, as in the saved sweep.
-``--nproc 1`` on one GPU times the machinery with nothing to exchange.
-
-What you will see: ``alpha`` and ``beta`` on this machine; the loss falling and "bit-identical"
-for every cap; a table of median step times, miniddp / torch with its 95% interval and what it
-shows, each cap / the default (medians of per-round ratios), and the model's prediction; the
-A/A control's interval and spread next to the spread of absolute times; the two rules on
-simulated rounds of an 11% gap; ``runs/11_benchmarking_buckets.png`` (every step as a dot, and
-the medians); one line per saved sweep in ``benchmarks/results``; and ``OK: ...``. 10-20
-seconds, a third of it starting up, the rest 30 rounds of 9 contestants.
+What you should see: ``alpha`` and ``beta``; "bit-identical" for every cap; a table of median
+step times and ratios with 95% intervals and the model's prediction; the A/A control; the two
+rules on simulated rounds; ``runs/11_benchmarking_buckets.png``; one line per saved sweep;
+``OK: ...``. 10-20 s. Times are shown and read, never a condition of OK.
 """
 
 import argparse
 import copy
-import json
 import math
-import random
 import statistics
 import time
 from pathlib import Path
@@ -91,6 +54,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from course_tools import (
+    alternate,
+    median_interval,
+    per_round,
+    quartiles,
+    slowest_rank,
+    summarize_saved_sweeps,
+    sync,
+    verdict,
+)
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
@@ -145,41 +118,6 @@ class Contestant:
         self.losses.append(loss.detach())
 
 
-def synchronize(device):
-    if device.type == "cuda":  # GPU work is asynchronous: wait for it before reading the clock
-        torch.cuda.synchronize(device)
-
-
-def slowest_rank(seconds: list[list[float]], device) -> list[list[float]]:
-    """Element-wise maximum over ranks: a step is over when its slowest rank is done."""
-    t = torch.tensor(seconds, dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def alternate(contestants: dict, rounds: int, device) -> dict[str, list[float]]:
-    """One step of every contestant per round, in a new order each round (the same on every
-    rank: the same seed), never one twice in a row; seconds per timed step (the slowest
-    rank's) of every contestant, round by round."""
-    names = list(contestants)
-    seconds = {name: [] for name in names}
-    shuffle, order = random.Random(0).shuffle, list(names)
-    for round_ in range(WARMUP + rounds):
-        last = order[-1]
-        shuffle(order)
-        if order[0] == last:  # it just ran: swap it to the end
-            order[0], order[-1] = order[-1], order[0]
-        for name in order:
-            synchronize(device)
-            dist.barrier()  # everyone starts the step together; not timed
-            start = time.perf_counter()
-            contestants[name].step()
-            synchronize(device)
-            if round_ >= WARMUP:
-                seconds[name].append(time.perf_counter() - start)
-    return dict(zip(names, slowest_rank([seconds[n] for n in names], device)))
-
-
 def alpha_and_beta(nbytes: int, device, calls: int = 30) -> tuple[float, float]:
     """Median time of a 4-byte all_reduce (``alpha``) and of one holding every gradient, which
     gives ``beta`` (seconds per byte). Alternated too; the slowest rank's times."""
@@ -187,11 +125,11 @@ def alpha_and_beta(nbytes: int, device, calls: int = 30) -> tuple[float, float]:
     times = [[], []]
     for k in range(calls + 2):
         for i, t in enumerate((tiny, full)):
-            synchronize(device)
+            sync(device)
             dist.barrier()
             start = time.perf_counter()
             dist.all_reduce(t)
-            synchronize(device)
+            sync(device)
             if k >= 2:
                 times[i].append(time.perf_counter() - start)
     alpha, full_time = (statistics.median(t) for t in slowest_rank(times, device))
@@ -211,7 +149,8 @@ def on_every_rank(rounds: int):
     alpha, beta = alpha_and_beta(nbytes, device)
     print0(f"all_reduce here: alpha = {1e6 * alpha:.0f} us per call, beta = "
            f"{1e3 * beta * MIB:.2f} ms per MiB; all {nbytes / MIB:.2f} MiB of gradients in "
-           f"one call: {1e3 * (alpha + nbytes * beta):.2f} ms")
+           f"one call: {1e3 * (alpha + nbytes * beta):.2f} ms\n(one call after a barrier, the "
+           "slowest rank's: more than lesson 05's alpha, a call within a burst of calls)")
 
     loader = DataLoader(shard(make_dataset(n=2048, seed=0), rank, world),
                         batch_size=BATCH_SIZE, drop_last=True)
@@ -227,7 +166,8 @@ def on_every_rank(rounds: int):
         TorchDDP(copy.deepcopy(student), device_ids=ids), batches)
     print0(f"{len(contestants)} contestants, {WARMUP} warm-up rounds, {rounds} timed rounds of "
            f"one step each ({BATCH_SIZE} samples per rank)")
-    times = alternate(contestants, rounds, device)
+    times = alternate({name: c.step for name, c in contestants.items()}, rounds, device,
+                      WARMUP)
 
     for (name, label), contestant in contestants.items():  # before any time is looked at
         theirs = contestants["torch", label].ddp
@@ -251,40 +191,6 @@ def on_every_rank(rounds: int):
 
 def ms(seconds: float) -> str:
     return f"{1e3 * seconds:.2f}"
-
-
-def per_round(a: list[float], b: list[float]) -> list[float]:
-    return [x / y for x, y in zip(a, b)]
-
-
-def quartiles(values: list[float]) -> tuple[float, float]:
-    q = statistics.quantiles(values, n=4)
-    return q[0], q[2]
-
-
-def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float, float]:
-    """The median of ``values`` and an interval that holds the true median with probability at
-    least ``confidence``: ``[x_(k), x_(n+1-k)]``, the k-th smallest and k-th largest value.
-
-    Each round's ratio falls below the true median with probability 1/2, so the count below it
-    is Binomial(n, 1/2), and that interval misses the median only when k or fewer fall on one
-    side: probability ``2 * P(B <= k - 1)``. Take the largest k that keeps this within
-    ``1 - confidence``. Nothing is assumed about the shape of the noise.
-    """
-    ordered, n = sorted(values), len(values)
-    below = lambda k: sum(math.comb(n, i) for i in range(k + 1)) / 2**n  # P(B <= k)
-    k = 1
-    while k < n // 2 and 2 * below(k) <= 1 - confidence:
-        k += 1
-    return statistics.median(ordered), ordered[k - 1], ordered[n - k]
-
-
-def verdict(low: float, high: float) -> str:
-    if low > 1:
-        return "slower"
-    if high < 1:
-        return "faster"
-    return "not shown"
 
 
 def read(result: dict) -> dict:
@@ -396,45 +302,6 @@ def plot(result: dict):
     save_figure("11_benchmarking_buckets", draw)
 
 
-def summarize_saved_results(alpha: float, backend: str, device: str):
-    """One line per sweep of ``benchmarks/bucket_sweep.py`` saved in ``benchmarks/results``, read
-    by intervals: miniddp / torch at each cap (the saved 95% intervals), and one bucket per
-    parameter over torch's best cap (the median of per-round ratios, every cap being timed in
-    each round), with the model's prediction at this run's ``alpha`` where it applies (the same
-    backend on the same kind of device)."""
-    files = sorted(SAVED.glob("bucket_sweep-*.json"))
-    if not files:
-        print0(f"\nno saved sweep in {SAVED}: run python benchmarks/bucket_sweep.py")
-        return
-    print0(f"\nthe full sweeps saved in {SAVED.relative_to(SAVED.parents[1])} (95% intervals):")
-    for path in files:
-        saved = json.loads(path.read_text())
-        setup, model, rows = saved["setup"], saved["model"], saved["sweep"]
-        verdicts = [verdict(*row["ratio_ci95"]) for row in rows]
-        counts = ", ".join(f"{word} at {verdicts.count(word)}"
-                           for word in ("slower", "faster", "not shown") if word in verdicts)
-        pooled = saved["all_caps"]
-        line = (f"  {path.stem[len('bucket_sweep-'):]}: {model['tensors']} tensors, "
-                f"{model['gradient_mb']:.0f} MB, {setup['pairs']} rounds; miniddp/torch "
-                f"{counts} of {len(rows)} caps, pooled {pooled['ratio']:.3f} "
-                f"({verdict(*pooled['ratio_ci95'])})")
-        torch_ms = {row["bucket_cap_mb"]: row["torch"] for row in rows}
-        if "per-parameter" in torch_ms:
-            best = min((cap for cap in torch_ms if cap != "per-parameter"),
-                       key=lambda cap: torch_ms[cap]["median_ms"])
-            mid, low, high = median_interval(per_round(torch_ms["per-parameter"]["times_ms"],
-                                                       torch_ms[best]["times_ms"]))
-            line += (f"; one bucket per parameter {mid:.2f}x torch's best cap ({best} MiB; "
-                     f"{low:.2f}-{high:.2f})")
-            if (setup["backend"], setup["device"]) == (backend, device):
-                buckets = {row["bucket_cap_mb"]: row["buckets"] for row in rows}
-                extra = 1e3 * alpha * (buckets["per-parameter"] - buckets[best])
-                line += f", model {1 + extra / torch_ms[best]['median_ms']:.2f}x"
-        print0(line)
-    print0("the method and all the numbers: benchmarks/README.md; rerun with "
-           "python benchmarks/bucket_sweep.py (--quick for a smoke run)")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc", type=int, default=2,
@@ -451,7 +318,7 @@ def main():
           f"the loss went from {losses[0]:.4f} to {losses[-1]:.4f}, not below 30% of it")
     ratios = read(result)
     plot(result)
-    summarize_saved_results(result["alpha"], result["backend"], result["device"])
+    summarize_saved_sweeps(SAVED, result["alpha"], result["backend"], result["device"])
     verdicts = ", ".join(f"{label} {r['verdict']}" for label, r in ratios.items())
     ok(f"miniddp bit-identical to torch's DDP, with torch's buckets, at {len(CAPS)} bucket caps; "
        f"miniddp/torch by its 95% interval (read, not checked): {verdicts}")

@@ -1,52 +1,27 @@
 """Lesson 12: many machines: torchrun on every node, a rendezvous, and the variables it sets.
 
-What this adds since lesson 11: ranks on different machines. The training code does not change
-at all: a rank still only knows its ``RANK`` and the ``WORLD_SIZE``, and still averages gradients
-with all_reduce. What changes is how processes that cannot fork from one parent find each other.
-You start one ``torchrun`` (an *agent*) on every machine (a *node*); each agent starts the
-workers of its node. Before that, the agents meet in a **rendezvous**: with
-``--rdzv_backend=c10d`` the agent on the host named in ``--rdzv_endpoint=HOST:PORT`` serves a
-small key-value store (a TCPStore) there, every agent connects to it with the same
-``--rdzv_id``, and once ``--nnodes`` of them have joined they agree on who is who. Each node gets
-a ``GROUP_RANK`` (torch sorts the agents by address, then process id, and numbers them in that
-order: the host of the store is not necessarily node 0), and each worker gets these variables,
-which ``init_process_group()`` reads:
+What this adds since lesson 11: ranks on different machines. The training code does not change;
+what changes is how processes that cannot fork from one parent find each other. One
+``torchrun`` *agent* per machine (*node*) starts that node's workers. First the agents meet in a
+**rendezvous**: with ``--rdzv_backend=c10d`` the agent on ``--rdzv_endpoint=HOST:PORT`` serves a
+small store there, every agent joins with the same ``--rdzv_id``, and once ``--nnodes`` have
+joined each node gets a ``GROUP_RANK`` (agents sorted by address, then process id) and each
+worker the variables ``init_process_group()`` reads: ``RANK`` (among all workers),
+``LOCAL_RANK`` (on its node: which GPU), ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``,
+and ``MASTER_ADDR``/``MASTER_PORT``, a *second* store, served by node 0's agent (in torch 2.13;
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` has worker 0 open it instead, which also avoids the
+gloo restart trap of lesson 09). With equal nodes ``RANK = GROUP_RANK x LOCAL_WORLD_SIZE +
+LOCAL_RANK``, checked here.
 
-    RANK               this worker's rank among all workers, 0 .. WORLD_SIZE - 1
-    LOCAL_RANK         its rank on this node: which GPU to use (``cuda:LOCAL_RANK``)
-    WORLD_SIZE         workers in all: nnodes x nproc_per_node
-    LOCAL_WORLD_SIZE   workers on this node (nproc_per_node)
-    GROUP_RANK         this node's rank among the nodes, 0 .. nnodes - 1
-    MASTER_ADDR/PORT   where the workers' own store lives: not the rendezvous endpoint, but a
-                       second TCPStore, on the node of GROUP_RANK 0 at a port free there
+Why it matters: past one machine there is no parent to fork from, no file system to be sure
+of, and no one to hand out ranks: the processes must discover each other over the network.
 
-With one worker count per node, ``RANK = GROUP_RANK x LOCAL_WORLD_SIZE + LOCAL_RANK``; the lesson
-checks it. (The hyphenated spellings, ``--rdzv-endpoint`` and so on, are the same options.)
-
-Who serves that second store: in torch 2.13 (``dynamic_rendezvous.py``, ``next_rendezvous``),
-once the rendezvous is done, the agent that came out of it as node 0 opens a new TCPStore on a
-port the system picks and publishes its address and port through the rendezvous store; every
-agent hands them to its workers as ``MASTER_ADDR``/``MASTER_PORT``, with
-``TORCHELASTIC_USE_AGENT_STORE=True``, which tells ``init_process_group`` to connect to that
-agent's store rather than open one (``torch/distributed/rendezvous.py``). The store outlives the
-workers, across restarts. With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (and in older torch) the
-agent only picks a free port and worker 0 opens the store there. So the output shows two ports:
-the rendezvous endpoint's, in the agents' commands, and ``MASTER_PORT``, in the workers' table.
-One known trap of the agent's store: with ``--max_restarts`` and gloo, restarted workers can
-read the previous attempt's keys and fail or hang (pytorch issue 135712);
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each attempt's workers a store of their own.
-
-Why it matters: past one machine there is no parent process to fork from, no shared file
-system to be sure of, and no one to hand out ranks, so the processes must discover each other
-over the network. That is all the rendezvous is for.
-
-Run it on two machines (the same command on each; ``node0`` is the first machine's hostname, and
-its port 29500 must be reachable from the others):
+Run it on two machines (the same command on each; port 29500 of ``node0`` must be reachable):
 
     torchrun --nnodes=2 --nproc_per_node=GPUS_PER_NODE --rdzv_backend=c10d \\
              --rdzv_endpoint=node0:29500 --rdzv_id=lesson12 lessons/12_many_machines.py
 
-With SLURM, one ``sbatch`` script starts one agent per node (``srun`` runs one task per node)::
+With SLURM, one agent per node (``--nproc_per_node`` must match ``--gpus-per-node``)::
 
     #!/bin/bash
     #SBATCH --job-name=lesson12
@@ -60,38 +35,16 @@ With SLURM, one ``sbatch`` script starts one agent per node (``srun`` runs one t
         --rdzv_backend=c10d --rdzv_endpoint="$head:29500" --rdzv_id="$SLURM_JOB_ID" \\
         lessons/12_many_machines.py
 
-(``--nproc_per_node`` must match ``--gpus-per-node``. No comments after a ``\\``: bash would end
-the command there. When nodes have several network interfaces, ``NCCL_SOCKET_IFNAME`` or
-``GLOO_SOCKET_IFNAME`` picks the one the workers talk over.)
-
-Without a second machine, the lesson plays both nodes on this one, over the loopback address:
+Without a second machine the lesson plays the nodes on this one, over loopback, one agent each
+(``miniddp.launch.torchrun_agents``: a deadline, nothing left running), with gloo:
 
     python lessons/12_many_machines.py                    # 2 nodes x 1 worker, gloo on CPU
     python lessons/12_many_machines.py --nnodes 3 --nproc_per_node 2
     torchrun --standalone --nproc_per_node=2 lessons/12_many_machines.py   # 1 node, as before
 
-Run plainly, it starts one agent per simulated node itself, each as
-``python -m torch.distributed.run --nnodes=2 --nproc_per_node=1 --rdzv_backend=c10d
---rdzv_endpoint=127.0.0.1:PORT --rdzv_id=... --rdzv_conf=is_host=1 (or 0)
-lessons/12_many_machines.py --backend gloo --agent N``: no ``--node_rank``, the rendezvous assigns
-it; ``is_host`` says which agent serves the rendezvous store (agent 0), which real nodes work out
-from their addresses; ``--agent`` only tells the workers which agent started them, for the table
-(on real nodes the host column tells).
-A free port is picked, and picked again if another program takes it first. The agents have a
-deadline; if anything fails, all are stopped with everything they started (no orphan
-processes, even if this script is killed), and the lesson exits non-zero after their output.
-That plumbing is ``miniddp.launch.torchrun_agents``; it also sets ``OMP_NUM_THREADS=1``, which
-torchrun would otherwise set for 2+ workers per node with a banner of asterisks saying so (one
-compute thread per worker, so that the workers do not fight over the cores; on a real node, use
-about cores / workers).
-The simulated nodes use gloo even on a GPU machine: two "nodes" on one machine would both pick
-``cuda:0`` for ``LOCAL_RANK`` 0, which NCCL refuses.
-
-What you will see: the command of each agent, then their output, prefixed ``[agent N]``: the
-variables every worker received and which agent started it, who serves the workers' store, the
-loss falling over a few training steps of miniddp's DDP,
-the parameters equal on every rank and close to a one-process oracle; and ``OK: ...``. Each
-worker is a fresh ``python`` that imports torch, so this takes 5-15 seconds, most of it start-up.
+What you should see: each agent's command, then their output prefixed ``[agent N]``: the
+variables every worker received, the two ports, the loss falling, the parameters equal on every
+worker and close to a one-process oracle; ``OK: ...``. 5-15 s, most of it start-up.
 """
 
 import argparse

@@ -1,44 +1,28 @@
 """Lesson 16: torch.compile and DDP: one compiled backward hides the hooks; pieces bring them back.
 
 What this adds since lesson 06: the same overlap, under ``torch.compile``. Lesson 06's overlap
-rests on one fact: the autograd engine runs backward node by node, and a parameter's hook fires
-as soon as its gradient is final, while earlier layers still compute. A compiled model has one
-backward node for the whole graph (``CompiledFunctionBackward``): it returns every gradient at
-once, when all of backward has been computed, and only then do the hooks fire. The buckets fill
-and launch in a burst, with nothing left to overlap: the all_reduces are as late as those of
-lesson 06's ``AllReduceBucketsAfterBackward``. And since the rebuilt buckets follow the order
-gradients became ready, the buckets change too, and with them (at 3 ranks and more) the bits.
+rests on the autograd engine running backward node by node, so that a parameter's hook fires as
+soon as its gradient is final. A compiled model has one backward node for the whole graph
+(``CompiledFunctionBackward``): it returns every gradient at once, at the end, and only then do
+the hooks fire. The buckets launch in a burst with nothing left to overlap, and since the
+rebuilt buckets follow the order gradients became ready, the buckets (and at 3 ranks the bits)
+change too.
 
-The cure is to compile the model in pieces, cut where DDP's buckets are cut: backward then runs
-piece by piece, each piece's gradients are ready when it returns, and a bucket's all_reduce runs
-while the pieces before it still compute. This lesson does it by hand first (each layer compiled
-on its own), then lets torch's compiler do it: dynamo's ``DDPOptimizer`` walks the traced graph
-from its end, adds up the parameters it meets and starts a new piece whenever they reach DDP's
-``bucket_bytes_cap`` (a first piece of 1 MiB, ``dist._DEFAULT_FIRST_BUCKET_BYTES``, as DDP's
-first bucket). It does that for the DDP module that is running: torch's DDP sets
-``DistributedDataParallel._active_ddp_module`` while its wrapped module's forward runs, and
-dynamo asks for it (``_get_active_ddp_module()``) whenever it compiles a frame. miniddp sets the
-same attribute (``miniddp/options/compiled.py``), and so gets torch's pieces, torch's ready
-order, torch's rebuilt buckets and torch's bits, in both orders: ``DDP(torch.compile(model))``
-and ``torch.compile(DDP(model))``. For the second, DDP's own forward is traced too; miniddp's
-runs in a frame dynamo skips while it compiles the frames called from it, as it treats torch's
-(whose file it skips), so it breaks the graph where torch's does.
+The cure: compile the model in pieces cut where DDP's buckets are cut, so that each piece's
+gradients are ready when it returns and a bucket's all_reduce runs while earlier pieces still
+compute. Done by hand first (each layer compiled on its own), then by torch's compiler: dynamo's
+``DDPOptimizer`` cuts the traced graph from its end whenever the parameters reach DDP's
+``bucket_bytes_cap`` (the first piece at 1 MiB), for the DDP module that is running, which it
+finds through ``DistributedDataParallel._active_ddp_module``. miniddp sets that same attribute
+(``miniddp/options/compiled.py``) and so gets torch's pieces, ready order, rebuilt buckets and
+bits, in both orders: ``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))``.
 
-The proof, on the reducer's timeline (``ddp.trace()``, lesson 06) with two more events: hooks on
-each ``CompiledFunctionBackward`` node record when that compiled piece starts computing and when
-it returns its gradients. An all_reduce launched before the last piece returned was launched
-while backward still computed. The lesson checks:
-
-* one compiled graph: no all_reduce launched before the (only) piece returned;
-* compiled by hand in pieces: all_reduces launched while later pieces still compute;
-* miniddp under ``torch.compile``, both orders: as many compiled pieces as torch's, no more graph
-  breaks, all_reduces during backward, the same rebuilt buckets as torch's reducer reports, and
-  parameters equal to torch's compiled DDP bit for bit after every step.
-
-At 2 ranks the bits match whatever the buckets (a + b is the same in any order), so the bucket
-layout is the check that bites; ``--nproc 3`` makes the bits depend on it too. Where torch's
-compiled DDP refuses a cap (below the 1 MiB first piece: "First bucket should be smaller/equal
-to other buckets"), miniddp refuses it too, and says why.
+The proof, on the reducer's timeline (``ddp.trace()``) with hooks on each compiled node marking
+when a piece starts and returns: one compiled graph launches no all_reduce before its only piece
+returned; pieces (by hand, and miniddp under ``torch.compile`` in both orders) launch during
+backward; miniddp has as many pieces and graph breaks as torch's, the same rebuilt buckets, and
+parameters equal to torch's compiled DDP bit for bit after every step. A cap torch's compiled
+DDP refuses (below the 1 MiB first piece), miniddp refuses too, saying why.
 
 Run it:
 
@@ -47,14 +31,12 @@ Run it:
     python lessons/16_compile.py --backend inductor   # real kernels: minutes of C++ compiling
     torchrun --standalone --nproc_per_node=2 lessons/16_compile.py
 
-What you will see: one backward with one compiled graph, event by event (every gradient ready
-after the only piece returns, no overlap) and the buckets rebuilt in that order; the same with
-the layers compiled one by one (launches between pieces, other buckets); miniddp and torch's
-compiled DDP side by side in both orders (compiled graphs, graph breaks, all_reduces launched
-during backward, buckets by name, "equal bit for bit"), the loss falling; the refused
-cap with miniddp's reason; and ``OK: ...``. 10-25 s, most of it compiling. Gloo on the CPU even
-where there are GPUs. It needs torch 2.3 or later (``torch.compiler.is_compiling``): on an older
-torch it prints ``SKIPPED: ...`` with the reason, and ``run_course.py`` lists it as skipped.
+What you should see: one backward with one compiled graph, event by event (every launch after
+the only piece returned) and its buckets; the layers compiled one by one (launches between
+pieces); miniddp and torch's compiled DDP side by side in both orders (pieces, graph breaks,
+all_reduces during backward, buckets, "equal bit for bit"), the loss falling; the refused cap;
+``OK: ...``. 10-25 s, most of it compiling; gloo on the CPU even with GPUs. Needs torch >= 2.3:
+before, it prints ``SKIPPED: ...`` and ``run_course.py`` lists it as skipped.
 """
 
 import argparse

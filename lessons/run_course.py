@@ -35,33 +35,80 @@ INDENT = "    "
 RELAY_PREFIX = re.compile(r"^(?:\[[^\]\n]{1,40}\]:? ?)+")
 ERROR_LINE = re.compile(r"^([\w.]*\w(?:Error|Exception|Failed|Interrupt|Exit))(?:: ?(.*))?$")
 RANK_LINE = re.compile(r"\brank (\d+ of \d+) raised\b")
+OTHER_RANK = re.compile(r"(?:^|; )rank (\d+) (raised|died without reporting): ")
 # Errors that only say that another one happened: the rank's own error is the one to show.
 WRAPPERS = ("RankError", "ChildFailedError")
 
 
-def why_it_failed(lines: list[str]) -> str:
-    """The failed check's message and the rank it came from, found in a lesson's output.
+def first_error(lines: list[str]) -> str | None:
+    """The first ``CheckFailed`` in ``lines``, else the first error with a message that is not
+    a wrapper's, as ``Name: message``; None if there is neither."""
+    errors = [m for line in lines if (m := ERROR_LINE.match(line))
+              and m.group(2) and m.group(1).rsplit(".", 1)[-1] not in WRAPPERS]
+    checks = [m for m in errors if m.group(1).endswith("CheckFailed")]
+    if not (checks or errors):
+        return None
+    error = (checks or errors)[0]
+    return f"{error.group(1).rsplit('.', 1)[-1]}: {error.group(2)}"
 
-    The first ``CheckFailed`` line if there is one (a rank's own failure comes before what it
-    did to the others); else the first error with a message that is not a wrapper's; else the
-    last line printed. The rank is the nearest ``rank R of W raised`` line above it.
+
+def each_rank(clean: list[str]) -> dict[str, str]:
+    """Every rank's own failure, ``"R of W" -> "Name: message"``: from the lines after each
+    ``rank R of W raised`` (torchrun's workers print one each), and from the
+    ``(then rank R raised: ...)`` line in which miniddp's launcher lists the other ranks."""
+    starts = [(i, m.group(1)) for i, line in enumerate(clean) if (m := RANK_LINE.search(line))]
+    found: dict[str, str] = {}
+    for n, (start, rank) in enumerate(starts):
+        end = starts[n + 1][0] if n + 1 < len(starts) else len(clean)
+        block = clean[start + 1:end]
+        error = first_error(block)
+        if error and rank not in found:
+            found[rank] = error
+        world = rank.split(" of ")[1]
+        for line in block:
+            if line.startswith("(then ") and line.endswith(")"):
+                text = line[len("(then "):-1]
+                marks = list(OTHER_RANK.finditer(text))
+                for k, mark in enumerate(marks):
+                    said = text[mark.end():marks[k + 1].start() if k + 1 < len(marks) else None]
+                    said = said.rstrip("; ")
+                    error = first_error([said]) or f"{mark.group(2)}: {said}"
+                    found.setdefault(f"{mark.group(1)} of {world}", error)
+    return found
+
+
+def why_it_failed(lines: list[str]) -> str:
+    """Why a lesson failed, found in its output: the failed check's message and the rank it
+    came from, then the first line of every other rank's failure, one line each.
+
+    The headline is the first ``CheckFailed`` line if there is one (a rank's own failure comes
+    before what it did to the others); else the first error with a message that is not a
+    wrapper's; else the last line printed. Its rank is the nearest ``rank R of W raised`` line
+    above it. Every rank is shown because the first to fail is not always the one that names
+    the cause.
     """
     clean = [RELAY_PREFIX.sub("", line).strip() for line in lines]
-    errors = [(i, m) for i, line in enumerate(clean) if (m := ERROR_LINE.match(line))
-              and m.group(2) and m.group(1).rsplit(".", 1)[-1] not in WRAPPERS]
-    checks = [(i, m) for i, m in errors if m.group(1).endswith("CheckFailed")]
-    if not (checks or errors):
+    headline = first_error(clean)
+    if headline is None:
         return next((line for line in reversed(clean) if line), "(no output)")
-    at, error = (checks or errors)[0]
+    at = next(i for i, line in enumerate(clean) if (m := ERROR_LINE.match(line))
+              and f"{m.group(1).rsplit('.', 1)[-1]}: {m.group(2)}" == headline)
     rank = next((m.group(1) for line in reversed(clean[:at]) if (m := RANK_LINE.search(line))),
                 None)
-    where = f"rank {rank}: " if rank else ""
-    return f"{where}{error.group(1).rsplit('.', 1)[-1]}: {error.group(2)}"
+    others = [f"rank {r}: {error}" for r, error in
+              sorted(each_rank(clean).items(), key=lambda item: int(item[0].split()[0]))
+              if r != rank]
+    return "\n".join([f"{f'rank {rank}: ' if rank else ''}{headline}", *others])
 
 
 def skipped_because(lines: list[str]) -> str:
     """A skipped lesson's reason: its last line, after ``SKIPPED:``."""
     return [line for line in lines if line.strip()][-1].split(":", 1)[1].strip()
+
+
+def indented(why: str) -> str:
+    """A reason of several lines (one per rank), its later lines indented under the first."""
+    return why.replace("\n", "\n" + INDENT + "  ")
 
 
 def run_lesson(path: Path, timeout: float, show) -> tuple[str, float, list[str]]:
@@ -132,7 +179,7 @@ def main() -> int:
                else why_it_failed(lines))
         if not args.quiet:
             print(f"=== {path.name}: {result} after {seconds:.1f} s"
-                  + (f"\n{INDENT}why: {why}" if why else ""), flush=True)
+                  + (f"\n{INDENT}why: {indented(why)}" if why else ""), flush=True)
         results.append((path.name, result, seconds, why))
 
     width = max(len(name) for name, *_ in results)
@@ -149,7 +196,7 @@ def main() -> int:
     for name, why in skipped:
         print(f"{name} (skipped): {why}")
     for name, why in failed:
-        print(f"{name}: {why}")
+        print(f"{name}: {indented(why)}")
     return 1 if failed else 0
 
 

@@ -10,8 +10,10 @@ comparison can fail.
 """
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +28,17 @@ from miniddp.buckets import assign_buckets
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import make_dataset, make_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parent / "breakage"))
+try:
+    from breakages import BREAKAGES as _BY_NAME
+finally:
+    sys.path.pop(0)
+BREAKAGES = {name: patch for name, (_, patch) in _BY_NAME.items()}
+
 ring = load_lesson("01")
 buckets = load_lesson("05")
 overlap = load_lesson("06")
+timeline = load_lesson("06_overlap_timeline")
 accumulation = load_lesson("07")
 uneven = load_lesson("14")
 compiled = load_lesson("16")
@@ -241,7 +251,8 @@ def run_edited(lesson: str, old: str, new: str, tmp_path) -> subprocess.Complete
 
 @pytest.mark.lesson
 def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_time(tmp_path):
-    done = run_edited("07_*.py", "        if self.sync_this_backward:  # what forward noted",
+    done = run_edited("07_no_sync_accumulation.py",
+                      "        if self.sync_this_backward:  # what forward noted",
                       "        if self.require_backward_grad_sync:  # what forward noted",
                       tmp_path)
     assert done.returncode != 0, done.stdout
@@ -283,7 +294,7 @@ def synchronous_timeline():
         ddp.reducer._launch = launch_and_wait if synchronous else launch
         ddp.reducer.timeline = []
         F.mse_loss(ddp(x), y).backward()
-        counts.append(overlap.ready_while_in_flight(ddp.reducer.timeline))
+        counts.append(timeline.ready_while_in_flight(ddp.reducer.timeline))
     return counts
 
 
@@ -296,7 +307,7 @@ def test_ready_while_in_flight_sees_overlap_and_not_synchronous_all_reduces(rank
 def test_ready_while_in_flight_counts_gradients_between_launch_and_done():
     events = [("ready", 0, 1.0), ("launch", 0, 2.0), ("ready", 1, 3.0), ("done", 0, 4.0),
               ("ready", 2, 5.0), ("launch", 1, 6.0), ("done", 1, 7.0)]
-    assert overlap.ready_while_in_flight(events) == 1
+    assert timeline.ready_while_in_flight(events) == 1
 
 
 # Ways to lose the overlap, each applied from outside before the lesson runs. (Waiting for
@@ -318,10 +329,11 @@ reducer.Reducer.__init__ = after_backward
 """,
 }
 RUN_LESSON = """
-import runpy, sys
+import os, runpy, sys
 import miniddp.reducer as reducer
 {patch}
 sys.argv = [sys.argv[1]]
+sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as python does for a script
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -332,14 +344,65 @@ def test_lesson_06_fails_when_communication_does_not_overlap_backward(tmp_path, 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
     done = subprocess.run([sys.executable, "-c", RUN_LESSON.format(patch=NO_OVERLAP[how]),
-                           str(LESSONS_DIR / "06_overlap.py")], env=env, capture_output=True,
-                          text=True, timeout=180, cwd=LESSONS_DIR.parent)
+                           str(LESSONS_DIR / "06_overlap_timeline.py")], env=env,
+                          capture_output=True, text=True, timeout=180, cwd=LESSONS_DIR.parent)
     assert done.returncode != 0, done.stdout
     assert "while an all_reduce is in flight" in done.stderr, done.stderr[-2000:]
     assert "OK:" not in done.stdout
 
 
-# ----- lesson 06: what the trace shows -----
+# ----- lesson 06: what the trace prints -----
+
+TRACE_LINE = re.compile(r"\s*[\d.]+ ms  (\w+)\s+(?:bucket (\d+)|(\S+) -> bucket (\d+) "
+                        r"\((\d+)/(\d+)\))?")
+
+
+def trace_problems(lines: list[str], names: list[str], buckets: int) -> list[str]:
+    """What is wrong with one rank's trace, read from the lines it prints (what lesson 06's
+    ``--trace`` shows a learner): every parameter ready
+    once; each bucket launched once, in order, once all its gradients are in; then the end of
+    backward; every launched bucket waited for, in order, after it; the write-back last."""
+    events, complete = [], set()  # (kind, bucket or parameter, buckets complete so far)
+    for line in lines:
+        found = TRACE_LINE.match(line)
+        if not found:
+            continue
+        kind, bucket, name, into, filled, size = found.groups()
+        if kind == "ready" and name is not None:
+            if filled == size:
+                complete.add(int(into))
+            events.append((kind, name, set(complete)))
+        else:
+            events.append((kind, None if bucket is None else int(bucket), set(complete)))
+    kinds = [kind for kind, _, _ in events]
+    problems = []
+    ready = [name for kind, name, _ in events if kind == "ready"]
+    if sorted(ready) != sorted(names):
+        problems.append(f"{len(ready)} 'ready' lines for {len(names)} parameters")
+    launched = [b for kind, b, _ in events if kind == "launch"]
+    waited = [b for kind, b, _ in events if kind == "waited"]
+    if launched != list(range(buckets)):
+        problems.append(f"buckets launched {launched}, expected {list(range(buckets))}")
+    if waited != launched:
+        problems.append(f"buckets waited for {waited}, but launched {launched}: every launched "
+                        "all_reduce must be waited for, in launch order")
+    early = [b for kind, b, complete in events if kind == "launch" and b not in complete]
+    if early:
+        problems.append(f"buckets {early} launched before their last gradient was ready")
+    if kinds.count("backward") != 1 or kinds.count("finalized") != 1:
+        problems.append(f"{kinds.count('backward')} 'backward' and {kinds.count('finalized')} "
+                        "'finalized' lines, expected one each")
+        return problems
+    end, written = kinds.index("backward"), kinds.index("finalized")
+    if "ready" in kinds[end:]:
+        problems.append("a gradient ready after the end of backward")
+    if any(kind == "waited" and not end < at < written for at, kind in enumerate(kinds)):
+        problems.append("a wait outside the end of backward and the write-back")
+    if any(kind != "done" for kind in kinds[written + 1:]):
+        problems.append(f"events after the write-back: {kinds[written + 1:]}")
+    return problems
+
+
 
 NAMES = ["2.bias", "2.weight", "0.bias", "0.weight"]
 BUCKETS = [[0, 1], [2, 3]]
@@ -389,14 +452,53 @@ TRACES = {  # name: (events, words one of the problems must hold)
 
 
 def test_trace_check_passes_a_right_trace():
-    assert overlap.trace_problems(trace_lines(GOOD), NAMES, len(BUCKETS)) == []
+    assert trace_problems(trace_lines(GOOD), NAMES, len(BUCKETS)) == []
 
 
 @pytest.mark.parametrize("case", sorted(TRACES))
 def test_trace_check_names_what_a_wrong_trace_shows(case):
     events, words = TRACES[case]
-    problems = overlap.trace_problems(trace_lines(events), NAMES, len(BUCKETS))
+    problems = trace_problems(trace_lines(events), NAMES, len(BUCKETS))
     assert any(words in p for p in problems), problems
+
+
+def printed_trace_problems(breakage: str | None = None) -> list[list[str]]:
+    """One backward of lesson 06's model, traced on every rank; the problems found in what
+    each rank's trace prints. ``breakage`` (of tests/breakage) is applied to the trace's
+    printing for this call only."""
+    from miniddp.checks import trace as trace_module
+
+    saved = trace_module.BackwardTrace.lines
+    if breakage:
+        BREAKAGES[breakage](trace_module)
+    try:
+        ddp = miniddp.DistributedDataParallel(overlap.wide_student(torch.device("cpu")),
+                                              bucket_cap_mb=overlap.BUCKET_CAP_MB)
+        x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
+        F.mse_loss(ddp(x), y).backward()  # the buckets are rebuilt at the next forward
+        loss = F.mse_loss(ddp(x), y)
+        with ddp.trace(all_ranks=True) as trace:
+            loss.backward()
+        names = [name for name, _ in ddp.module.named_parameters()]
+        return [trace_problems(each.lines(), names, len(ddp.buckets)) for each in trace.others]
+    finally:
+        trace_module.BackwardTrace.lines = saved
+
+
+def test_the_printed_trace_of_a_real_backward_shows_the_reducers_work(ranks):
+    for problems_by_rank in ranks(2).run(printed_trace_problems):
+        assert problems_by_rank == [[], []]
+
+
+@pytest.mark.parametrize("breakage, words", [
+    ("trace_drops_waits", "buckets waited for []"),
+    ("trace_drops_launches", "buckets launched []"),
+    ("trace_waits_reversed", "buckets waited for [4, 3, 2, 1, 0]" if
+     EXPLICIT_CAP_COVERS_FIRST_BUCKET else "buckets waited for [3, 2, 1, 0]")])
+def test_control_a_trace_that_prints_wrong_is_caught(ranks, breakage, words):
+    for problems_by_rank in ranks(2).run(printed_trace_problems, breakage):
+        assert all(any(words in p for p in problems) for problems in problems_by_rank), \
+            problems_by_rank
 
 
 # ----- lesson 14: which collective a rank waited in -----

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from miniddp.train.data import make_dataset
 
 zero = load_lesson("15")
+stage_two = load_lesson("15_sharded_optimizer_stage_2")
 
 
 def layers() -> nn.Module:
@@ -117,7 +118,7 @@ def reduce_scatter_against_all_reduce(dtype: str, wrong_sizes: bool = False) -> 
     summed = t.clone()
     dist.all_reduce(summed)
     cut = sizes[::-1] if wrong_sizes else sizes  # the control cuts the chunks elsewhere
-    mine, sent = zero.ring_reduce_scatter(t.clone(), cut)
+    mine, sent = stage_two.ring_reduce_scatter(t.clone(), cut)
     start = sum(sizes[:rank])
     return torch.equal(mine, summed[start:start + sizes[rank]]) and sent == sum(cut) - cut[rank]
 

@@ -262,6 +262,92 @@ def buckets_launched_after_backward(module):
     _patch(module.Reducer, "__init__", init)
 
 
+def no_sync_exits_to_true(module):
+    """Lesson 07: ``no_sync`` sets the flag to True on exit instead of restoring the value it
+    found, so a ``no_sync`` nested in another ends the outer one's accumulation early."""
+    @contextlib.contextmanager
+    def no_sync(self):
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = True
+    _patch(module.DistributedDataParallel, "no_sync", lambda original: no_sync)
+
+
+def reshard_skips_by_the_new_world_size(module):
+    """Lesson 04: a state saved at another world size resumes as if saved at this one: each rank
+    skips ``consumed`` of its new share, not the ``consumed * saved world size`` samples done."""
+    def load(original):
+        def load_state_dict(self, state, reshard=False):
+            if reshard:
+                state = {**state, "num_replicas": self.num_replicas}
+            original(self, state, reshard)
+        return load_state_dict
+    _patch(module.DistributedSampler, "load_state_dict", load)
+
+
+def zero_ties_reversed(module):
+    """Lesson 15: ZeRO's partition breaks ties between equal-size parameters the other way
+    (the last of equals first), so equal layers get other owners than torch gives them."""
+    def partition(original):
+        def ties_reversed(param_groups, world_size):
+            flipped = [{**group, "params": list(reversed(group["params"]))}
+                       for group in param_groups]
+            return original(flipped, world_size)
+        return ties_reversed
+    _patch(module, "greedy_by_size", partition)
+
+
+def zero_lr_never_forwarded(module):
+    """Lesson 15: a learning rate set on ZeRO's param_groups (a scheduler's) never reaches the
+    local optimizer that steps this rank's share: it keeps the first one."""
+    def without_lr(original):
+        return lambda sources, destinations: original(
+            [{k: v for k, v in group.items() if k != "lr"} for group in sources], destinations)
+    _patch(module, "_copy_hyperparameters", without_lr)
+
+
+def bucket_view_multiplied(module):
+    """Lesson 08: with ``gradient_as_bucket_view``, a gradient that already is its bucket view
+    is multiplied by ``1 / world_size`` where torch divides (equal at 2 ranks, not at 3)."""
+    def copy_in(original):
+        def multiplied(self, param, view, divisor, scale):
+            if scale and param.grad is not None and module.same_storage(param.grad, view):
+                view.mul_(1.0 / divisor)
+            else:
+                original(self, param, view, divisor, scale)
+        return multiplied
+    _patch(module.GradientsAsBucketViews, "copy_in", copy_in)
+
+
+def static_graph_ready_at_first_arrival(module):
+    """Lesson 08: with ``static_graph``, a gradient that arrives twice in a backward (a layer
+    checkpointed twice) is called ready at its first arrival instead of its last."""
+    def final_firing(original):
+        def at_first(self, index, expect_hooks):
+            if self.counting or not expect_hooks:
+                return original(self, index, expect_hooks)
+            first = self.remaining[index] == self.firings[index]
+            original(self, index, expect_hooks)  # still counts this arrival down
+            return first
+        return at_first
+    _patch(module.StaticGraph, "final_firing", final_firing)
+
+
+def buckets_never_rebuilt(module):
+    """Lessons 05 and 08: the reducer keeps the one bucket of construction for good, never
+    rebuilding the buckets in the order gradients became ready."""
+    _patch(module.Reducer, "should_rebuild", lambda original: property(lambda self: False))
+
+
+def rebuilt_in_model_order(module):
+    """Lesson 05: the rebuild cuts the buckets in model order instead of the order in which the
+    gradients became ready in the first backward."""
+    _patch(module, "rebuilt_assignment", lambda original: lambda params, order, *args, **kwargs:
+           original(params, sorted(order), *args, **kwargs))
+
+
 #: name -> (module it patches, the patch)
 BREAKAGES = {
     "no_optimizer_step": ("torch.optim", no_optimizer_step),
@@ -289,6 +375,16 @@ BREAKAGES = {
     "write_back_before_wait": ("miniddp.reducer", write_back_before_wait),
     "compiled_ddp_unrecognised": ("miniddp.options.compiled", compiled_ddp_unrecognised),
     "buckets_launched_after_backward": ("miniddp.reducer", buckets_launched_after_backward),
+    "no_sync_exits_to_true": ("miniddp.ddp", no_sync_exits_to_true),
+    "reshard_skips_by_the_new_world_size": ("miniddp.sampler",
+                                            reshard_skips_by_the_new_world_size),
+    "zero_ties_reversed": ("miniddp.optim.zero", zero_ties_reversed),
+    "zero_lr_never_forwarded": ("miniddp.optim.zero", zero_lr_never_forwarded),
+    "bucket_view_multiplied": ("miniddp.options.gradient_views", bucket_view_multiplied),
+    "static_graph_ready_at_first_arrival": ("miniddp.options.static_graph",
+                                            static_graph_ready_at_first_arrival),
+    "buckets_never_rebuilt": ("miniddp.reducer", buckets_never_rebuilt),
+    "rebuilt_in_model_order": ("miniddp.reducer", rebuilt_in_model_order),
 }
 
 
