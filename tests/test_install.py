@@ -18,7 +18,9 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
+import jobs
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,7 +29,8 @@ from ddp_cases import MLP
 from torch import nn
 
 import miniddp
-from miniddp import run
+from miniddp import run, sync
+from miniddp.run import children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -322,6 +325,39 @@ def test_lightnings_ddp_strategies_build_miniddp_when_installed():
     assert trainer_ddp.DistributedDataParallel is run.TORCH_DDP
 
 
+# ----- a job that builds torch's class on some ranks and miniddp's on others -----
+
+
+def build_one_class_each(classes: list[str]) -> dict:
+    """Rank r builds ``classes[r]``'s DDP around the same model: what it raised, if anything."""
+    cls = {"torch": run.TORCH_DDP, "miniddp": miniddp.DistributedDataParallel}
+    torch.manual_seed(0)
+    try:
+        cls[classes[dist.get_rank()]](MLP())
+    except Exception as e:  # noqa: BLE001  (the verdict is the test's)
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None, "message": ""}
+
+
+@pytest.mark.parametrize("classes", [["miniddp", "torch"], ["torch", "miniddp"]])
+def test_a_job_mixing_torchs_ddp_and_miniddps_stops_at_construction_naming_the_mix(ranks,
+                                                                                    classes):
+    group = ranks(2)
+    results = group.run(build_one_class_each, classes)
+    torchs = classes.index("torch")
+    ours, theirs = results[classes.index("miniddp")], results[torchs]
+    assert ours["raised"] == "MixedDDPClasses", ours
+    assert f"rank(s) [{torchs}] of this job built torch's DistributedDataParallel" in (
+        ours["message"])
+    assert "python -m miniddp.run" in ours["message"]
+    # torch's rank stops at once, on its own parameter-count check, on miniddp's number
+    assert theirs["raised"] == "RuntimeError", theirs
+    assert "DDP expects same model across all ranks" in theirs["message"]
+    assert f"inconsistent {sync.MINIDDP_SAYS} params" in theirs["message"]
+    for same in (["miniddp", "miniddp"], ["torch", "torch"]):  # no mix, no error
+        assert group.run(build_one_class_each, same) == [{"raised": None, "message": ""}] * 2
+
+
 # ----- python -m miniddp.run script.py -----
 
 SCRIPT = """
@@ -387,3 +423,148 @@ def test_torchrun_runs_each_worker_through_miniddp_run(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for rank in range(2):
         assert f"rank {rank} miniddp.ddp agree True" in done.stdout, done.stdout[-2000:]
+
+
+# ----- the processes a script starts -----
+
+
+def test_install_marks_the_environment_for_children_and_uninstall_leaves_nothing(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/a", "/b"]))
+    before = dict(os.environ)
+    with miniddp.installed():
+        assert os.environ[children.MARKER] == children.ROOT and children.reaches()
+        assert os.environ["PYTHONPATH"] == os.pathsep.join([children.STARTUP, "/a", "/b"])
+    assert dict(os.environ) == before and not children.reaches()
+    monkeypatch.delenv("PYTHONPATH")
+    with miniddp.installed():
+        assert os.environ["PYTHONPATH"] == children.STARTUP
+    assert "PYTHONPATH" not in os.environ and children.MARKER not in os.environ
+
+
+FLAGS = types.SimpleNamespace(ignore_environment=1, isolated=0, no_site=0)
+
+
+@pytest.mark.parametrize("why", ["-E", "forkserver"])
+def test_install_warns_where_it_can_tell_that_workers_will_not_see_it(monkeypatch, why):
+    if children.unreachable() is None:  # the negative control: nothing to warn about
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", run.WorkersMissTheInstall)
+            with miniddp.installed():
+                pass
+    if why == "-E":
+        monkeypatch.setattr(children, "sys", types.SimpleNamespace(flags=FLAGS,
+                                                                   modules=sys.modules))
+    else:
+        server = types.SimpleNamespace(_forkserver=types.SimpleNamespace(_forkserver_pid=1))
+        monkeypatch.setitem(sys.modules, "multiprocessing.forkserver", server)
+    with pytest.warns(run.WorkersMissTheInstall, match=why):
+        with miniddp.installed():
+            pass
+
+
+HIDDEN_SITECUSTOMIZE = "import os\nos.environ['HIDDEN_SITECUSTOMIZE_RAN'] = '1'\n"
+
+CHILD = """
+import os, sys
+print("before torch:", "torch" in sys.modules, "miniddp" in sys.modules,
+      os.environ.get("HIDDEN_SITECUSTOMIZE_RAN"), any(p.endswith("startup") for p in sys.path))
+import torch
+print("after torch:", torch.nn.parallel.DistributedDataParallel.__module__)
+"""
+
+
+@pytest.mark.slow
+def test_a_child_python_installs_once_it_imports_torch_and_runs_the_sitecustomize_it_hides(
+        tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text(HIDDEN_SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), REPO])}
+    with miniddp.installed():
+        reached = {**os.environ, "PYTHONPATH": os.pathsep.join([children.STARTUP, str(hidden),
+                                                                 REPO])}
+    outputs = {}
+    for name, child_env in (("reached", reached), ("plain", env)):
+        done = subprocess.run([sys.executable, "-c", CHILD], env=child_env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[name] = done.stdout
+    assert "before torch: False False 1 False" in outputs["reached"]
+    assert "after torch: miniddp.ddp" in outputs["reached"]
+    assert "before torch: False False 1 False" in outputs["plain"]
+    assert "after torch: torch.nn.parallel.distributed" in outputs["plain"]
+
+
+WORKERS = """
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, world_size, init):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        model = DDP(torch.nn.Linear(4, 2))
+        model(torch.randn(3, 4)).sum().backward()
+        result = type(model).__module__
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    sys.stdout.write(f"rank {rank}: {result}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    how, init = sys.argv[1:]
+    if how == "spawn":  # the seeds' multigpu.py, Lightning's ddp_spawn
+        mp.spawn(train, args=(2, init), nprocs=2)
+    elif how == "run_again":  # Lightning's ddp: the other rank runs this script again
+        other = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0]), "rank1", init])
+        train(0, 2, init)
+        other.wait()
+    else:
+        train(1, 2, init)
+"""
+
+#: ``python -m miniddp.run`` with its children left unreached: the negative control.
+UNREACHED = ("import sys; from miniddp.run import children; children.reach = lambda: None; "
+             "from miniddp.run.__main__ import main; main(sys.argv[1:])")
+
+
+def start_workers(tmp_path, how: str, reach: bool) -> str:
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS)
+    init = f"file://{tmp_path / f'{how}-{reach}.store'}"
+    runner = ["-m", "miniddp.run"] if reach else ["-c", UNREACHED]
+    code, output = jobs.run([sys.executable, *runner, str(script), how, init],
+                            tmp_path / f"{how}-{reach}.log", timeout=240, cwd=tmp_path,
+                            env=jobs.clean_env(PYTHONPATH=REPO))
+    assert code == 0, output[-4000:]
+    return output
+
+
+@pytest.mark.slow
+def test_run_reaches_the_workers_mp_spawn_starts(tmp_path):
+    output = start_workers(tmp_path, "spawn", reach=True)
+    assert "rank 0: miniddp.ddp" in output and "rank 1: miniddp.ddp" in output, output[-4000:]
+    unreached = start_workers(tmp_path, "spawn", reach=False)
+    assert "rank 0: torch.nn.parallel.distributed" in unreached, unreached[-4000:]
+    assert "rank 1: torch.nn.parallel.distributed" in unreached, unreached[-4000:]
+
+
+@pytest.mark.slow
+def test_run_reaches_a_script_run_again_for_the_other_rank(tmp_path):
+    output = start_workers(tmp_path, "run_again", reach=True)
+    assert "rank 0: miniddp.ddp" in output and "rank 1: miniddp.ddp" in output, output[-4000:]
+    unreached = start_workers(tmp_path, "run_again", reach=False)  # rank 1 builds torch's
+    assert "rank 0: MixedDDPClasses: rank(s) [1] of this job built torch's" in unreached, (
+        unreached[-4000:])
+    assert "rank 1: RuntimeError: DDP expects same model" in unreached, unreached[-4000:]
