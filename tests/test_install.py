@@ -4,8 +4,9 @@ Without ``install()``, code that recognises DDP by torch's class does not see mi
 it silently: ``torch.distributed.checkpoint``'s state dicts keep the ``module.`` prefixes, and
 Accelerate's ``trigger_sync_in_backward`` does nothing. Each test shows the behaviour with the
 install beside the behaviour without it (the negative control) and, where it trains, beside
-torch's own DDP bit for bit. Accelerate and Lightning are optional (skipped when absent); a
-stand-in written the way Accelerate's code is written runs everywhere.
+torch's own DDP bit for bit. Accelerate and Lightning come with the ``frameworks`` extra
+(skipped when absent; ``tests/test_frameworks.py`` runs whole jobs through them); a stand-in
+written the way Accelerate's code is written runs everywhere.
 
 The functions run in long-lived ranks that other tests share, so every install here is undone
 (``with installed()``), and torch's class is reached only through ``run.TORCH_DDP``: a global
@@ -428,6 +429,28 @@ def test_torchrun_runs_each_worker_through_miniddp_run(tmp_path):
 # ----- the processes a script starts -----
 
 
+PEEK = """
+import os
+from miniddp.run import children, is_installed
+os.environ["MINIDDP_TEST_PEEK"] = f"{is_installed()} {children.reaches()}"
+"""
+
+
+def test_run_undoes_the_install_and_its_marks_when_the_script_ends(tmp_path, monkeypatch):
+    from miniddp.run.__main__ import main
+
+    script = tmp_path / "peek.py"
+    script.write_text(PEEK)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("MINIDDP_TEST_PEEK", raising=False)
+    before = dict(os.environ)
+    main([str(script)])
+    assert os.environ.pop("MINIDDP_TEST_PEEK") == "True True"  # while the script ran
+    assert dict(os.environ) == before and not run.is_installed()
+    assert torch.nn.parallel.DistributedDataParallel is run.TORCH_DDP
+
+
 def test_install_marks_the_environment_for_children_and_uninstall_leaves_nothing(monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/a", "/b"]))
     before = dict(os.environ)
@@ -512,9 +535,11 @@ def train(rank, world_size, init):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=60))
     try:
+        torch.manual_seed(0)
         model = DDP(torch.nn.Linear(4, 2))
-        model(torch.randn(3, 4)).sum().backward()
-        result = type(model).__module__
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        model(x).sum().backward()
+        result = f"{type(model).__module__} grad {model.module.weight.grad.numpy().tobytes().hex()}"
     except Exception as e:
         result = f"{type(e).__name__}: {e}"
     sys.stdout.write(f"rank {rank}: {result}\\n")
@@ -551,19 +576,31 @@ def start_workers(tmp_path, how: str, reach: bool) -> str:
     return output
 
 
+def reported(output: str, rank: int) -> tuple[str, str]:
+    """What a worker said: (its DDP class's module, its gradient's bits in hex)."""
+    lines = [line for line in output.splitlines() if line.startswith(f"rank {rank}: ")]
+    assert len(lines) == 1, f"rank {rank} did not report once:\n{output[-4000:]}"
+    module, _, grad = lines[0].removeprefix(f"rank {rank}: ").partition(" grad ")
+    return module, grad
+
+
 @pytest.mark.slow
 def test_run_reaches_the_workers_mp_spawn_starts(tmp_path):
-    output = start_workers(tmp_path, "spawn", reach=True)
-    assert "rank 0: miniddp.ddp" in output and "rank 1: miniddp.ddp" in output, output[-4000:]
-    unreached = start_workers(tmp_path, "spawn", reach=False)
-    assert "rank 0: torch.nn.parallel.distributed" in unreached, unreached[-4000:]
-    assert "rank 1: torch.nn.parallel.distributed" in unreached, unreached[-4000:]
+    """Every spawned rank builds miniddp's class and gets torch's gradient bits; unreached (the
+    negative control), they build torch's."""
+    ours = start_workers(tmp_path, "spawn", reach=True)
+    torchs = start_workers(tmp_path, "spawn", reach=False)
+    for rank in range(2):
+        (our_class, our_grad), (their_class, their_grad) = (reported(ours, rank),
+                                                            reported(torchs, rank))
+        assert (our_class, their_class) == ("miniddp.ddp", "torch.nn.parallel.distributed")
+        assert our_grad == their_grad and len(our_grad) == 2 * 4 * 4 * 2, rank
 
 
 @pytest.mark.slow
 def test_run_reaches_a_script_run_again_for_the_other_rank(tmp_path):
     output = start_workers(tmp_path, "run_again", reach=True)
-    assert "rank 0: miniddp.ddp" in output and "rank 1: miniddp.ddp" in output, output[-4000:]
+    assert [reported(output, rank)[0] for rank in range(2)] == ["miniddp.ddp"] * 2
     unreached = start_workers(tmp_path, "run_again", reach=False)  # rank 1 builds torch's
     assert "rank 0: MixedDDPClasses: rank(s) [1] of this job built torch's" in unreached, (
         unreached[-4000:])
