@@ -6,15 +6,6 @@ can hang or corrupt memory. So shapes are gathered from every rank, and every ra
 same error (naming the parameter, its shape on each rank, and the ranks) before any broadcast.
 Strides are compared too: a bucket view copies its parameter's memory layout, so a
 ``channels_last`` parameter on one rank only would have the ranks sum mismatched elements.
-
-Before the shapes, the ranks make sure they all built miniddp's class. A job can build torch's
-DDP on some ranks and miniddp's on others (a worker that a launcher started without
-``miniddp.run``), and the two constructions do not speak the same protocol: torch's first
-collective is an all-gather of one int64, its number of parameters. miniddp's first collective
-is the same all-gather carrying :data:`MINIDDP_SAYS`, a negative count no torch rank sends, so
-every miniddp rank learns which ranks are torch's and stops with a message that names the mix,
-and every torch rank stops at once on its own count check ("... while rank 0 has inconsistent
--999999999 params") instead of waiting for collectives that never come.
 """
 
 from __future__ import annotations
@@ -24,44 +15,17 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-#: What miniddp's ranks send where torch's send their number of parameters.
-MINIDDP_SAYS = -999_999_999
-
 
 class ModelsDiffer(ValueError, RuntimeError):
     """The ranks' models differ: torch raises a RuntimeError; miniddp raised a ValueError."""
 
 
-class MixedDDPClasses(RuntimeError):
-    """Some ranks built torch's DistributedDataParallel and others miniddp's."""
-
-
-def refuse_torchs_ddp_on_other_ranks(device: torch.device, group=None) -> None:
-    """Raise on every miniddp rank if any rank of ``group`` is constructing torch's DDP (whose
-    first collective, its parameter count, meets this one: see the module docstring)."""
-    said = torch.tensor([MINIDDP_SAYS], dtype=torch.int64, device=device)
-    everyone = [torch.empty_like(said) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, said, group=group)
-    torchs = [rank for rank, s in enumerate(everyone) if s.item() != MINIDDP_SAYS]
-    if torchs:
-        raise MixedDDPClasses(
-            f"rank(s) {torchs} of this job built torch's DistributedDataParallel and the others "
-            "miniddp's: every rank must build the same class. A launcher or a multiprocessing "
-            "start method started those ranks without miniddp in torch's place. Start the job "
-            "with `python -m miniddp.run script.py` (it reaches every Python process the script "
-            "starts), call miniddp.install() before any worker starts, or build "
-            "miniddp.DistributedDataParallel explicitly in the code every rank runs.")
-
-
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
-    """Raise on every rank if any rank's parameter names, shapes or strides differ (on a rank
-    whose parameter differs from rank 0's, with torch's sentence for it too), or if any rank
-    is building torch's DDP instead."""
-    device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
-    refuse_torchs_ddp_on_other_ranks(device, group)
+    """Raise on every rank if a rank built torch's DDP, or if any rank's parameter names, shapes
+    or strides differ (on a rank whose parameter differs from rank 0's, in torch's words too)."""
+    from miniddp.options.mixed_classes import all_gather_among_miniddp_ranks
     mine = [(name, tuple(t.shape), tuple(t.stride())) for name, t in named_tensors]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_among_miniddp_ranks(mine, named_tensors, group)
     problems, torchs, me = [], "", dist.get_rank(group)
     if len({len(shapes) for shapes in everyone}) > 1:
         counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(everyone))

@@ -21,9 +21,9 @@ def install_miniddp() -> None:
         return
     if root not in sys.path:  # the miniddp the parent imported, if none other is importable
         sys.path.append(root)
-    import miniddp
+    from miniddp.run.torch_names import install
 
-    miniddp.install()
+    install()
 
 
 class InstallOnceImported:
