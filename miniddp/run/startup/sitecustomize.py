@@ -80,9 +80,10 @@ def run_the_hidden_sitecustomize() -> None:
 
 
 FINDER = InstallOnceImported()
-if os.environ.get(MARKER):
-    if "torch" in sys.modules:  # imported by a .pth file, before this
-        install_miniddp()
-    else:
-        sys.meta_path.insert(0, FINDER)
-run_the_hidden_sitecustomize()
+if __name__ == "sitecustomize":  # at start-up, not imported as miniddp.run.startup.sitecustomize
+    if os.environ.get(MARKER):
+        if "torch" in sys.modules:  # imported by a .pth file, before this
+            install_miniddp()
+        else:
+            sys.meta_path.insert(0, FINDER)
+    run_the_hidden_sitecustomize()
