@@ -21,11 +21,11 @@ class ModelsDiffer(ValueError, RuntimeError):
 
 
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
-    """Raise on every rank if any rank's parameter names, shapes or strides differ (on a rank
-    whose parameter differs from rank 0's, with torch's sentence for it too)."""
+    """Raise on every rank if a rank built torch's DDP, or if any rank's parameter names, shapes
+    or strides differ (on a rank whose parameter differs from rank 0's, in torch's words too)."""
+    from miniddp.options.mixed_classes import all_gather_among_miniddp_ranks
     mine = [(name, tuple(t.shape), tuple(t.stride())) for name, t in named_tensors]
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    everyone = all_gather_among_miniddp_ranks(mine, named_tensors, group)
     problems, torchs, me = [], "", dist.get_rank(group)
     if len({len(shapes) for shapes in everyone}) > 1:
         counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(everyone))

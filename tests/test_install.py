@@ -4,8 +4,9 @@ Without ``install()``, code that recognises DDP by torch's class does not see mi
 it silently: ``torch.distributed.checkpoint``'s state dicts keep the ``module.`` prefixes, and
 Accelerate's ``trigger_sync_in_backward`` does nothing. Each test shows the behaviour with the
 install beside the behaviour without it (the negative control) and, where it trains, beside
-torch's own DDP bit for bit. Accelerate and Lightning are optional (skipped when absent); a
-stand-in written the way Accelerate's code is written runs everywhere.
+torch's own DDP bit for bit. Accelerate and Lightning come with the ``frameworks`` extra
+(skipped when absent; ``tests/test_frameworks.py`` runs whole jobs through them); a stand-in
+written the way Accelerate's code is written runs everywhere.
 
 The functions run in long-lived ranks that other tests share, so every install here is undone
 (``with installed()``), and torch's class is reached only through ``run.TORCH_DDP``: a global
@@ -18,7 +19,9 @@ import subprocess
 import sys
 import textwrap
 import types
+import warnings
 
+import jobs
 import pytest
 import torch
 import torch.distributed as dist
@@ -28,6 +31,8 @@ from torch import nn
 
 import miniddp
 from miniddp import run
+from miniddp.options import mixed_classes
+from miniddp.run import children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -322,6 +327,39 @@ def test_lightnings_ddp_strategies_build_miniddp_when_installed():
     assert trainer_ddp.DistributedDataParallel is run.TORCH_DDP
 
 
+# ----- a job that builds torch's class on some ranks and miniddp's on others -----
+
+
+def build_one_class_each(classes: list[str]) -> dict:
+    """Rank r builds ``classes[r]``'s DDP around the same model: what it raised, if anything."""
+    cls = {"torch": run.TORCH_DDP, "miniddp": miniddp.DistributedDataParallel}
+    torch.manual_seed(0)
+    try:
+        cls[classes[dist.get_rank()]](MLP())
+    except Exception as e:  # noqa: BLE001  (the verdict is the test's)
+        return {"raised": type(e).__name__, "message": str(e)}
+    return {"raised": None, "message": ""}
+
+
+@pytest.mark.parametrize("classes", [["miniddp", "torch"], ["torch", "miniddp"]])
+def test_a_job_mixing_torchs_ddp_and_miniddps_stops_at_construction_naming_the_mix(ranks,
+                                                                                    classes):
+    group = ranks(2)
+    results = group.run(build_one_class_each, classes)
+    torchs = classes.index("torch")
+    ours, theirs = results[classes.index("miniddp")], results[torchs]
+    assert ours["raised"] == "MixedDDPClasses", ours
+    assert f"rank(s) [{torchs}] of this job built torch's DistributedDataParallel" in (
+        ours["message"])
+    assert "python -m miniddp.run" in ours["message"]
+    # torch's rank stops at once, on its own parameter-count check, on miniddp's number
+    assert theirs["raised"] == "RuntimeError", theirs
+    assert "DDP expects same model across all ranks" in theirs["message"]
+    assert f"inconsistent {mixed_classes.MINIDDP_SAYS} params" in theirs["message"]
+    for same in (["miniddp", "miniddp"], ["torch", "torch"]):  # no mix, no error
+        assert group.run(build_one_class_each, same) == [{"raised": None, "message": ""}] * 2
+
+
 # ----- python -m miniddp.run script.py -----
 
 SCRIPT = """
@@ -387,3 +425,184 @@ def test_torchrun_runs_each_worker_through_miniddp_run(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     for rank in range(2):
         assert f"rank {rank} miniddp.ddp agree True" in done.stdout, done.stdout[-2000:]
+
+
+# ----- the processes a script starts -----
+
+
+PEEK = """
+import os
+from miniddp.run import children, is_installed
+os.environ["MINIDDP_TEST_PEEK"] = f"{is_installed()} {children.reaches()}"
+"""
+
+
+def test_run_undoes_the_install_and_its_marks_when_the_script_ends(tmp_path, monkeypatch):
+    from miniddp.run.__main__ import main
+
+    script = tmp_path / "peek.py"
+    script.write_text(PEEK)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.delenv("MINIDDP_TEST_PEEK", raising=False)
+    before = dict(os.environ)
+    main([str(script)])
+    assert os.environ.pop("MINIDDP_TEST_PEEK") == "True True"  # while the script ran
+    assert dict(os.environ) == before and not run.is_installed()
+    assert torch.nn.parallel.DistributedDataParallel is run.TORCH_DDP
+
+
+def test_install_marks_the_environment_for_children_and_uninstall_leaves_nothing(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/a", "/b"]))
+    before = dict(os.environ)
+    with miniddp.installed():
+        assert os.environ[children.MARKER] == children.ROOT and children.reaches()
+        assert os.environ["PYTHONPATH"] == os.pathsep.join([children.STARTUP, "/a", "/b"])
+    assert dict(os.environ) == before and not children.reaches()
+    monkeypatch.delenv("PYTHONPATH")
+    with miniddp.installed():
+        assert os.environ["PYTHONPATH"] == children.STARTUP
+    assert "PYTHONPATH" not in os.environ and children.MARKER not in os.environ
+
+
+FLAGS = types.SimpleNamespace(ignore_environment=1, isolated=0, no_site=0)
+
+
+@pytest.mark.parametrize("why", ["-E", "forkserver"])
+def test_install_warns_where_it_can_tell_that_workers_will_not_see_it(monkeypatch, why):
+    if children.unreachable() is None:  # the negative control: nothing to warn about
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", run.WorkersMissTheInstall)
+            with miniddp.installed():
+                pass
+    if why == "-E":
+        monkeypatch.setattr(children, "sys", types.SimpleNamespace(flags=FLAGS,
+                                                                   modules=sys.modules))
+    else:
+        server = types.SimpleNamespace(_forkserver=types.SimpleNamespace(_forkserver_pid=1))
+        monkeypatch.setitem(sys.modules, "multiprocessing.forkserver", server)
+    with pytest.warns(run.WorkersMissTheInstall, match=why):
+        with miniddp.installed():
+            pass
+
+
+HIDDEN_SITECUSTOMIZE = "import os\nos.environ['HIDDEN_SITECUSTOMIZE_RAN'] = '1'\n"
+
+CHILD = """
+import os, sys
+print("before torch:", "torch" in sys.modules, "miniddp" in sys.modules,
+      os.environ.get("HIDDEN_SITECUSTOMIZE_RAN"), any(p.endswith("startup") for p in sys.path))
+import torch
+print("after torch:", torch.nn.parallel.DistributedDataParallel.__module__)
+"""
+
+
+@pytest.mark.slow
+def test_a_child_python_installs_once_it_imports_torch_and_runs_the_sitecustomize_it_hides(
+        tmp_path):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "sitecustomize.py").write_text(HIDDEN_SITECUSTOMIZE)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hidden), REPO])}
+    with miniddp.installed():
+        reached = {**os.environ, "PYTHONPATH": os.pathsep.join([children.STARTUP, str(hidden),
+                                                                 REPO])}
+    outputs = {}
+    for name, child_env in (("reached", reached), ("plain", env)):
+        done = subprocess.run([sys.executable, "-c", CHILD], env=child_env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        outputs[name] = done.stdout
+    assert "before torch: False False 1 False" in outputs["reached"]
+    assert "after torch: miniddp.ddp" in outputs["reached"]
+    assert "before torch: False False 1 False" in outputs["plain"]
+    assert "after torch: torch.nn.parallel.distributed" in outputs["plain"]
+
+
+WORKERS = """
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def train(rank, world_size, init):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=60))
+    try:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(4, 2))
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+        model(x).sum().backward()
+        result = f"{type(model).__module__} grad {model.module.weight.grad.numpy().tobytes().hex()}"
+    except Exception as e:
+        result = f"{type(e).__name__}: {e}"
+    sys.stdout.write(f"rank {rank}: {result}\\n")
+    sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    how, init = sys.argv[1:]
+    if how == "spawn":  # the seeds' multigpu.py, Lightning's ddp_spawn
+        mp.spawn(train, args=(2, init), nprocs=2)
+    elif how == "run_again":  # Lightning's ddp: the other rank runs this script again
+        other = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0]), "rank1", init])
+        train(0, 2, init)
+        other.wait()
+    else:
+        train(1, 2, init)
+"""
+
+#: ``python -m miniddp.run`` with its children left unreached: the negative control.
+UNREACHED = ("import sys; from miniddp.run import children; children.reach = lambda: None; "
+             "from miniddp.run.__main__ import main; main(sys.argv[1:])")
+
+
+def start_workers(tmp_path, how: str, reach: bool) -> str:
+    script = tmp_path / "workers.py"
+    script.write_text(WORKERS)
+    init = f"file://{tmp_path / f'{how}-{reach}.store'}"
+    runner = ["-m", "miniddp.run"] if reach else ["-c", UNREACHED]
+    code, output = jobs.run([sys.executable, *runner, str(script), how, init],
+                            tmp_path / f"{how}-{reach}.log", timeout=240, cwd=tmp_path,
+                            env=jobs.clean_env(PYTHONPATH=REPO))
+    assert code == 0, output[-4000:]
+    return output
+
+
+def reported(output: str, rank: int) -> tuple[str, str]:
+    """What a worker said: (its DDP class's module, its gradient's bits in hex)."""
+    lines = [line for line in output.splitlines() if line.startswith(f"rank {rank}: ")]
+    assert len(lines) == 1, f"rank {rank} did not report once:\n{output[-4000:]}"
+    module, _, grad = lines[0].removeprefix(f"rank {rank}: ").partition(" grad ")
+    return module, grad
+
+
+@pytest.mark.slow
+def test_run_reaches_the_workers_mp_spawn_starts(tmp_path):
+    """Every spawned rank builds miniddp's class and gets torch's gradient bits; unreached (the
+    negative control), they build torch's."""
+    ours = start_workers(tmp_path, "spawn", reach=True)
+    torchs = start_workers(tmp_path, "spawn", reach=False)
+    for rank in range(2):
+        (our_class, our_grad), (their_class, their_grad) = (reported(ours, rank),
+                                                            reported(torchs, rank))
+        assert (our_class, their_class) == ("miniddp.ddp", "torch.nn.parallel.distributed")
+        assert our_grad == their_grad and len(our_grad) == 2 * 4 * 4 * 2, rank
+
+
+@pytest.mark.slow
+def test_run_reaches_a_script_run_again_for_the_other_rank(tmp_path):
+    output = start_workers(tmp_path, "run_again", reach=True)
+    assert [reported(output, rank)[0] for rank in range(2)] == ["miniddp.ddp"] * 2
+    unreached = start_workers(tmp_path, "run_again", reach=False)  # rank 1 builds torch's
+    assert "rank 0: MixedDDPClasses: rank(s) [1] of this job built torch's" in unreached, (
+        unreached[-4000:])
+    assert "rank 1: RuntimeError: DDP expects same model" in unreached, unreached[-4000:]

@@ -14,6 +14,8 @@
 * ``cpp_warnings``: the warnings torch's C++ reducer prints, printed as it prints them;
 * ``optimizer_in_backward``: torch's private ``_apply_optimizer_in_backward``, taken over as
   torch's DDP takes it over.
+* ``mixed_classes``: a job whose ranks built torch's DDP on some ranks and miniddp's on others,
+  stopped at construction with a message that names the mix.
 
 They import the engine's bucket rules at most; the engine imports them where it attaches them.
 """

@@ -2,17 +2,23 @@
 torch's place (``miniddp.run.torch_names``), installed before the script's first line.
 
 The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python script.py``
-would set them; ``-m package.module`` runs a module instead, as ``python -m`` would. Under
-torchrun every worker installs for itself::
+would set them; ``-m package.module`` runs a module instead, as ``python -m`` would.
+
+Every Python process the script starts installs miniddp too, as soon as it imports torch
+(``miniddp.run.children``): ``torch.multiprocessing.spawn`` and the spawn and forkserver start
+methods, a launcher that runs the script again for the other ranks (Lightning's ``ddp``),
+``subprocess``. When the script ends, the install and its marks in the environment are undone.
+Under torchrun, either way round works::
 
     torchrun --standalone --nproc_per_node=2 -m miniddp.run train.py --batch-size 32
+    python -m miniddp.run -m torch.distributed.run --standalone --nproc_per_node=2 train.py
 """
 
 import os
 import runpy
 import sys
 
-from miniddp.run.torch_names import install
+from miniddp.run.torch_names import install, uninstall
 
 USAGE = "usage: python -m miniddp.run script.py [args ...]  |  python -m miniddp.run -m module"
 
@@ -21,19 +27,21 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE + "\n\n" + __doc__.strip())
         raise SystemExit(0 if argv else 2)
+    if argv[0] == "-m" and len(argv) < 2:
+        raise SystemExit(USAGE)
+    if argv[0] != "-m" and not os.path.exists(argv[0]):
+        raise SystemExit(f"miniddp.run: no such script: {argv[0]}\n{USAGE}")
     install()
-    if argv[0] == "-m":
-        if len(argv) < 2:
-            raise SystemExit(USAGE)
-        sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in argv[0]
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-    else:
-        script = argv[0]
-        if not os.path.exists(script):
-            raise SystemExit(f"miniddp.run: no such script: {script}\n{USAGE}")
-        sys.argv = list(argv)
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as python script.py
-        runpy.run_path(script, run_name="__main__")
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in argv[0]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as python script.py
+            runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        uninstall()
 
 
 if __name__ == "__main__":

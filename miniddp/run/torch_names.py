@@ -17,6 +17,13 @@ nothing (the ranks keep different gradients), ``unwrap_model`` returns the wrapp
   (``torch.distributed.checkpoint.state_dict``'s ``DDP``, Lightning's strategies, your own
   ``__main__``), or in a global tuple of classes: the name is pointed at miniddp's class.
 
+It also reaches the Python processes started after it (``miniddp.run.children``): spawn and
+forkserver workers, a script that a launcher runs again for the other ranks, torchrun's workers
+and any Python run by ``subprocess`` install miniddp as soon as they import torch. So call it
+anywhere before the workers start, under ``if __name__ == "__main__":`` too; it warns where it
+can tell that some will not see it (a Python run with ``-E``, ``-I`` or ``-S``, a forkserver
+already running). Processes started before it (a worker pool, a forkserver) run torch's class.
+
 What it cannot reach: torch's class kept anywhere else before the install (a local variable, a
 closure, a default argument, a class attribute, a list or dict), and ``type(m) is`` checks
 against such a copy. Call it first, or run the script with ``python -m miniddp.run``, which
@@ -30,8 +37,9 @@ Those two keep torch's class even when first imported while installed (an import
 back to them). A torch DDP built before the install, or from a reference kept, still works in
 eager mode; do not mix the two in one model.
 
-:func:`uninstall` puts back every name :func:`install` changed; :func:`installed` is the
-context manager for both. Modules imported while installed keep the class they imported.
+:func:`uninstall` puts back every name :func:`install` changed and takes its marks out of the
+environment; :func:`installed` is the context manager for both. Modules imported while
+installed keep the class they imported.
 """
 
 from __future__ import annotations
@@ -39,12 +47,14 @@ from __future__ import annotations
 import importlib.abc
 import sys
 import threading
+import warnings
 from contextlib import contextmanager
 
 import torch.nn.parallel
 import torch.nn.parallel.distributed
 
 from miniddp.ddp import DistributedDataParallel
+from miniddp.run import children
 
 #: torch's class, as it was when miniddp was imported (before any install).
 TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
@@ -69,13 +79,25 @@ def is_installed() -> bool:
     return _changes is not None
 
 
+class WorkersMissTheInstall(RuntimeWarning):
+    """Some processes this one starts will run torch's DDP despite :func:`install`."""
+
+
 def install() -> None:
-    """Make torch's DDP names mean miniddp's class (see the module docstring). Calling it
-    again while installed does nothing."""
+    """Make torch's DDP names mean miniddp's class, here and in the Python processes started
+    from now on (see the module docstring). Calling it again while installed does nothing."""
     global _changes
     with _lock:
         if _changes is not None:
             return
+        children.reach()
+        why = children.unreachable()
+        if why is not None:
+            warnings.warn(f"miniddp.install(): {why}. Their ranks will build torch's "
+                          "DistributedDataParallel; construction stops there if they meet "
+                          "miniddp's ranks. Build miniddp.DistributedDataParallel explicitly "
+                          "in the code the workers run instead.", WorkersMissTheInstall,
+                          stacklevel=2)
         changes = [(vars(module), "DistributedDataParallel") for module in TORCH_NAMES]
         changes += [(namespace, name) for namespace, name, _ in _holders(TORCH_DDP)
                     if not any(n is namespace and k == name for n, k in changes)]
@@ -88,9 +110,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Put back every name :func:`install` changed (nothing, if it is not installed)."""
+    """Put back every name :func:`install` changed (nothing, if it is not installed), and stop
+    processes started from now on from installing."""
     global _changes
     with _lock:
+        children.leave()
         for namespace, name, old in reversed(_changes or []):
             namespace[name] = old
         if _KEEPER in sys.meta_path:

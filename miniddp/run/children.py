@@ -1,0 +1,78 @@
+"""Reaching the Python processes a process starts, so that they run miniddp in torch's place too.
+
+Installing changes names in one interpreter. The workers a training script starts are other
+interpreters: ``torch.multiprocessing.spawn`` and the spawn and forkserver start methods (the
+seeds' ``multigpu.py``, Lightning's ``ddp_spawn``), a launcher that runs the script again for
+the other ranks (Lightning's ``ddp`` strategy runs ``python script.py`` once per extra rank),
+torchrun's workers, any ``subprocess`` running Python. Without help each of them trains with
+torch's class, silently, or with miniddp's on some ranks and torch's on others.
+
+What every one of them inherits is the environment, so :func:`reach` puts two things there:
+the marker :data:`MARKER` (naming the directory miniddp is imported from) and the directory
+``miniddp/run/startup`` at the front of ``PYTHONPATH``. Python imports ``sitecustomize`` at
+start-up from its path, so each child runs ``miniddp/run/startup/sitecustomize.py``, which
+installs miniddp the moment the child has imported torch (a child that never imports torch pays
+nothing) and then runs the ``sitecustomize`` it hides, if there is one. :func:`leave` takes both
+out again, and later children start as plain Python.
+
+It cannot reach a Python started with ``-E``, ``-I`` or ``-S`` (they ignore ``PYTHONPATH`` or
+skip ``sitecustomize``; multiprocessing passes these flags on to its children), nor a process
+started before :func:`reach` (a forkserver already running): :func:`unreachable` says which.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+#: Set in the environment while children should install miniddp: the directory to import it from.
+MARKER = "MINIDDP_IN_TORCHS_PLACE"
+
+#: The directory whose ``sitecustomize.py`` each child Python runs at start-up.
+STARTUP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
+
+#: The directory holding the ``miniddp`` package this process imported.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def reach() -> None:
+    """Make every Python process started from now on install miniddp once it imports torch."""
+    os.environ[MARKER] = ROOT
+    entries = _pythonpath()
+    if STARTUP not in entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join([STARTUP, *entries])
+
+
+def leave() -> None:
+    """Undo :func:`reach`: processes started from now on run torch's class."""
+    os.environ.pop(MARKER, None)
+    entries = [e for e in _pythonpath() if e != STARTUP]
+    if entries:
+        os.environ["PYTHONPATH"] = os.pathsep.join(entries)
+    else:
+        os.environ.pop("PYTHONPATH", None)
+
+
+def reaches() -> bool:
+    """Whether processes started from now on will install miniddp."""
+    return os.environ.get(MARKER) == ROOT and STARTUP in _pythonpath()
+
+
+def unreachable() -> str | None:
+    """Why some workers started from this process will not install miniddp, or None."""
+    flags = [flag for flag, on in (("-E", sys.flags.ignore_environment),
+                                   ("-I", sys.flags.isolated), ("-S", sys.flags.no_site)) if on]
+    if flags:
+        return (f"this Python runs with {' '.join(flags)}, which multiprocessing passes on to "
+                "the workers it starts: they ignore PYTHONPATH or sitecustomize, so they will "
+                "not install miniddp")
+    forkserver = sys.modules.get("multiprocessing.forkserver")
+    server = getattr(forkserver, "_forkserver", None)
+    if getattr(server, "_forkserver_pid", None) is not None:
+        return ("multiprocessing's forkserver was already running: the workers it starts do not "
+                "see the install")
+    return None
+
+
+def _pythonpath() -> list[str]:
+    return [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep) if e]
