@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
 # 05 uses that flag for its buckets) would bury the grades.
@@ -22,7 +21,6 @@ from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 from torch.utils.data.distributed import DistributedSampler as TorchSampler  # noqa: E402
 
-import miniddp  # noqa: E402
 from miniddp.buckets import bucket_limits  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
@@ -39,7 +37,14 @@ class OutOfStep(Exception):
     """The ranks were about to make different collective calls; the message names them."""
 
 
-def _guarded(task, *args):
+#: Which loaded module each rank must find as ``exercise_NN`` (grade.py grades several files of
+#: one exercise on the same ranks: all are loaded before the ranks fork, and this picks one)
+ALIASES: dict[str, str] = {}
+
+
+def _guarded(aliases, task, *args):
+    for name, loaded in aliases.items():
+        sys.modules[name] = sys.modules[loaded]
     try:
         return "ok", task(*args)
     except NotImplementedError as error:
@@ -56,7 +61,8 @@ def on_ranks(world_size: int, task, *args) -> list:
     group = _groups.get(world_size)
     if group is None or not group.alive:
         group = _groups[world_size] = RankGroup(world_size, pg_timeout=PG_TIMEOUT_S)
-    results = group.run(_guarded, task, *args, timeout=TIMEOUT)  # closes itself if it fails
+    # (the group closes itself if the run fails)
+    results = group.run(_guarded, dict(ALIASES), task, *args, timeout=TIMEOUT)
     for status, value in results:
         if status in ("todo", "out of step"):
             group.close(kill=True)  # stopped midway: its state is unknown
@@ -558,124 +564,3 @@ def grade_05():
         yield (same, "3 ranks: one all_reduce per bucket of yours gives torch's DDP's gradients "
                "bit for bit", f"largest difference {diff:.3g} with your layout {detail[2]}")
 
-
-# ----- 07: no_sync -----
-
-def reference_step(ddp, optimizer, micro_batches, zero_grad_each=False, step_each=False):
-    """One step from k micro-batches: the first k - 1 inside no_sync, each loss divided by k,
-    zero_grad once before and one step after. ``zero_grad_each`` and ``step_each`` make it a
-    wrong loop a learner may write: .grad cleared before every micro-batch (only the last one's
-    is left), or a step after every micro-batch (the first k - 1 on unsynchronized gradients)."""
-    k = len(micro_batches)
-    optimizer.zero_grad()
-    for j, (x, y) in enumerate(micro_batches):
-        if zero_grad_each:
-            optimizer.zero_grad()
-        with ddp.no_sync() if j < k - 1 else nullcontext():
-            (F.mse_loss(ddp(x), y) / k).backward()
-        if step_each and j < k - 1:
-            optimizer.step()
-    optimizer.step()
-
-
-#: Wrong loops the grader recognizes by their first step (``reference_step``'s flag for each),
-#: and what to say of each
-WRONG_LOOPS_07 = {
-    "zero_grad_each": "optimizer.zero_grad() ran before every micro-batch, so the step used "
-                      "only the last micro-batch's gradient. Call it once, before the first, so "
-                      "that .grad accumulates over all k",
-    "step_each": "optimizer.step() ran after every micro-batch, the first k - 1 times on "
-                 "gradients no rank had averaged. Step once, after the last micro-batch",
-}
-
-
-def update_ratio(theirs: torch.Tensor, right: torch.Tensor, k: int) -> float | None:
-    """k or 1 / k when the learner's first update is the right one times that (the losses
-    summed, or divided by k twice); None when it is neither. The first SGD step moves each
-    parameter by -lr * grad, so its size is the gradient's."""
-    for ratio in (k, 1.0 / k):
-        if (theirs - ratio * right).abs().max() <= 1e-3 * (ratio * right).abs().max():
-            return ratio
-    return None
-
-
-def no_sync_task(k: int = 3, steps: int = 3):
-    step = sys.modules["exercise_07"].accumulation_step
-    rank = dist.get_rank()
-    learner, reference = TorchDDP(make_model(seed=0)), TorchDDP(make_model(seed=0))
-    ours = miniddp.DistributedDataParallel(make_model(seed=0))
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
-                  for m in (learner, reference, ours)]
-    wrong_loops = {loop: TorchDDP(make_model(seed=0)) for loop in WRONG_LOOPS_07}
-    x_all, y_all = make_dataset(n=8 * k * steps, seed=rank).tensors
-    report = {"mismatch": None, "rounds": [], "synced": [], "update_ratio": None,
-              "wrong_loop": None}
-    # Each forward marks the timeline, so each backward's launches fall after its forward's mark
-    ours.register_forward_pre_hook(lambda module, args: module.reducer.timeline.append(
-        ("forward", -1, 0.0)) if module.reducer.timeline is not None else None)
-    for s in range(steps):
-        micro = list(zip(x_all[8 * k * s:8 * k * (s + 1)].chunk(k),
-                         y_all[8 * k * s:8 * k * (s + 1)].chunk(k)))
-        start = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
-        step(learner, optimizers[0], micro)
-        reference_step(reference, optimizers[1], micro)
-        ours.reducer.timeline = []
-        step(ours, optimizers[2], micro)
-        events = [e for e, _, _ in ours.reducer.timeline]
-        report["rounds"].append((events.count("backward_end"), events.count("launch")))
-        marks = [at for at, e in enumerate(events) if e == "forward"] + [len(events)]
-        report["synced"].append([j for j in range(len(marks) - 1)
-                                 if "launch" in events[marks[j]:marks[j + 1]]])
-        a = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
-        b = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
-        if s == 0:  # the wrong loops' first steps, from the same start, on every rank
-            for loop, model in wrong_loops.items():
-                reference_step(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                               micro, **{loop: True})
-                if report["wrong_loop"] is None and torch.allclose(a, torch.cat(
-                        [p.detach().reshape(-1) for p in model.parameters()])):
-                    report["wrong_loop"] = WRONG_LOOPS_07[loop]
-        if report["mismatch"] is None and not torch.equal(a, b):
-            report["mismatch"] = f"after step {s}, rank {rank}: largest difference " \
-                                 f"{(a - b).abs().max().item():.3g}"
-            # Both started from the same parameters: how the learner's update compares
-            report["update_ratio"] = update_ratio(a - start, b - start, k) if s == 0 else None
-    report["buckets"] = len(ours.buckets)
-    return report
-
-
-def grade_07():
-    by_world = {world: on_ranks(world, no_sync_task) for world in (2, 3)}
-    rounds, buckets = by_world[3][0]["rounds"], by_world[3][0]["buckets"]
-    synced, k = by_world[3][0]["synced"], 3
-    when = (f"the micro-batches (0 to {k - 1}) whose backward launched all_reduces, per step: "
-            f"{synced}")
-    yield (all(r == (1, buckets) for r in rounds), "one all_reduce round per step",
-           f"(synchronized backwards, all_reduces) per step were {rounds}, expected (1, "
-           f"{buckets}); {when}. The forward and backward of the first k - 1 micro-batches go "
-           "inside no_sync, the last outside")
-    last_synced = all(s == [k - 1] for s in synced)
-    yield (last_synced, "the micro-batch that synchronizes is the last one of each step",
-           f"{when}, expected [{k - 1}] in each. Until the last micro-batch's backward the "
-           "gradients are still accumulating, so an all_reduce before it averages only part of "
-           "them: every earlier micro-batch inside no_sync, the last outside")
-    for world, results in by_world.items():
-        wrong = next((r for r in results if r["mismatch"]), None)
-        mismatch = wrong and wrong["mismatch"]
-        ratio = wrong and wrong["update_ratio"]
-        if not last_synced:
-            why = "the synchronization checked above is wrong, and changes the gradient"
-        elif wrong and wrong["wrong_loop"] and mismatch.startswith("after step 0"):
-            why = wrong["wrong_loop"]
-        elif ratio == k:
-            why = (f"the first step's update is {k} times the right one (k = {k} micro-"
-                   "batches): the gradient is the SUM of the micro-batches' gradients, not "
-                   "their mean. Divide each micro-batch's loss by k before its backward")
-        elif ratio:
-            why = (f"the first step's update is 1 / {k} of the right one: the loss was divided "
-                   "by k twice (or by k * k). Divide each micro-batch's loss by k, once")
-        else:
-            why = ("zero_grad once before the first micro-batch, each loss divided by k, one "
-                   "optimizer step after the last")
-        yield (mismatch is None, f"{world} ranks: parameters equal the correct loop's on torch's "
-               "DDP bit for bit after every step", f"{mismatch}: {why}")

@@ -24,20 +24,6 @@ OPTIMIZERS = {"SGD with momentum": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9
 STEPS = 3
 WORLDS = (2, 3)
 
-HINT_15 = """owners:
-    result, load = [0] * len(params), [0] * world_size
-    for i in sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True):
-        result[i] = load.index(min(load))
-        load[result[i]] += params[i].numel()
-    return result
-__init__:
-    mine = [p for p, owner in zip(self.params, self.owners) if owner == self.rank]
-    self.local = optimizer_class(mine, **defaults)
-step:
-    self.local.step()
-    for p, owner in zip(self.params, self.owners):
-        dist.broadcast(p, src=owner)"""
-
 
 def exercise():
     return sys.modules["exercise_15"]

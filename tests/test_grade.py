@@ -231,10 +231,23 @@ def test_a_wrong_solution_fails_naming_its_root_cause(graded_ahead, request, cas
     assert words in lines[failed[0] + 1], done.stdout
 
 
-def test_hint_prints_the_code_the_instruction_leaves_out():
-    done = grade("--hint", "03")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert all(line in done.stdout for line in solution_lines("03")), done.stdout
+@pytest.mark.parametrize("number", NUMBERS)
+def test_hints_come_in_steps_and_only_the_last_prints_the_code(number):
+    """The idea first, then the shape, then the lines the instruction leaves out: a learner
+    asking for a hint is not handed the whole solution at once."""
+    steps = [grade("--hint", number, "--step", str(step)) for step in (1, 2, 3)]
+    assert all(done.returncode == 0 for done in steps), [d.stdout + d.stderr for d in steps]
+    assert grade("--hint", number).stdout == steps[0].stdout
+    lines = solution_lines(number)
+    for step, done in enumerate(steps[:2], 1):
+        given = [line for line in lines if line in done.stdout]
+        assert given == [], f"hint {step} of {number} prints the code {given}"
+        assert f"--hint {number} --step {step + 1}" in done.stdout, done.stdout
+    assert all(line in steps[2].stdout for line in lines), steps[2].stdout
+    assert len({done.stdout for done in steps}) == 3
+
+
+def test_an_unknown_hint_is_refused():
     assert grade("--hint", "99").returncode == 2
 
 
@@ -384,11 +397,13 @@ WRONG = {
     "07 the first micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
                                                       "        if j > 0:\n")],
                                               "the micro-batch that synchronizes is the last",
-                                              ["[[0], [0], [0]]", "expected [2]"], []),
+                                              ["[[1, 0, 0, 0],", "expected [0, 0, 0, 1]",
+                                               "Micro-batch 0 synchronized and the last did "
+                                               "not"], []),
     "07 a middle micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
                                                      "        if j != 1:\n")],
                                              "the micro-batch that synchronizes is the last",
-                                             ["[[1], [1], [1]]"], []),
+                                             ["[[0, 1, 0, 0],"], []),
 }
 
 
@@ -546,7 +561,7 @@ NAMED = {
                 "                F.mse_loss(ddp(x), y).backward()\n        else:\n"
                 "            F.mse_loss(ddp(x), y).backward()\n")],
         "2 ranks: parameters equal the correct loop's",
-        ["3 times the right one", "Divide each micro-batch's loss by k"],
+        ["k times the right one", "Divide each micro-batch's loss by k"],
         ["zero_grad once"]),
     "04 the shuffle ignores the epoch": (
         "04", [("        g.manual_seed(seed + epoch)", "        g.manual_seed(seed)")],
@@ -612,3 +627,162 @@ def test_an_average_by_reduce_op_avg_is_named(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     _, _, check, words, _ = case["03 ReduceOp.AVG"]
     first_failure(sections(done.stdout)["03"], "03 ReduceOp.AVG", check, words)
+
+
+# ----- many solutions of one exercise, graded in one run on the same ranks -----
+# Each class of mistake has several solutions; each must fail first the check named, with a reason
+# that holds every one of the words and none of the absent ones. Each right solution, written in
+# an unusual way, must pass every check. Each entry: name -> (exercise, edits of the reference
+# solution, check, words, absent) for a wrong one; (exercise, edits) for a right one.
+
+LOOP_07 = ("    optimizer.zero_grad()\n    for j, (x, y) in enumerate(micro_batches):\n"
+           "        if j < k - 1:\n            with ddp.no_sync():\n"
+           "                (F.mse_loss(ddp(x), y) / k).backward()\n        else:\n"
+           "            (F.mse_loss(ddp(x), y) / k).backward()\n    optimizer.step()\n")
+
+
+def loop_07(inside: str, last: str, before: str = "    optimizer.zero_grad()\n",
+            after: str = "    optimizer.step()\n", over: str = "micro_batches",
+            split: str = "j < k - 1") -> list[tuple[str, str]]:
+    """The reference loop with its pieces replaced: the loss of the first k - 1 micro-batches
+    (``inside``) and of the last, what comes before and after the loop, what it runs over."""
+    return [(LOOP_07, f"{before}    for j, (x, y) in enumerate({over}):\n        if {split}:\n"
+                      f"            with ddp.no_sync():\n                {inside}\n"
+                      f"        else:\n            {last}\n{after}")]
+
+
+DIST_07 = [("import torch.nn.functional as F\n",
+            "import torch.distributed as dist\nimport torch.nn.functional as F\n")]
+LOSS_07 = "(F.mse_loss(ddp(x), y) / k).backward()"
+SYNC_07 = "the micro-batch that synchronizes is the last one"
+BITS_07 = "2 ranks: parameters equal the correct loop's"
+BITS3_07 = "3 ranks: parameters equal the correct loop's"
+ROUND_07 = "one all_reduce round per step"
+
+CLASSES = {
+    # 07, the loss's divisor: each named from the update's size, at k = 4 (no world size)
+    "07 divided by the world size": (
+        "07", DIST_07 + loop_07("(F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()",
+                                "(F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()"),
+        BITS_07, ["divided by the world size, not by k"], ["twice", "zero_grad once"]),
+    "07 divided by k and the world size": (
+        "07", DIST_07 + loop_07(
+            "(F.mse_loss(ddp(x), y) / (k * dist.get_world_size())).backward()",
+            "(F.mse_loss(ddp(x), y) / (k * dist.get_world_size())).backward()"),
+        BITS_07, ["divided by k and by the world size", "already averages"],
+        ["twice", "zero_grad once"]),
+    "07 divided by k twice": (
+        "07", loop_07("(F.mse_loss(ddp(x), y) / k / k).backward()",
+                      "(F.mse_loss(ddp(x), y) / k / k).backward()"),
+        BITS_07, ["divided by k twice"], ["world size", "zero_grad once"]),
+    "07 the sum of the losses": (
+        "07", loop_07("F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()"),
+        BITS_07, ["SUM of the micro-batches' gradients"], ["zero_grad once"]),
+    "07 the last loss not divided": (
+        "07", loop_07(LOSS_07, "F.mse_loss(ddp(x), y).backward()"),
+        BITS_07, ["last micro-batch's loss", "was not divided by k"], ["zero_grad once"]),
+    "07 only the last loss divided": (
+        "07", loop_07("F.mse_loss(ddp(x), y).backward()", LOSS_07),
+        BITS_07, ["only the last micro-batch's loss was divided by k"], ["zero_grad once"]),
+    # 07, zero_grad and step in the wrong place
+    "07 zero_grad never": (
+        "07", loop_07(LOSS_07, LOSS_07, before=""), BITS_07,
+        ["never called", "the first step was right"], ["zero_grad once"]),
+    "07 zero_grad just before the step": (
+        "07", loop_07(LOSS_07, LOSS_07, before="",
+                      after="    optimizer.zero_grad()\n    optimizer.step()\n"),
+        BITS_07, ["no parameter ever moved", "just before"], ["zero_grad once"]),
+    "07 zero_grad before each micro-batch, inside the branch": (
+        "07", loop_07("optimizer.zero_grad()\n                " + LOSS_07,
+                      "optimizer.zero_grad()\n            " + LOSS_07, before=""),
+        BITS_07, ["zero_grad() ran before every micro-batch"], ["zero_grad once"]),
+    "07 a micro-batch left out": (
+        "07", loop_07(LOSS_07, LOSS_07, over="micro_batches[1:]", split="j < k - 2"),
+        BITS_07, ["first micro-batch was left out"], ["zero_grad once"]),
+    # 07, the synchronization: launches counted per micro-batch, whichever way it ran
+    "07 no no_sync at all": (
+        "07", loop_07(LOSS_07, LOSS_07, split="False")
+        + [("        else:\n", "        if True:\n")],
+        ROUND_07, ["Every micro-batch synchronized", "[0, 0, 0,"], []),
+    "07 only the backward inside no_sync": (
+        "07", [("            with ddp.no_sync():\n                " + LOSS_07,
+                "            loss = F.mse_loss(ddp(x), y) / k\n            with ddp.no_sync():\n"
+                "                loss.backward()")],
+        ROUND_07, ["Every micro-batch synchronized", "read at forward time"], []),
+    "07 every micro-batch inside no_sync": (
+        "07", loop_07(LOSS_07, "with ddp.no_sync():\n                " + LOSS_07),
+        ROUND_07, ["No micro-batch synchronized", "[0, 0, 0, 0]"], []),
+    "07 the last through ddp.module": (
+        "07", loop_07(LOSS_07, "(F.mse_loss(ddp.module(x), y) / k).backward()"),
+        ROUND_07, ["No micro-batch synchronized"], ["micro-batch 0 synchronized"]),
+    "07 one micro-batch too early": (
+        "07", loop_07(LOSS_07, LOSS_07, split="j < k - 2"),
+        ROUND_07, ["Micro-batches [2] synchronized as well as the last"], []),
+}
+RIGHT_CLASSES = {
+    "07 the first k - 1 through ddp.module": ("07", loop_07(
+        "(F.mse_loss(ddp.module(x), y) / k).backward()", LOSS_07)),
+    "07 zero_grad after the step": ("07", loop_07(
+        LOSS_07, LOSS_07, before="", after="    optimizer.step()\n    optimizer.zero_grad()\n")),
+    "07 times the reciprocal": ("07", loop_07("(F.mse_loss(ddp(x), y) * (1.0 / k)).backward()",
+                                              "(F.mse_loss(ddp(x), y) * (1.0 / k)).backward()")),
+    "07 gradients divided by k before the step": ("07", loop_07(
+        "F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()",
+        after="    for p in ddp.parameters():\n        p.grad.div_(k)\n    optimizer.step()\n")),
+    "07 one no_sync block, then the last": ("07", [(LOOP_07, (
+        "    optimizer.zero_grad()\n    with ddp.no_sync():\n"
+        "        for x, y in micro_batches[:-1]:\n            " + LOSS_07 + "\n"
+        "    x, y = micro_batches[-1]\n    " + LOSS_07 + "\n    optimizer.step()\n"))]),
+    "07 zeros kept, not None": ("07", loop_07(
+        LOSS_07, LOSS_07, before="    optimizer.zero_grad(set_to_none=False)\n")),
+}
+
+
+def solution_files(names: list[str], directory: Path, tables: tuple[dict, ...]) -> list[Path]:
+    """Write each named solution as ``directory/NN_<name>.py``; return their paths."""
+    table = {k: v for t in tables for k, v in t.items()}
+    paths = []
+    for name in names:
+        number, edits = table[name][:2]
+        text = next(SOLUTIONS.glob(f"{number}_*.py")).read_text()
+        for right, wrong in edits:
+            assert text.count(right) == 1, f"{name}: the solution no longer holds {right!r}"
+            text = text.replace(right, wrong)
+        paths.append(directory / f"{number}_{re.sub(r'[^a-z0-9]+', '_', name.lower())}.py")
+        paths[-1].write_text(text)
+    return paths
+
+
+def by_file(stdout: str) -> dict[str, str]:
+    """The grader's output per graded file (by its name), each verdict on one line."""
+    parts = re.split(r"^exercise \d\d: (.*)$", unwrapped(stdout), flags=re.MULTILINE)
+    return {Path(path).name: text for path, text in zip(parts[1::2], parts[2::2])}
+
+
+CLASS_NUMBERS = sorted({case[0] for case in (*CLASSES.values(), *RIGHT_CLASSES.values())})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", CLASS_NUMBERS)
+def test_each_class_of_mistake_is_named_and_unusual_right_solutions_pass(tmp_path, number):
+    wrong = [name for name, case in CLASSES.items() if case[0] == number]
+    right = [name for name, case in RIGHT_CLASSES.items() if case[0] == number]
+    paths = solution_files(wrong + right, tmp_path, (CLASSES, RIGHT_CLASSES))
+    done = grade(*paths, timeout=600)
+    found = by_file(done.stdout)
+    assert len(found) == len(paths), done.stdout + done.stderr
+    problems = []
+    for name, path in zip(wrong + right, paths):
+        text = found[path.name]
+        if name in RIGHT_CLASSES:
+            if "FAIL" in text or "PASS" not in text:
+                problems.append(f"{name} (right) did not pass:\n{text}")
+            continue
+        _, _, check, words, absent = CLASSES[name]
+        try:
+            lines, failed = first_failure(text, name, check, words)
+            why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+            assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
+        except AssertionError as error:
+            problems.append(str(error))
+    assert not problems, "\n\n".join(problems)
