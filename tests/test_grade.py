@@ -659,6 +659,12 @@ BITS_07 = "2 ranks: parameters equal the correct loop's"
 BITS3_07 = "3 ranks: parameters equal the correct loop's"
 ROUND_07 = "one all_reduce round per step"
 
+SHARE_15 = "each rank's optimizer holds its share only"
+SEND_15 = "every broadcast sends a parameter from its owner"
+OWNERS_15 = "owners: torch's ZeroRedundancyOptimizer's partition"
+SEND_LOOP_15 = ("        for p, owner in zip(self.params, self.owners):\n"
+                "            dist.broadcast(p, src=owner)\n")
+
 CLASSES = {
     # 07, the loss's divisor: each named from the update's size, at k = 4 (no world size)
     "07 divided by the world size": (
@@ -718,8 +724,49 @@ CLASSES = {
     "07 one micro-batch too early": (
         "07", loop_07(LOSS_07, LOSS_07, split="j < k - 2"),
         ROUND_07, ["Micro-batches [2] synchronized as well as the last"], []),
+    # 15, the local optimizer's options, asynchronous broadcasts, a partition by bytes
+    "15 built without the defaults": (
+        "15", [("self.local = optimizer_class(mine, **defaults)",
+                "self.local = optimizer_class(mine)")],
+        SHARE_15, ["not the defaults given", "**defaults"], ["never stepped"]),
+    "15 built with the learning rate only": (
+        "15", [("self.local = optimizer_class(mine, **defaults)",
+                "self.local = optimizer_class(mine, lr=defaults[\"lr\"])")],
+        SHARE_15, ["'momentum': 0", "not the defaults given"], ["never stepped"]),
+    "15 asynchronous broadcasts never waited for": (
+        "15", [("dist.broadcast(p, src=owner)", "dist.broadcast(p, src=owner, async_op=True)")],
+        SEND_15, ["never waited for", "work.wait()"], []),
+    "15 asynchronous broadcasts, only the last waited for": (
+        "15", [(SEND_LOOP_15, "        works = [dist.broadcast(p, src=owner, async_op=True)\n"
+                              "                 for p, owner in zip(self.params, self.owners)]\n"
+                              "        works[-1].wait()\n")],
+        SEND_15, ["never waited for"], []),
+    "15 balanced by bytes": (
+        "15", [("load[result[i]] += params[i].numel()",
+                "load[result[i]] += params[i].numel() * params[i].element_size()")],
+        OWNERS_15, ["counted each rank's load in bytes", "whatever the dtype"], []),
+    "15 sorted and balanced by bytes": (
+        "15", [("load[result[i]] += params[i].numel()",
+                "load[result[i]] += params[i].numel() * params[i].element_size()"),
+               ("key=lambda i: params[i].numel()",
+                "key=lambda i: params[i].numel() * params[i].element_size()")],
+        OWNERS_15, ["you balanced bytes"], []),
 }
 RIGHT_CLASSES = {
+    "15 asynchronous broadcasts, all waited for": ("15", [(
+        SEND_LOOP_15, "        works = [dist.broadcast(p, src=owner, async_op=True)\n"
+                      "                 for p, owner in zip(self.params, self.owners)]\n"
+                      "        for work in works:\n            work.wait()\n")]),
+    "15 ties broken by index in the key": ("15", [(
+        "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)",
+        "sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))")]),
+    "15 the least-loaded rank by min over ranks": ("15", [(
+        "result[i] = load.index(min(load))",
+        "result[i] = min(range(world_size), key=lambda r: load[r])")]),
+    "15 a parameter group and .data sent": ("15", [
+        ("self.local = optimizer_class(mine, **defaults)",
+         "self.local = optimizer_class([{\"params\": mine}], **defaults)"),
+        ("dist.broadcast(p, src=owner)", "dist.broadcast(p.data, src=owner)")]),
     "07 the first k - 1 through ddp.module": ("07", loop_07(
         "(F.mse_loss(ddp.module(x), y) / k).backward()", LOSS_07)),
     "07 zero_grad after the step": ("07", loop_07(
