@@ -659,6 +659,21 @@ BITS_07 = "2 ranks: parameters equal the correct loop's"
 BITS3_07 = "3 ranks: parameters equal the correct loop's"
 ROUND_07 = "one all_reduce round per step"
 
+FLAT_03 = ("    world_size = dist.get_world_size()\n"
+           "    grads = [p.grad for p in model.parameters() if p.grad is not None]\n"
+           "    flat = torch.cat([g.reshape(-1) for g in grads])\n"
+           "    flat.mul_(1.0 / world_size)\n    dist.all_reduce(flat)\n"
+           "    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):\n"
+           "        g.copy_(piece.view_as(g))\n")
+
+
+def flat_03(body: str) -> list[tuple[str, str]]:
+    """Exercise 03's solution with ``body`` in place of its own (and torch imported)."""
+    return [(BODY_03, body), ("import torch.distributed as dist\n",
+                              "import torch\nimport torch.distributed as dist\n")]
+
+
+BODY_03 = "    world_size = dist.get_world_size()\n" + LOOP_03
 SHARE_15 = "each rank's optimizer holds its share only"
 SEND_15 = "every broadcast sends a parameter from its owner"
 OWNERS_15 = "owners: torch's ZeroRedundancyOptimizer's partition"
@@ -751,8 +766,17 @@ CLASSES = {
                ("key=lambda i: params[i].numel()",
                 "key=lambda i: params[i].numel() * params[i].element_size()")],
         OWNERS_15, ["you balanced bytes"], []),
+    # 03, one flat buffer: a wrong arithmetic named in that layout too
+    "03 one flat buffer, divided after the sum": (
+        "03", flat_03(FLAT_03.replace("flat.mul_(1.0 / world_size)\n    dist.all_reduce(flat)",
+                                      "dist.all_reduce(flat)\n    flat.div_(world_size)")),
+        WHICH_03, ["You divided the sum by world_size", "BEFORE the all_reduce"],
+        ["none of", "neither"]),
 }
 RIGHT_CLASSES = {
+    "03 one flat buffer, scaled, one all_reduce": ("03", flat_03(FLAT_03)),
+    "03 one flat buffer, last parameter first": ("03", flat_03(FLAT_03.replace(
+        "if p.grad is not None]", "if p.grad is not None][::-1]"))),
     "15 asynchronous broadcasts, all waited for": ("15", [(
         SEND_LOOP_15, "        works = [dist.broadcast(p, src=owner, async_op=True)\n"
                       "                 for p, owner in zip(self.params, self.owners)]\n"
