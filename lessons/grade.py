@@ -32,14 +32,16 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 import grading_checks as checks  # noqa: E402
 import grading_hints  # noqa: E402
 import torch  # noqa: E402
+from grading_buckets import grade_05  # noqa: E402
 from grading_no_sync import grade_07  # noqa: E402
 from grading_reducer import grade_06  # noqa: E402
+from grading_sampler import grade_04  # noqa: E402
 from grading_zero import grade_15  # noqa: E402
 
 from miniddp.launch import RankError  # noqa: E402
 
 EXERCISES = Path(__file__).resolve().parent / "exercises"
-GRADERS = {"03": checks.grade_03, "04": checks.grade_04, "05": checks.grade_05, "06": grade_06,
+GRADERS = {"03": checks.grade_03, "04": grade_04, "05": grade_05, "06": grade_06,
            "07": grade_07, "15": grade_15}
 
 # Each exercise's hint in steps: the idea, the shape of the code, its lines (grading_hints.py)

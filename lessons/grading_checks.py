@@ -19,9 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler as TorchSampler  # noqa: E402
 
-from miniddp.buckets import bucket_limits  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
@@ -83,6 +81,12 @@ def everyone(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return out
+
+
+def many_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN_FEATURES, 32), *[nn.Linear(32, 32) for _ in range(5)],
+                         nn.Linear(32, OUT_FEATURES))
 
 
 # ----- the learner's collectives, compared across the ranks before each call -----
@@ -407,181 +411,3 @@ def grade_03():
         yield (diff < 1e-6, "3 ranks: within 1e-6 of torch's DDP (not bit for bit: torch "
                "sums whole buckets, and a ring's order depends on an element's offset)",
                f"largest difference {diff:.3g}")
-
-
-# ----- 04: the sampler -----
-
-def sampler_task():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    write = sys.modules["exercise_04"].rank_indices
-    cases = 0
-    for n in (1, 2, 3, 5, 7, 10, 11, 64):
-        for shuffle in (True, False):
-            for drop_last in (False, True):
-                for epoch, seed in ((0, 0), (1, 0), (3, 7)):
-                    expected = torch_indices(n, world, rank, epoch, seed, shuffle, drop_last)
-                    got = write(n, world, rank, epoch, seed, shuffle, drop_last)
-                    cases += 1
-                    if list(got) != expected:
-                        return (f"rank {rank}: rank_indices({n}, {world}, {rank}, epoch={epoch}, "
-                                f"seed={seed}, shuffle={shuffle}, drop_last={drop_last}) "
-                                f"returned {list(got)}, torch's sampler gives {expected}"
-                                + sampler_mistake(write, list(got), n, world, rank, epoch,
-                                                  seed, shuffle, drop_last))
-    return cases
-
-
-def torch_indices(n, world, rank, epoch, seed, shuffle, drop_last) -> list[int]:
-    sampler = TorchSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                           drop_last=drop_last)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def sampler_mistake(write, got, n, world, rank, epoch, seed, shuffle, drop_last) -> str:
-    """Name a wrong answer that is another epoch's or seed's order (the generator seeded with
-    only one of them), or the right order cut the wrong way: a contiguous block.
-
-    An order is recognized on this case and on a 64-sample dataset too: with a handful of
-    samples, two seeds often give the same permutation."""
-    def gives(e, s):
-        return all(list(write(size, world, rank, epoch, seed, shuffle, drop_last))
-                   == torch_indices(size, world, rank, e, s, shuffle, drop_last)
-                   for size in (n, 64))
-
-    ignored = [(said, what) for said, what, e, s in (("epoch 0's", "the epoch", 0, seed),
-                                                       ("seed 0's", "the seed", epoch, 0))
-               if shuffle and (e, s) != (epoch, seed) and gives(e, s)]
-    if ignored:
-        return (f". Yours is {' or '.join(said for said, _ in ignored)} order: the shuffle "
-                f"ignores {' or '.join(what for _, what in ignored)}. Seed the generator with "
-                f"seed + epoch ({seed} + {epoch}): set_epoch changes the epoch so that each "
-                "epoch is shuffled differently, and the same on every rank")
-    shares = [torch_indices(n, world, r, epoch, seed, shuffle, drop_last) for r in range(world)]
-    size = len(shares[0])
-    padded = [shares[r][j] for j in range(size) for r in range(world)]  # before the rank's cut
-    if got == padded[rank * size:(rank + 1) * size]:
-        return (f". Yours is contiguous, not strided: the block {rank * size}:"
-                f"{(rank + 1) * size} of the padded order, where torch's rank r takes every "
-                "num_replicas-th index of it, starting at r")
-    return ""
-
-
-def grade_04():
-    results = on_ranks(3, sampler_task)
-    wrong = [r for r in results if isinstance(r, str)]
-    yield (not wrong, f"3 ranks: every rank's indices equal torch's DistributedSampler's in "
-           f"{results[0] if not wrong else 'all'} cases", wrong[0] if wrong else "")
-
-
-# ----- 05: bucket assignment -----
-
-CAP_MB_05 = 0.01
-
-
-def many_layers() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN_FEATURES, 32), *[nn.Linear(32, 32) for _ in range(5)],
-                         nn.Linear(32, OUT_FEATURES))
-
-
-def boundary_cases() -> list[tuple[str, list[torch.Tensor]]]:
-    """Parameter lists that put a bucket exactly at its limit, one element short of it and one
-    past it: the first limit (4000 bytes) and the cap (9000), float32 and float64, one
-    parameter or several adding up to it. Torch closes a bucket once it holds AT LEAST the
-    limit, so these are where a comparison written the other way shows."""
-    f32, f64 = torch.float32, torch.float64
-    t = lambda n, dtype=f32: torch.empty(n, dtype=dtype)  # noqa: E731
-    cases = []
-    for name, dtype, size in (("float32", f32, 4), ("float64", f64, 8)):
-        first, cap = 4000 // size, 9000 // size
-        for delta, where in ((0, "exactly at"), (-1, "one element short of"),
-                             (1, "one element past")):
-            cases += [
-                (f"one {name} parameter {where} the first limit", [t(first + delta, dtype),
-                                                                    t(10, dtype)]),
-                (f"{name} parameters adding up to {where} the first limit",
-                 [t(first // 2, dtype), t(first - first // 2 + delta, dtype), t(10, dtype)]),
-                (f"{name}: the second bucket {where} the cap",
-                 [t(first, dtype), t(cap + delta, dtype), t(10, dtype)]),
-                (f"{name}: parameters adding up to {where} the cap in the second bucket",
-                 [t(first, dtype), t(cap // 3, dtype), t(cap - cap // 3 + delta, dtype),
-                  t(10, dtype)]),
-                (f"{name}: the third bucket {where} the cap",
-                 [t(first, dtype), t(cap, dtype), t(cap + delta, dtype), t(10, dtype)]),
-            ]
-    cases += [  # the limits count per (dtype, device): each dtype's first bucket at 4000 bytes
-        ("float32 and float64 interleaved, each exactly at its first limit",
-         [t(1000), t(500, f64), t(10), t(10, f64)]),
-        ("float64 first at its limit, float32 after it still in its first bucket",
-         [t(500, f64), t(999), t(1), t(10)]),
-    ]
-    return cases
-
-
-def describe(params) -> list[tuple[int, str]]:
-    return [(p.numel() * p.element_size(), str(p.dtype)[6:]) for p in params]
-
-
-def buckets_task():
-    assign = sys.modules["exercise_05"].assign_buckets
-    members = lambda layout: sorted(sorted(b) for b in layout)  # noqa: E731  (order aside)
-    for what, params in boundary_cases():  # which parameters share a bucket; order comes next
-        theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
-        expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
-        if members(got) != members(expected):
-            return "boundary", (f"{what}: for parameters of (bytes, dtype) {describe(params)}, "
-                                f"first_bytes=4000, cap_bytes=9000: expected {expected}, got "
-                                f"{got}. A bucket closes once it holds at least its limit "
-                                "(equal counts), with the parameter that reached it")
-    g = torch.Generator().manual_seed(0)
-    for case in range(30):
-        count = int(torch.randint(1, 12, (), generator=g))
-        params = [torch.empty(int(torch.randint(1, 3000, (), generator=g)),
-                              dtype=torch.float64 if case % 3 == 0 and k % 2 else torch.float32)
-                  for k in range(count)]
-        theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
-        expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
-        if got != expected:
-            return "random", (f"for parameters of (bytes, dtype) {describe(params)}, "
-                              f"first_bytes=4000, cap_bytes=9000: expected {expected}, got {got}"
-                              + (". Yours are torch's buckets in the opposite order: the list "
-                                 "sorted by smallest index must be reversed (the last layers' "
-                                 "gradients are ready first, so their bucket is launched first)"
-                                 if [list(b) for b in got] == expected[::-1] else ""))
-    model, theirs = many_layers(), TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_05,
-                                            find_unused_parameters=True)
-    x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
-    for m in (model, theirs):
-        F.mse_loss(m(x), y).backward()
-    params = list(model.parameters())
-    layout = assign(params, *bucket_limits(CAP_MB_05))
-    for members in layout:  # lesson 05's all_reduce_in_buckets
-        flat = torch.cat([params[i].grad.reshape(-1) for i in members]) * (1.0 / 3)
-        dist.all_reduce(flat)
-        offset = 0
-        for i in members:
-            params[i].grad.copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
-            offset += params[i].numel()
-    same = torch.equal(flat_grads(model), flat_grads(theirs))
-    return None, (same, (flat_grads(model) - flat_grads(theirs)).abs().max().item(), layout)
-
-
-def grade_05():
-    results = on_ranks(3, buckets_task)
-    failed, detail = results[0]
-    yield (failed != "boundary", f"{len(boundary_cases())} parameter lists at the limits "
-           "(exactly at, one element short of, one past; first limit and cap; float32 and "
-           "float64): the parameters that share a bucket are torch's",
-           detail if failed == "boundary" else "")
-    if failed == "boundary":
-        return
-    layout_ok = failed is None
-    yield (layout_ok, "30 parameter lists (mixed dtypes too): the layout of torch's "
-           "_compute_bucket_assignment_by_size, reversed", "" if layout_ok else detail)
-    if layout_ok:
-        same = all(r[1][0] for r in results)
-        diff = max(r[1][1] for r in results)
-        yield (same, "3 ranks: one all_reduce per bucket of yours gives torch's DDP's gradients "
-               "bit for bit", f"largest difference {diff:.3g} with your layout {detail[2]}")
-

@@ -772,8 +772,49 @@ CLASSES = {
                                       "dist.all_reduce(flat)\n    flat.div_(world_size)")),
         WHICH_03, ["You divided the sum by world_size", "BEFORE the all_reduce"],
         ["none of", "neither"]),
+    # 05: each rule named only when it is the learner's; '>=' said only of a comparison
+    "05 one bucket for all dtypes": (
+        "05", [("open_buckets.setdefault((p.dtype, p.device), [[], 0, 0])",
+                "open_buckets.setdefault(p.device, [[], 0, 0])")],
+        AT_LIMITS, ["one open bucket for all dtypes"], ["MORE", ">=", "at least its limit"]),
+    "05 elements counted, not bytes": (
+        "05", [("entry[1] += p.numel() * p.element_size()", "entry[1] += p.numel()")],
+        AT_LIMITS, ["you counted elements"], ["MORE", ">=", "at least its limit"]),
+    "05 four bytes an element": (
+        "05", [("entry[1] += p.numel() * p.element_size()", "entry[1] += p.numel() * 4")],
+        AT_LIMITS, ["4 bytes per element"], ["MORE", ">=", "at least its limit"]),
+    "05 every bucket at the cap": (
+        "05", [(CLOSE_05, "        if entry[1] >= cap_bytes:\n")],
+        AT_LIMITS, ["every bucket closed at cap_bytes"], ["MORE", ">=", "at least its limit"]),
+    "05 the first limit once overall": (
+        "05", [(CLOSE_05, "        if entry[1] >= (first_bytes if not closed else cap_bytes):\n")],
+        AT_LIMITS, ["first bucket of EACH dtype"], ["MORE", ">=", "at least its limit"]),
+    "05 past the limit, written as not below it plus one": (
+        "05", [(CLOSE_05, "        if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes) "
+                          "+ 1:\n")],
+        AT_LIMITS, ["MORE than its limit", "(>=)"], []),
+    # 04: the process-wide random state
+    "04 reseeds torch's global RNG": (
+        "04", [("        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n"
+                "        order = torch.randperm(dataset_len, generator=g).tolist()\n",
+                "        torch.manual_seed(seed + epoch)\n"
+                "        order = torch.randperm(dataset_len).tolist()\n")],
+        "every rank's indices equal torch's", ["process-wide random state",
+                                                "torch's default generator"], []),
+    "04 draws from Python's random": (
+        "04", [("        order = torch.randperm(dataset_len, generator=g).tolist()\n",
+                "        order = torch.randperm(dataset_len, generator=g).tolist()\n"
+                "        random.random()\n"),
+               ("import torch\n", "import random\n\nimport torch\n")],
+        "every rank's indices equal torch's", ["Python's random"], []),
 }
 RIGHT_CLASSES = {
+    "04 a generator from torch.Generator().manual_seed": ("04", [(
+        "        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n",
+        "        g = torch.Generator().manual_seed(seed + epoch)\n")]),
+    "05 bytes from the dtype's bits": ("05", [(
+        "entry[1] += p.numel() * p.element_size()",
+        "entry[1] += p.nelement() * torch.finfo(p.dtype).bits // 8")]),
     "03 one flat buffer, scaled, one all_reduce": ("03", flat_03(FLAT_03)),
     "03 one flat buffer, last parameter first": ("03", flat_03(FLAT_03.replace(
         "if p.grad is not None]", "if p.grad is not None][::-1]"))),
