@@ -37,9 +37,69 @@ def sampler_task():
                         return (f"rank {rank}: rank_indices({n}, {world}, {rank}, epoch={epoch}, "
                                 f"seed={seed}, shuffle={shuffle}, drop_last={drop_last}) "
                                 f"returned {list(got)}, torch's sampler gives {expected}"
-                                + sampler_mistake(write, list(got), n, world, rank, epoch,
-                                                  seed, shuffle, drop_last))
+                                + (sampler_mistake(write, list(got), n, world, rank, epoch,
+                                                   seed, shuffle, drop_last)
+                                   or rule_named(write, world, rank)))
     return cases
+
+
+CASES = [(n, shuffle, drop_last, epoch, seed) for n in (1, 2, 3, 5, 7, 10, 11, 64)
+         for shuffle in (True, False) for drop_last in (False, True)
+         for epoch, seed in ((0, 0), (1, 0), (3, 7))]
+
+
+def indices(n, world, rank, epoch, seed, shuffle, drop_last, *, pad="repeat", cut=True,
+            count="torch") -> list[int]:
+    """torch's sampler written out, or with one change: the padding (``pad``: the order
+    repeated from its start as often as needed; or "once", "last", "end"), the order not cut
+    to total_size with drop_last, num_samples counted otherwise (``count``)."""
+    if shuffle:
+        g = torch.Generator()
+        g.manual_seed(seed + epoch)
+        order = torch.randperm(n, generator=g).tolist()
+    else:
+        order = list(range(n))
+    floor, ceil = n // world, -(-n // world)
+    num = {"torch": floor if drop_last else ceil, "swapped": ceil if drop_last else floor,
+           "plus one": (floor if drop_last else n // world + 1)}[count]
+    total = num * world
+    padding = total - n
+    if pad == "repeat":
+        order = order * -(-total // n)
+    elif padding > 0:
+        order = {"once": order + order[:padding], "last": order + order[-1:] * padding,
+                 "end": order + order[n - padding:] if padding <= n else order}[pad]
+    return (order[:total] if cut else order)[rank::world]
+
+
+#: Each plausible wrong rule (``indices``'s options), and what to say of it
+RULES = {
+    (("pad", "last"),): "You padded by repeating the last index; torch pads with the order "
+                        "itself, repeated from its start",
+    (("pad", "end"),): "You padded with the order's last indices; torch pads with its first "
+                       "ones: the order repeated from its start",
+    (("pad", "once"),): "You padded with the order's start once (order + order[:padding]), "
+                        "which falls short when the padding is longer than the dataset (1 "
+                        "sample at 3 ranks); torch repeats the order as many times as needed",
+    (("cut", False),): "The order was not cut to total_size, so the first ranks got extra "
+                       "indices (with drop_last the tail it drops, without it the repeats past "
+                       "total_size): cut it to total_size before the strided slice",
+    (("count", "swapped"),): "You swapped drop_last's two cases: with drop_last torch "
+                             "rounds num_samples down (the tail is dropped), without it up "
+                             "(the order is padded)",
+    (("count", "plus one"),): "Your num_samples = n // num_replicas + 1 is one too many when the "
+                              "dataset splits evenly; torch rounds up: ceil(n / num_replicas)",
+}
+
+
+def rule_named(write, world, rank) -> str:
+    """What to say of the wrong rule that gives the learner's indices in every case."""
+    got = [list(write(n, world, rank, e, s, sh, d)) for n, sh, d, e, s in CASES]
+    for options, said in RULES.items():
+        if all(indices(n, world, rank, e, s, sh, d, **dict(options)) == mine
+               for (n, sh, d, e, s), mine in zip(CASES, got)):
+            return f". {said}"
+    return ""
 
 
 def global_random_states() -> dict:

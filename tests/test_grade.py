@@ -674,6 +674,8 @@ def flat_03(body: str) -> list[tuple[str, str]]:
 
 
 BODY_03 = "    world_size = dist.get_world_size()\n" + LOOP_03
+ORDER_04 = "    order = (order * -(-total_size // dataset_len))[:total_size]\n"
+EQUAL_04 = "every rank's indices equal torch's"
 SHARE_15 = "each rank's optimizer holds its share only"
 SEND_15 = "every broadcast sends a parameter from its owner"
 OWNERS_15 = "owners: torch's ZeroRedundancyOptimizer's partition"
@@ -807,8 +809,33 @@ CLASSES = {
                 "        random.random()\n"),
                ("import torch\n", "import random\n\nimport torch\n")],
         "every rank's indices equal torch's", ["Python's random"], []),
+    # 04: the padding, the cut and the count, each named from every case
+    "04 padded with the last index": (
+        "04", [(ORDER_04, "    order = (order + order[-1:] * (total_size - dataset_len))"
+                          "[:total_size]\n")],
+        EQUAL_04, ["repeating the last index"], ["contiguous"]),
+    "04 padded once": (
+        "04", [(ORDER_04, "    order = (order + order[:total_size - dataset_len])[:total_size]\n")],
+        EQUAL_04, ["falls short when the padding is longer than the dataset"], ["contiguous"]),
+    "04 never cut": (
+        "04", [(ORDER_04, "    order = order * -(-total_size // dataset_len)\n"),
+               ("return order[rank:total_size:num_replicas]", "return order[rank::num_replicas]")],
+        EQUAL_04, ["not cut to total_size"], ["contiguous"]),
+    "04 drop_last swapped": (
+        "04", [("    if drop_last:\n", "    if not drop_last:\n")],
+        EQUAL_04, ["You swapped drop_last's two cases"], ["contiguous"]),
+    "04 one more than the floor": (
+        "04", [("num_samples = -(-dataset_len // num_replicas)",
+                "num_samples = dataset_len // num_replicas + 1")],
+        EQUAL_04, ["one too many when the dataset splits evenly"], ["contiguous"]),
 }
 RIGHT_CLASSES = {
+    "04 the strided slice without its end": ("04", [(
+        "return order[rank:total_size:num_replicas]", "return order[rank::num_replicas]")]),
+    "04 the ceiling from math": ("04", [
+        ("num_samples = -(-dataset_len // num_replicas)",
+         "num_samples = math.ceil(dataset_len / num_replicas)"),
+        ("import torch\n", "import math\n\nimport torch\n")]),
     "04 a generator from torch.Generator().manual_seed": ("04", [(
         "        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n",
         "        g = torch.Generator().manual_seed(seed + epoch)\n")]),
