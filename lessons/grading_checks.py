@@ -264,6 +264,11 @@ def what_grad_holds(ours, mean, local, world) -> str:
                              "all_reduce did not write into p.grad")):
         if close(ours, candidate):
             return f"it equals {said}"
+    scale = (ours @ mean / (mean @ mean)).item() if mean.any() else 0.0
+    if scale and close(ours, mean * scale):
+        return (f"it equals the mean times {scale:.4g}: the sum over the ranks scaled by "
+                f"{scale / world:.4g}, where 1 / world_size is {1 / world:.4g} (take the world "
+                "size from dist.get_world_size(), not a number written in)")
     return "it is none of the mean, the sum or this rank's own gradient"
 
 

@@ -140,14 +140,21 @@ def no_sync_task():
     loops = {loop: TorchDDP(make_model(seed=0)) for loop in MISTAKES}
     optimizers = {id(m): sgd(m) for m in (learner, reference, ours, *loops.values())}
     x_all, y_all = make_dataset(n=8 * K * STEPS, seed=rank).tensors
-    report = {"mismatch": None, "rounds": [], "launches": [], "moved": [], "mistake": None}
+    report = {"mismatch": None, "rounds": [], "launches": [], "moved": [], "mistake": None,
+              "one_backward": False}
     current: list = []
 
     def mark(module, args):  # on the inner module: a forward through ddp.module counts too
         if ours.reducer.timeline is not None:
             ours.reducer.timeline.append(("micro-batch", which_micro_batch(args[0], current), 0.))
 
+    def backward_mark(module, args, output):  # when the output's gradient is computed
+        timeline = ours.reducer.timeline
+        if timeline is not None and output.requires_grad:
+            output.register_hook(lambda grad: timeline.append(("output grad", 0, 0.)))
+
     ours.module.register_forward_pre_hook(mark)
+    ours.module.register_forward_hook(backward_mark)
     trajectories = {loop: [] for loop in MISTAKES}
     mine, right = [], []
     for s in range(STEPS):
@@ -162,6 +169,8 @@ def no_sync_task():
         events = [e for e, _, _ in ours.reducer.timeline]
         report["rounds"].append((events.count("backward_end"), events.count("launch")))
         report["launches"].append(launches_per_micro_batch(ours.reducer.timeline, K))
+        kinds = [e for e in events if e in ("micro-batch", "output grad")]
+        report["one_backward"] |= kinds == ["micro-batch"] * K + ["output grad"] * K
         ours.reducer.timeline = None
         for loop, model in loops.items():
             loop.run(model, optimizers[id(model)], current)
@@ -225,6 +234,11 @@ def grade_07():
             why = ""
         elif problem:
             why = "the synchronization checked above is wrong, and changes the gradient"
+        elif wrong["one_backward"]:
+            why = ("one backward after all k forwards (the losses added up): the gradient of "
+                   "the mean up to rounding, summed in another order, and all k micro-batches' "
+                   "activations held at once, which accumulation exists to avoid. Backward each "
+                   "micro-batch's loss / k in turn, the first k - 1 inside no_sync")
         elif wrong["mistake"]:
             why = wrong["mistake"]
         elif not any(wrong["moved"]):

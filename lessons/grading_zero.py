@@ -153,6 +153,7 @@ class BroadcastSpy:
         self.index = {p.data_ptr(): i for i, p in enumerate(params)}
         self.owners, self.calls, self.wrong = owners, 0, []
         self.works: list[dict] = []  # each asynchronous broadcast's record: waited for or not
+        self.order: list[str] = []  # "broadcast" and "step" (the local optimizer's), as called
 
     def _agree(self, row: list[int]) -> None:
         rows = [torch.empty(3, dtype=torch.long) for _ in range(dist.get_world_size())]
@@ -178,6 +179,7 @@ class BroadcastSpy:
         if index >= 0 and src != self.owners[index]:
             self.wrong.append((index, src, self.owners[index]))
         self.calls += 1
+        self.order.append("broadcast")
         work = self.original(tensor, src, *args, **kwargs)
         if not (kwargs.get("async_op") or (len(args) > 1 and args[1])):
             return work
@@ -189,6 +191,14 @@ class BroadcastSpy:
 
     def finish(self) -> None:
         self._agree([self.END, self.END, self.END])
+
+
+def noted(function, order: list, what: str):
+    """``function``, appending ``what`` to ``order`` at each call."""
+    def call(*args, **kwargs):
+        order.append(what)
+        return function(*args, **kwargs)
+    return call
 
 
 def sharded_task(name: str):
@@ -203,10 +213,14 @@ def sharded_task(name: str):
     report = {"local": type(local).__name__, "count": len(params), "share": None,
               "torch_share": [i for i, owner in enumerate(owners) if owner == rank],
               "state": None, "torch_state": None, "disagreement": None, "wrong": [],
-              "mismatch": None, "unwaited": None, "defaults": defaults, "options": None}
+              "mismatch": None, "unwaited": None, "defaults": defaults, "options": None,
+              "sent_first": False}
     if isinstance(local, torch.optim.Optimizer):
         report["options"] = {key: local.defaults.get(key) for key in defaults}
         report["share"] = positions(params, [p for g in local.param_groups for p in g["params"]])
+    calls: list[str] = []  # this step's broadcasts and local steps, in order
+    if isinstance(local, torch.optim.Optimizer):
+        local.step = noted(local.step, calls, "step")
     x_all, y_all = make_dataset(n=16 * STEPS, seed=rank).tensors
     for s in range(STEPS):
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
@@ -215,6 +229,8 @@ def sharded_task(name: str):
             optimizer.zero_grad()
             F.mse_loss(model(x), y).backward()
         spy = BroadcastSpy(params, owners)
+        calls.clear()
+        spy.order = calls
         dist.broadcast = spy
         try:
             mine.step()
@@ -226,6 +242,8 @@ def sharded_task(name: str):
             dist.broadcast = spy.original
         reference.step()
         report["wrong"] += spy.wrong
+        if "broadcast" in calls and "step" in calls:
+            report["sent_first"] |= calls.index("broadcast") < calls.index("step")
         if spy.unwaited() and report["unwaited"] is None:
             report["unwaited"] = (s, spy.unwaited(), len(spy.works))
         if s == 0 and isinstance(local, torch.optim.Optimizer):
@@ -296,6 +314,10 @@ def bits_problem(rank: int, r: dict) -> str | None:
     if m is None:
         return None
     where = f"after step {m['step']} on rank {rank}"
+    if r["sent_first"]:
+        return (f"{where} the parameters {m['differ']} differ: the broadcasts ran before "
+                "self.local.step(), so the owners sent the values from before the step. Step "
+                "first, then send")
     own_stale = [i for i in m["stale"] if i in m["owned"]]
     if own_stale:
         return (f"{where} this rank's own parameters {own_stale} did not move: step the local "

@@ -828,8 +828,43 @@ CLASSES = {
         "04", [("num_samples = -(-dataset_len // num_replicas)",
                 "num_samples = dataset_len // num_replicas + 1")],
         EQUAL_04, ["one too many when the dataset splits evenly"], ["contiguous"]),
+    # 03: a scale that is a number written in, named from the ratio to the mean
+    "03 the world size written in as 2": (
+        "03", [("p.grad.mul_(1.0 / world_size)", "p.grad.mul_(0.5)")],
+        WHICH_03, ["the mean times 1.5", "dist.get_world_size()"], ["rounding-sized"]),
+    # 15: the order of the local step and the broadcasts
+    "15 broadcasts before the local step": (
+        "15", [("        self.local.step()\n" + SEND_LOOP_15,
+                SEND_LOOP_15 + "        self.local.step()\n")],
+        "2 ranks: parameters equal torch's", ["before self.local.step()", "Step first"], []),
+    # 06: more of what a reducer gets wrong
+    "06 never scaled": (
+        "06", [("torch.mul(param.grad, 1.0 / self.world_size, out=view)",
+                "view.copy_(param.grad)")],
+        "2 ranks: .grad equals torch's DDP's bit for bit", ["the SUM over the ranks"],
+        ["Each gradient times the reciprocal"]),
+    "06 in_flight never reset": (
+        "06", [("        self.in_flight = []\n\n    def _record", "\n    def _record")],
+        "every backward starts from a reset state", ["reset the state at the end of _finish"],
+        []),
+    "06 a bucket counted complete at its first gradient": (
+        "06", [("self.missing[b] -= 1", "self.missing[b] = 0")],
+        "every bucket is launched once all its gradients are in it",
+        ["were not yet in it", "count of missing gradients"], []),
+    # 07: every micro-batch's loss in one backward
+    "07 the losses summed, one backward": (
+        "07", [(LOOP_07, "    optimizer.zero_grad()\n"
+                         "    losses = [F.mse_loss(ddp(x), y) / k for x, y in micro_batches]\n"
+                         "    sum(losses).backward()\n    optimizer.step()\n")],
+        BITS_07, ["one backward after all k forwards", "no_sync"], ["none of the usual"]),
 }
 RIGHT_CLASSES = {
+    "03 p.grad rebound to a scaled copy": ("03", [(
+        "        p.grad.mul_(1.0 / world_size)\n",
+        "        p.grad = p.grad * (1.0 / world_size)\n")]),
+    "15 the share from a generator": ("15", [(
+        "self.local = optimizer_class(mine, **defaults)",
+        "self.local = optimizer_class((p for p in mine), **defaults)")]),
     "04 the strided slice without its end": ("04", [(
         "return order[rank:total_size:num_replicas]", "return order[rank::num_replicas]")]),
     "04 the ceiling from math": ("04", [
