@@ -859,6 +859,23 @@ CLASSES = {
         BITS_07, ["one backward after all k forwards", "no_sync"], ["none of the usual"]),
 }
 RIGHT_CLASSES = {
+    "15 one flat broadcast per owner": ("15", [(SEND_LOOP_15, (
+        "        for r in range(self.world_size):\n"
+        "            share = [p for p, o in zip(self.params, self.owners) if o == r]\n"
+        "            flat = torch.cat([p.detach().reshape(-1) for p in share])\n"
+        "            dist.broadcast(flat, src=r)\n"
+        "            offset = 0\n"
+        "            for p in share:\n"
+        "                p.copy_(flat[offset:offset + p.numel()].view_as(p))\n"
+        "                offset += p.numel()\n"))]),
+    "06 copied back into a new tensor": ("06", [(
+        "self.params[i].grad.copy_(self.views[i][1])",
+        "self.params[i].grad = self.views[i][1].clone()")]),
+    "07 the flag set by hand": ("07", [(LOOP_07, (
+        "    optimizer.zero_grad()\n    for j, (x, y) in enumerate(micro_batches):\n"
+        "        ddp.require_backward_grad_sync = j == k - 1\n"
+        "        " + LOSS_07 + "\n    ddp.require_backward_grad_sync = True\n"
+        "    optimizer.step()\n"))]),
     "03 p.grad rebound to a scaled copy": ("03", [(
         "        p.grad.mul_(1.0 / world_size)\n",
         "        p.grad = p.grad * (1.0 / world_size)\n")]),
