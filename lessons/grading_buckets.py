@@ -137,6 +137,21 @@ def random_cases() -> list[list[torch.Tensor]]:
     return cases
 
 
+def order_mistake(got: list[list[int]], expected: list[list[int]]) -> str:
+    """What a layout of torch's buckets in another order, or of other members, got wrong."""
+    if got == expected[::-1]:
+        return (". Yours are torch's buckets in the opposite order: the list sorted by smallest "
+                "index must be reversed (the last layers' gradients are ready first, so their "
+                "bucket is launched first)")
+    if sorted(map(sorted, got)) == sorted(map(sorted, expected)):
+        if got == [sorted(b) for b in expected]:
+            return (". Your buckets are torch's, but the indices inside a bucket are not in "
+                    "model order")
+        return (". Yours are torch's buckets in another order: sort them by their smallest "
+                "index, then reverse the list")
+    return ""
+
+
 def buckets_task():
     assign = sys.modules["exercise_05"].assign_buckets
     members = lambda layout: sorted(sorted(b) for b in layout)  # noqa: E731  (order aside)
@@ -159,10 +174,7 @@ def buckets_task():
         if got != expected:
             return "random", (f"for parameters of (bytes, dtype) {describe(params)}, "
                               f"first_bytes=4000, cap_bytes=9000: expected {expected}, got {got}"
-                              + (". Yours are torch's buckets in the opposite order: the list "
-                                 "sorted by smallest index must be reversed (the last layers' "
-                                 "gradients are ready first, so their bucket is launched first)"
-                                 if [list(b) for b in got] == expected[::-1] else ""))
+                              + order_mistake([list(b) for b in got], expected))
     model, theirs = many_layers(), TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_05,
                                             find_unused_parameters=True)
     x, y = make_dataset(n=16, seed=dist.get_rank()).tensors

@@ -795,6 +795,15 @@ CLASSES = {
         "05", [(CLOSE_05, "        if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes) "
                           "+ 1:\n")],
         AT_LIMITS, ["MORE than its limit", "(>=)"], []),
+    "05 sorted by the largest index": (
+        "05", [("return list(reversed(sorted(closed, key=min)))",
+                "return list(reversed(sorted(closed, key=max)))")],
+        "the layout of torch's _compute_bucket_assignment_by_size",
+        ["torch's buckets in another order", "smallest index"], ["opposite order"]),
+    "05 in the order they closed": (
+        "05", [("return list(reversed(sorted(closed, key=min)))", "return closed[::-1]")],
+        "the layout of torch's _compute_bucket_assignment_by_size",
+        ["torch's buckets in another order", "smallest index"], ["opposite order"]),
     # 04: the process-wide random state
     "04 reseeds torch's global RNG": (
         "04", [("        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n"
