@@ -49,11 +49,12 @@ CASES = [(n, shuffle, drop_last, epoch, seed) for n in (1, 2, 3, 5, 7, 10, 11, 6
 
 
 def indices(n, world, rank, epoch, seed, shuffle, drop_last, *, pad="repeat", cut=True,
-            count="torch") -> list[int]:
+            count="torch", shuffled=None) -> list[int]:
     """torch's sampler written out, or with one change: the padding (``pad``: the order
     repeated from its start as often as needed; or "once", "last", "end"), the order not cut
-    to total_size with drop_last, num_samples counted otherwise (``count``)."""
-    if shuffle:
+    to total_size with drop_last, num_samples counted otherwise (``count``), the shuffle flag
+    ignored (``shuffled`` True or False whatever ``shuffle`` says)."""
+    if shuffle if shuffled is None else shuffled:
         g = torch.Generator()
         g.manual_seed(seed + epoch)
         order = torch.randperm(n, generator=g).tolist()
@@ -87,6 +88,10 @@ RULES = {
     (("count", "swapped"),): "You swapped drop_last's two cases: with drop_last torch "
                              "rounds num_samples down (the tail is dropped), without it up "
                              "(the order is padded)",
+    (("shuffled", False),): "You never shuffled: with shuffle=True the order is "
+                            "torch.randperm(dataset_len, generator=g), g seeded with seed + epoch",
+    (("shuffled", True),): "You shuffled with shuffle=False too: without it the order is 0, 1, "
+                           "..., dataset_len - 1",
     (("count", "plus one"),): "Your num_samples = n // num_replicas + 1 is one too many when the "
                               "dataset splits evenly; torch rounds up: ceil(n / num_replicas)",
 }

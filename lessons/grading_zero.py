@@ -214,7 +214,7 @@ def sharded_task(name: str):
               "torch_share": [i for i, owner in enumerate(owners) if owner == rank],
               "state": None, "torch_state": None, "disagreement": None, "wrong": [],
               "mismatch": None, "unwaited": None, "defaults": defaults, "options": None,
-              "sent_first": False}
+              "sent_first": False, "steps_taken": 0}
     if isinstance(local, torch.optim.Optimizer):
         report["options"] = {key: local.defaults.get(key) for key in defaults}
         report["share"] = positions(params, [p for g in local.param_groups for p in g["params"]])
@@ -242,6 +242,7 @@ def sharded_task(name: str):
             dist.broadcast = spy.original
         reference.step()
         report["wrong"] += spy.wrong
+        report["steps_taken"] = max(report["steps_taken"], calls.count("step"))
         if "broadcast" in calls and "step" in calls:
             report["sent_first"] |= calls.index("broadcast") < calls.index("step")
         if spy.unwaited() and report["unwaited"] is None:
@@ -314,6 +315,9 @@ def bits_problem(rank: int, r: dict) -> str | None:
     if m is None:
         return None
     where = f"after step {m['step']} on rank {rank}"
+    if r["steps_taken"] > 1:
+        return (f"{where} the parameters {m['differ']} differ: self.local.step() ran "
+                f"{r['steps_taken']} times in one step. Step once, then send")
     if r["sent_first"]:
         return (f"{where} the parameters {m['differ']} differ: the broadcasts ran before "
                 "self.local.step(), so the owners sent the values from before the step. Step "

@@ -804,6 +804,16 @@ CLASSES = {
         "05", [("return list(reversed(sorted(closed, key=min)))", "return closed[::-1]")],
         "the layout of torch's _compute_bucket_assignment_by_size",
         ["torch's buckets in another order", "smallest index"], ["opposite order"]),
+    "04 never shuffled": (
+        "04", [("    if shuffle:\n", "    if False:\n")], EQUAL_04, ["You never shuffled"],
+        ["contiguous"]),
+    "04 always shuffled": (
+        "04", [("    if shuffle:\n", "    if True:\n")], EQUAL_04,
+        ["You shuffled with shuffle=False too"], ["contiguous"]),
+    "15 the local step taken twice": (
+        "15", [("        self.local.step()\n", "        self.local.step()\n"
+                "        self.local.step()\n")],
+        "2 ranks: parameters equal torch's", ["ran 2 times in one step"], []),
     # 04: the process-wide random state
     "04 reseeds torch's global RNG": (
         "04", [("        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n"
