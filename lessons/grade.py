@@ -8,8 +8,10 @@ expected. Where torch's bits cannot be expected, the check says why and what it 
 
     python lessons/grade.py                # grade your exercises as they stand
     python lessons/grade.py 06             # grade one (03 04 05 06 07 15 17)
-    python lessons/grade.py --hint 06      # the code-level steps of one, if you are stuck
+    python lessons/grade.py --hint 06      # if you are stuck: the idea behind one
+    python lessons/grade.py --hint 06 --step 2   # then the shape of its code; --step 3 the lines
     python lessons/grade.py --dir D        # grade the files NN_*.py of directory D
+    python lessons/grade.py D/06_a.py D/06_b.py  # grade these files (named NN_*.py), each
     python lessons/grade.py --solutions    # grade the reference solutions (all pass)
 
 Exit status 0 when every graded exercise passes every check.
@@ -28,59 +30,26 @@ from pathlib import Path
 os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import grading_checks as checks  # noqa: E402
+import grading_hints  # noqa: E402
 import torch  # noqa: E402
-from grading_fsdp import HINT_17, grade_17  # noqa: E402
+from grading_buckets import grade_05  # noqa: E402
+from grading_fsdp import HINT_17, fully_shard, grade_17  # noqa: E402
+from grading_no_sync import grade_07  # noqa: E402
 from grading_reducer import grade_06  # noqa: E402
-from grading_zero import HINT_15, grade_15  # noqa: E402
+from grading_sampler import grade_04  # noqa: E402
+from grading_zero import grade_15  # noqa: E402
 
 from miniddp.launch import RankError  # noqa: E402
 
 EXERCISES = Path(__file__).resolve().parent / "exercises"
-GRADERS = {"03": checks.grade_03, "04": checks.grade_04, "05": checks.grade_05, "06": grade_06,
-           "07": checks.grade_07, "15": grade_15, "17": grade_17}
+GRADERS = {"03": checks.grade_03, "04": grade_04, "05": grade_05, "06": grade_06,
+           "07": grade_07, "15": grade_15}
+if fully_shard is not None:  # exercise 17 is graded against torch's FSDP2 (torch >= 2.4)
+    GRADERS["17"] = grade_17
 
-# The code-level steps behind each instruction, for --hint: the instructions say what must be
-# true; these say how, for a learner who is stuck.
-HINTS = {
-    "03": """For each parameter with a gradient, two in-place calls:
-    p.grad.mul_(1.0 / world_size)   # the reciprocal first: torch's arithmetic
-    dist.all_reduce(p.grad)         # a SUM over the ranks, written into p.grad""",
-    "04": """Step 1: g = torch.Generator(); g.manual_seed(seed + epoch);
-    order = torch.randperm(dataset_len, generator=g).tolist()
-Steps 2 and 3:
-    num_samples = dataset_len // num_replicas if drop_last
-                  else -(-dataset_len // num_replicas)      # ceil in integers
-    total_size = num_samples * num_replicas
-    repeat `order` from its start until it holds total_size indices, cut it to total_size
-    return order[rank:total_size:num_replicas]""",
-    "05": """In the loop:
-    entry[0].append(i); entry[1] += p.numel() * p.element_size()
-    if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes):
-        closed.append(entry[0]); entry[0], entry[1] = [], 0; entry[2] += 1
-After it:
-    closed += [members for members, _, _ in open_buckets.values() if members]
-    return list(reversed(sorted(closed, key=min)))""",
-    "06": """_on_ready:
-    torch.mul(param.grad, 1.0 / self.world_size, out=view)
-    self.missing[b] -= 1
-    while len(self.in_flight) < len(self.buckets) and self.missing[len(self.in_flight)] == 0:
-        k = len(self.in_flight)
-        self._record("launch", k)
-        self.in_flight.append(dist.all_reduce(self.flat[k], async_op=True))
-        if k == len(self.buckets) - 1:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-_finish:
-    for each bucket b and its work in self.in_flight: work.wait(), then for each i in
-    self.buckets[b]: self.params[i].grad.copy_(self.views[i][1])
-    self.missing = [len(m) for m in self.buckets]; self.in_flight = []""",
-    "07": """optimizer.zero_grad()
-for j, (x, y) in enumerate(micro_batches):
-    with ddp.no_sync() if j < k - 1 else contextlib.nullcontext():
-        (F.mse_loss(ddp(x), y) / k).backward()
-optimizer.step()""",
-    "15": HINT_15,
-    "17": HINT_17,
-}
+# Each exercise's hint in steps: the idea, the shape of the code, its lines (grading_hints.py)
+HINTS = dict(grading_hints.HINTS, **{"17": HINT_17})
+STEPS = ("the idea", "the shape of the code", "the lines of code")
 
 
 #: Verdicts are wrapped at this width; a continued line is indented by HANG spaces (the tests
@@ -107,9 +76,8 @@ def learner_frames(details: str, path: Path) -> list[str]:
     return shown[-2:]
 
 
-def load(path: Path, number: str) -> None:
-    """Import the exercise file; kept in sys.modules so that forked ranks can find it."""
-    name = f"exercise_{number}"
+def load(path: Path, name: str) -> None:
+    """Import the exercise file as ``name``; kept in sys.modules so that forked ranks find it."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -155,21 +123,73 @@ def grade(number: str, path: Path, load_error: str | None) -> bool:
     return passed
 
 
+def hint(number: str, step: int) -> None:
+    steps = HINTS[number] if isinstance(HINTS[number], tuple) else (HINTS[number],)
+    step = min(step, len(steps))
+    print(f"exercise {number}, hint {step} of {len(steps)}: {STEPS[step - 1]}\n")
+    print(textwrap.fill(steps[step - 1], WIDTH) if step < len(steps) else steps[step - 1])
+    if step < len(steps):
+        print(f"\nStill stuck after trying? python lessons/grade.py --hint {number} --step "
+              f"{step + 1} gives {STEPS[step]}.")
+
+
+def grade_all(chosen: list[tuple[str, Path]]) -> list[bool]:
+    """Grade each (exercise number, file); every file is loaded before any rank is forked, so
+    that the ranks find each one, and ``checks.ALIASES`` points ``exercise_NN`` at one."""
+    torch.set_num_threads(1)
+    loaded = []
+    for k, (number, path) in enumerate(chosen):
+        name = f"exercise_{number}_{k}"
+        try:
+            load(path, name)
+            loaded.append((number, path, name, None))
+        except Exception as error:
+            loaded.append((number, path, name, f"{type(error).__name__}: {error}"))
+    results = []
+    try:
+        for number, path, name, error in loaded:
+            if error is None:
+                sys.modules[f"exercise_{number}"] = sys.modules[name]
+                checks.ALIASES[f"exercise_{number}"] = name
+            results.append(grade(number, path, error))
+    finally:
+        checks.close_groups()
+    return results
+
+
+def grade_files(parser, files: list[Path]) -> None:
+    """Grade each file as the exercise its name starts with; exit 0 when all pass."""
+    chosen = [(f.name[:2], f) for f in files]
+    wrong = [str(f) for (n, f) in chosen if n not in GRADERS or not f.is_file()]
+    if wrong:
+        parser.error(f"not a file named NN_*.py for an exercise ({' '.join(GRADERS)}): "
+                     f"{', '.join(wrong)}")
+    results = grade_all(chosen)
+    print(f"\n{sum(results)} of {len(results)} files pass")
+    sys.exit(0 if all(results) else 1)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("exercises", nargs="*", help=f"which to grade ({' '.join(GRADERS)})")
+    parser.add_argument("exercises", nargs="*",
+                        help=f"which to grade ({' '.join(GRADERS)}), or files named NN_*.py")
     parser.add_argument("--solutions", action="store_true",
                         help="grade the reference solutions instead of your exercises")
     parser.add_argument("--dir", type=Path, default=None,
                         help="grade the files NN_*.py of this directory instead")
     parser.add_argument("--hint", metavar="NN", choices=list(HINTS),
-                        help="print the code-level steps of exercise NN and stop")
+                        help="print the idea behind exercise NN and stop")
+    parser.add_argument("--step", type=int, choices=(1, 2, 3), default=1,
+                        help="with --hint: 1 the idea, 2 the shape of the code, 3 its lines")
     args = parser.parse_args()
     if args.hint:
-        print(f"exercise {args.hint}, the code-level steps (try without them first):\n")
-        print(HINTS[args.hint])
+        hint(args.hint, args.step)
         return
+    files = [Path(a) for a in args.exercises if a.endswith(".py")]
+    args.exercises = [a for a in args.exercises if not a.endswith(".py")]
+    if files:
+        grade_files(parser, files)
     unknown = [n for n in args.exercises if n not in GRADERS]
     if unknown:
         parser.error(f"no exercise {', '.join(unknown)}; there are {', '.join(GRADERS)}")
@@ -181,18 +201,7 @@ def main():
     if absent:
         print(f"(no file {', '.join(f'{n}_*.py' for n in absent)} in {directory}: not graded)")
     chosen = [n for n in paths if n not in absent]
-    torch.set_num_threads(1)
-    loaded = {}
-    for n in chosen:  # all before any rank is forked: the ranks must find every exercise
-        try:
-            load(paths[n], n)
-            loaded[n] = (paths[n], None)
-        except Exception as error:
-            loaded[n] = (paths[n], f"{type(error).__name__}: {error}")
-    try:
-        results = {n: grade(n, *loaded[n]) for n in chosen}
-    finally:
-        checks.close_groups()
+    results = dict(zip(chosen, grade_all([(n, paths[n]) for n in chosen])))
     passed = [n for n, ok in results.items() if ok]
     flags = (" --solutions" if args.solutions and not args.dir else "") + \
         (f" --dir {args.dir}" if args.dir else "")

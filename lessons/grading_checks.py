@@ -9,7 +9,6 @@ import os
 import sys
 import time
 from collections import Counter
-from contextlib import nullcontext
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
 # 05 uses that flag for its buckets) would bury the grades.
@@ -20,10 +19,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler as TorchSampler  # noqa: E402
 
-import miniddp  # noqa: E402
-from miniddp.buckets import bucket_limits  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
@@ -39,7 +35,14 @@ class OutOfStep(Exception):
     """The ranks were about to make different collective calls; the message names them."""
 
 
-def _guarded(task, *args):
+#: Which loaded module each rank must find as ``exercise_NN`` (grade.py grades several files of
+#: one exercise on the same ranks: all are loaded before the ranks fork, and this picks one)
+ALIASES: dict[str, str] = {}
+
+
+def _guarded(aliases, task, *args):
+    for name, loaded in aliases.items():
+        sys.modules[name] = sys.modules[loaded]
     try:
         return "ok", task(*args)
     except NotImplementedError as error:
@@ -56,7 +59,8 @@ def on_ranks(world_size: int, task, *args) -> list:
     group = _groups.get(world_size)
     if group is None or not group.alive:
         group = _groups[world_size] = RankGroup(world_size, pg_timeout=PG_TIMEOUT_S)
-    results = group.run(_guarded, task, *args, timeout=TIMEOUT)  # closes itself if it fails
+    # (the group closes itself if the run fails)
+    results = group.run(_guarded, dict(ALIASES), task, *args, timeout=TIMEOUT)
     for status, value in results:
         if status in ("todo", "out of step"):
             group.close(kill=True)  # stopped midway: its state is unknown
@@ -77,6 +81,12 @@ def everyone(t: torch.Tensor) -> list[torch.Tensor]:
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(out, t)
     return out
+
+
+def many_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(IN_FEATURES, 32), *[nn.Linear(32, 32) for _ in range(5)],
+                         nn.Linear(32, OUT_FEATURES))
 
 
 # ----- the learner's collectives, compared across the ranks before each call -----
@@ -254,6 +264,11 @@ def what_grad_holds(ours, mean, local, world) -> str:
                              "all_reduce did not write into p.grad")):
         if close(ours, candidate):
             return f"it equals {said}"
+    scale = (ours @ mean / (mean @ mean)).item() if mean.any() else 0.0
+    if scale and close(ours, mean * scale):
+        return (f"it equals the mean times {scale:.4g}: the sum over the ranks scaled by "
+                f"{scale / world:.4g}, where 1 / world_size is {1 / world:.4g} (take the world "
+                "size from dist.get_world_size(), not a number written in)")
     return "it is none of the mean, the sum or this rank's own gradient"
 
 
@@ -285,6 +300,12 @@ def _summed(grad, world):
     return grad
 
 
+#: How the gradients can be laid out for the all_reduce: a ring sums an element in an order that
+#: depends on its offset, so at 3 ranks each layout gives other bits, all of them right
+LAYOUTS = ("one all_reduce per parameter", "one flat buffer, in model order",
+           "one flat buffer, last parameter first (DDP's bucket order)")
+
+
 # How a mean over the ranks can be computed, in place on one gradient: torch's ("reference")
 # first, then the ways that give the mean's value with other bits at 3 ranks
 ARITHMETIC = {"reference": _then(_times_reciprocal, _summed),
@@ -303,10 +324,23 @@ ARITHMETIC_SAID = {
     "multiply after": "You multiplied the sum by 1 / world_size after the all_reduce: the sum "
                       "of three scaled gradients rounds differently from the scaled sum. "
                       f"Multiply by the reciprocal BEFORE the all_reduce ({WHERE_08})",
-    None: "its bits are none of: each gradient divided by world_size before the all_reduce, "
-          "the sum divided after it, the sum multiplied by 1 / world_size after it. Multiply "
-          f"each gradient by 1.0 / world_size, then all_reduce it ({WHERE_08})",
+    None: "its bits are neither torch's scale-then-sum nor the usual other orders (divided "
+          "before, divided after, multiplied after), in any of the layouts tried: "
+          f"{', '.join(LAYOUTS)}. A ring sums each element in an order that depends on where it "
+          "sits in the buffer, so at 3 ranks a buffer laid out otherwise (buckets, a subset) "
+          "gives other bits: multiply each gradient by 1.0 / world_size, then all_reduce per "
+          f"parameter or all of them in one flat buffer ({WHERE_08})",
 }
+
+
+def in_layout(grads: list[torch.Tensor], world: int, scaled, layout: str) -> torch.Tensor:
+    """The gradients averaged by ``scaled`` in ``layout``, flattened in model order."""
+    if layout == LAYOUTS[0]:
+        return torch.cat([scaled(g.clone(), world).reshape(-1) for g in grads])
+    order = list(range(len(grads)))[::-1 if layout == LAYOUTS[2] else 1]
+    flat = scaled(torch.cat([grads[i].reshape(-1) for i in order]), world)
+    pieces = dict(zip(order, flat.split([grads[i].numel() for i in order])))
+    return torch.cat([pieces[i] for i in range(len(grads))])
 
 
 def average_task():
@@ -325,21 +359,22 @@ def average_task():
         sys.modules["exercise_03"].average_gradients(mine)
     at_return = flat_grads(mine).clone()
     same.finish()  # after the snapshot: comparing waits for the others' last all_reduce
-    # torch's arithmetic, then the usual wrong orders, each per parameter and after the
-    # learner's collectives (they are done when it is): the same ring, so the same bits
-    arithmetic = {name: torch.cat([scaled(g.clone(), world).reshape(-1) for g in reference])
-                  for name, scaled in ARITHMETIC.items()}
+    # torch's arithmetic, then the usual wrong orders, in each layout, after the learner's
+    # collectives (they are done when it is): the same ring on the same layout, the same bits
+    arithmetic = {(name, layout): in_layout(reference, world, scaled, layout)
+                  for layout in LAYOUTS for name, scaled in ARITHMETIC.items()}
     ours, torchs = flat_grads(mine), flat_grads(theirs)
-    expected = arithmetic.pop("reference")
+    expected = arithmetic[("reference", LAYOUTS[0])]
+    right = [bits for (name, _), bits in arithmetic.items() if name == "reference"]
     return {"equal": torch.equal(ours, torchs), "diff": (ours - torchs).abs().max().item(),
             "complete_at_return": torch.equal(at_return, ours),
             "unwaited": (watched.unwaited(), len(watched.works)),
-            "as_reference": torch.equal(ours, expected),
+            "as_reference": any(torch.equal(ours, bits) for bits in right),
             "reference_diff": (ours - expected).abs().max().item(),
             "scale": expected.abs().max().item(),
             "holds": what_grad_holds(ours, expected, local, world),
-            "arithmetic": next((name for name, bits in arithmetic.items()
-                                if torch.equal(ours, bits)), None),
+            "arithmetic": next((name for (name, _), bits in arithmetic.items()
+                                if name != "reference" and torch.equal(ours, bits)), None),
             "same_everywhere": all(torch.equal(g, ours) for g in everyone(ours))}
 
 
@@ -374,308 +409,10 @@ def grade_03():
         off = worst["reference_diff"]
         rounding = off <= 1e-6 * worst["scale"]
         yield (all(r["as_reference"] for r in results), "3 ranks: bit for bit the gradients "
-               "of torch's arithmetic (each gradient times 1 / 3, then summed)",
+               "of torch's arithmetic (each gradient times 1 / 3, then summed; per parameter or "
+               "in one flat buffer)",
                difference(off, worst["scale"], worst["holds"]) + (
                    ". " + ARITHMETIC_SAID[worst["arithmetic"]] if rounding else ""))
         yield (diff < 1e-6, "3 ranks: within 1e-6 of torch's DDP (not bit for bit: torch "
                "sums whole buckets, and a ring's order depends on an element's offset)",
                f"largest difference {diff:.3g}")
-
-
-# ----- 04: the sampler -----
-
-def sampler_task():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    write = sys.modules["exercise_04"].rank_indices
-    cases = 0
-    for n in (1, 2, 3, 5, 7, 10, 11, 64):
-        for shuffle in (True, False):
-            for drop_last in (False, True):
-                for epoch, seed in ((0, 0), (1, 0), (3, 7)):
-                    expected = torch_indices(n, world, rank, epoch, seed, shuffle, drop_last)
-                    got = write(n, world, rank, epoch, seed, shuffle, drop_last)
-                    cases += 1
-                    if list(got) != expected:
-                        return (f"rank {rank}: rank_indices({n}, {world}, {rank}, epoch={epoch}, "
-                                f"seed={seed}, shuffle={shuffle}, drop_last={drop_last}) "
-                                f"returned {list(got)}, torch's sampler gives {expected}"
-                                + sampler_mistake(write, list(got), n, world, rank, epoch,
-                                                  seed, shuffle, drop_last))
-    return cases
-
-
-def torch_indices(n, world, rank, epoch, seed, shuffle, drop_last) -> list[int]:
-    sampler = TorchSampler(range(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                           drop_last=drop_last)
-    sampler.set_epoch(epoch)
-    return list(sampler)
-
-
-def sampler_mistake(write, got, n, world, rank, epoch, seed, shuffle, drop_last) -> str:
-    """Name a wrong answer that is another epoch's or seed's order (the generator seeded with
-    only one of them), or the right order cut the wrong way: a contiguous block.
-
-    An order is recognized on this case and on a 64-sample dataset too: with a handful of
-    samples, two seeds often give the same permutation."""
-    def gives(e, s):
-        return all(list(write(size, world, rank, epoch, seed, shuffle, drop_last))
-                   == torch_indices(size, world, rank, e, s, shuffle, drop_last)
-                   for size in (n, 64))
-
-    ignored = [(said, what) for said, what, e, s in (("epoch 0's", "the epoch", 0, seed),
-                                                       ("seed 0's", "the seed", epoch, 0))
-               if shuffle and (e, s) != (epoch, seed) and gives(e, s)]
-    if ignored:
-        return (f". Yours is {' or '.join(said for said, _ in ignored)} order: the shuffle "
-                f"ignores {' or '.join(what for _, what in ignored)}. Seed the generator with "
-                f"seed + epoch ({seed} + {epoch}): set_epoch changes the epoch so that each "
-                "epoch is shuffled differently, and the same on every rank")
-    shares = [torch_indices(n, world, r, epoch, seed, shuffle, drop_last) for r in range(world)]
-    size = len(shares[0])
-    padded = [shares[r][j] for j in range(size) for r in range(world)]  # before the rank's cut
-    if got == padded[rank * size:(rank + 1) * size]:
-        return (f". Yours is contiguous, not strided: the block {rank * size}:"
-                f"{(rank + 1) * size} of the padded order, where torch's rank r takes every "
-                "num_replicas-th index of it, starting at r")
-    return ""
-
-
-def grade_04():
-    results = on_ranks(3, sampler_task)
-    wrong = [r for r in results if isinstance(r, str)]
-    yield (not wrong, f"3 ranks: every rank's indices equal torch's DistributedSampler's in "
-           f"{results[0] if not wrong else 'all'} cases", wrong[0] if wrong else "")
-
-
-# ----- 05: bucket assignment -----
-
-CAP_MB_05 = 0.01
-
-
-def many_layers() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(IN_FEATURES, 32), *[nn.Linear(32, 32) for _ in range(5)],
-                         nn.Linear(32, OUT_FEATURES))
-
-
-def boundary_cases() -> list[tuple[str, list[torch.Tensor]]]:
-    """Parameter lists that put a bucket exactly at its limit, one element short of it and one
-    past it: the first limit (4000 bytes) and the cap (9000), float32 and float64, one
-    parameter or several adding up to it. Torch closes a bucket once it holds AT LEAST the
-    limit, so these are where a comparison written the other way shows."""
-    f32, f64 = torch.float32, torch.float64
-    t = lambda n, dtype=f32: torch.empty(n, dtype=dtype)  # noqa: E731
-    cases = []
-    for name, dtype, size in (("float32", f32, 4), ("float64", f64, 8)):
-        first, cap = 4000 // size, 9000 // size
-        for delta, where in ((0, "exactly at"), (-1, "one element short of"),
-                             (1, "one element past")):
-            cases += [
-                (f"one {name} parameter {where} the first limit", [t(first + delta, dtype),
-                                                                    t(10, dtype)]),
-                (f"{name} parameters adding up to {where} the first limit",
-                 [t(first // 2, dtype), t(first - first // 2 + delta, dtype), t(10, dtype)]),
-                (f"{name}: the second bucket {where} the cap",
-                 [t(first, dtype), t(cap + delta, dtype), t(10, dtype)]),
-                (f"{name}: parameters adding up to {where} the cap in the second bucket",
-                 [t(first, dtype), t(cap // 3, dtype), t(cap - cap // 3 + delta, dtype),
-                  t(10, dtype)]),
-                (f"{name}: the third bucket {where} the cap",
-                 [t(first, dtype), t(cap, dtype), t(cap + delta, dtype), t(10, dtype)]),
-            ]
-    cases += [  # the limits count per (dtype, device): each dtype's first bucket at 4000 bytes
-        ("float32 and float64 interleaved, each exactly at its first limit",
-         [t(1000), t(500, f64), t(10), t(10, f64)]),
-        ("float64 first at its limit, float32 after it still in its first bucket",
-         [t(500, f64), t(999), t(1), t(10)]),
-    ]
-    return cases
-
-
-def describe(params) -> list[tuple[int, str]]:
-    return [(p.numel() * p.element_size(), str(p.dtype)[6:]) for p in params]
-
-
-def buckets_task():
-    assign = sys.modules["exercise_05"].assign_buckets
-    members = lambda layout: sorted(sorted(b) for b in layout)  # noqa: E731  (order aside)
-    for what, params in boundary_cases():  # which parameters share a bucket; order comes next
-        theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
-        expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
-        if members(got) != members(expected):
-            return "boundary", (f"{what}: for parameters of (bytes, dtype) {describe(params)}, "
-                                f"first_bytes=4000, cap_bytes=9000: expected {expected}, got "
-                                f"{got}. A bucket closes once it holds at least its limit "
-                                "(equal counts), with the parameter that reached it")
-    g = torch.Generator().manual_seed(0)
-    for case in range(30):
-        count = int(torch.randint(1, 12, (), generator=g))
-        params = [torch.empty(int(torch.randint(1, 3000, (), generator=g)),
-                              dtype=torch.float64 if case % 3 == 0 and k % 2 else torch.float32)
-                  for k in range(count)]
-        theirs, _ = dist._compute_bucket_assignment_by_size(params, [4000, 9000])
-        expected, got = [list(b) for b in reversed(theirs)], assign(params, 4000, 9000)
-        if got != expected:
-            return "random", (f"for parameters of (bytes, dtype) {describe(params)}, "
-                              f"first_bytes=4000, cap_bytes=9000: expected {expected}, got {got}"
-                              + (". Yours are torch's buckets in the opposite order: the list "
-                                 "sorted by smallest index must be reversed (the last layers' "
-                                 "gradients are ready first, so their bucket is launched first)"
-                                 if [list(b) for b in got] == expected[::-1] else ""))
-    model, theirs = many_layers(), TorchDDP(many_layers(), bucket_cap_mb=CAP_MB_05,
-                                            find_unused_parameters=True)
-    x, y = make_dataset(n=16, seed=dist.get_rank()).tensors
-    for m in (model, theirs):
-        F.mse_loss(m(x), y).backward()
-    params = list(model.parameters())
-    layout = assign(params, *bucket_limits(CAP_MB_05))
-    for members in layout:  # lesson 05's all_reduce_in_buckets
-        flat = torch.cat([params[i].grad.reshape(-1) for i in members]) * (1.0 / 3)
-        dist.all_reduce(flat)
-        offset = 0
-        for i in members:
-            params[i].grad.copy_(flat[offset:offset + params[i].numel()].view_as(params[i]))
-            offset += params[i].numel()
-    same = torch.equal(flat_grads(model), flat_grads(theirs))
-    return None, (same, (flat_grads(model) - flat_grads(theirs)).abs().max().item(), layout)
-
-
-def grade_05():
-    results = on_ranks(3, buckets_task)
-    failed, detail = results[0]
-    yield (failed != "boundary", f"{len(boundary_cases())} parameter lists at the limits "
-           "(exactly at, one element short of, one past; first limit and cap; float32 and "
-           "float64): the parameters that share a bucket are torch's",
-           detail if failed == "boundary" else "")
-    if failed == "boundary":
-        return
-    layout_ok = failed is None
-    yield (layout_ok, "30 parameter lists (mixed dtypes too): the layout of torch's "
-           "_compute_bucket_assignment_by_size, reversed", "" if layout_ok else detail)
-    if layout_ok:
-        same = all(r[1][0] for r in results)
-        diff = max(r[1][1] for r in results)
-        yield (same, "3 ranks: one all_reduce per bucket of yours gives torch's DDP's gradients "
-               "bit for bit", f"largest difference {diff:.3g} with your layout {detail[2]}")
-
-
-# ----- 07: no_sync -----
-
-def reference_step(ddp, optimizer, micro_batches, zero_grad_each=False, step_each=False):
-    """One step from k micro-batches: the first k - 1 inside no_sync, each loss divided by k,
-    zero_grad once before and one step after. ``zero_grad_each`` and ``step_each`` make it a
-    wrong loop a learner may write: .grad cleared before every micro-batch (only the last one's
-    is left), or a step after every micro-batch (the first k - 1 on unsynchronized gradients)."""
-    k = len(micro_batches)
-    optimizer.zero_grad()
-    for j, (x, y) in enumerate(micro_batches):
-        if zero_grad_each:
-            optimizer.zero_grad()
-        with ddp.no_sync() if j < k - 1 else nullcontext():
-            (F.mse_loss(ddp(x), y) / k).backward()
-        if step_each and j < k - 1:
-            optimizer.step()
-    optimizer.step()
-
-
-#: Wrong loops the grader recognizes by their first step (``reference_step``'s flag for each),
-#: and what to say of each
-WRONG_LOOPS_07 = {
-    "zero_grad_each": "optimizer.zero_grad() ran before every micro-batch, so the step used "
-                      "only the last micro-batch's gradient. Call it once, before the first, so "
-                      "that .grad accumulates over all k",
-    "step_each": "optimizer.step() ran after every micro-batch, the first k - 1 times on "
-                 "gradients no rank had averaged. Step once, after the last micro-batch",
-}
-
-
-def update_ratio(theirs: torch.Tensor, right: torch.Tensor, k: int) -> float | None:
-    """k or 1 / k when the learner's first update is the right one times that (the losses
-    summed, or divided by k twice); None when it is neither. The first SGD step moves each
-    parameter by -lr * grad, so its size is the gradient's."""
-    for ratio in (k, 1.0 / k):
-        if (theirs - ratio * right).abs().max() <= 1e-3 * (ratio * right).abs().max():
-            return ratio
-    return None
-
-
-def no_sync_task(k: int = 3, steps: int = 3):
-    step = sys.modules["exercise_07"].accumulation_step
-    rank = dist.get_rank()
-    learner, reference = TorchDDP(make_model(seed=0)), TorchDDP(make_model(seed=0))
-    ours = miniddp.DistributedDataParallel(make_model(seed=0))
-    optimizers = [torch.optim.SGD(m.parameters(), lr=0.2, momentum=0.9)
-                  for m in (learner, reference, ours)]
-    wrong_loops = {loop: TorchDDP(make_model(seed=0)) for loop in WRONG_LOOPS_07}
-    x_all, y_all = make_dataset(n=8 * k * steps, seed=rank).tensors
-    report = {"mismatch": None, "rounds": [], "synced": [], "update_ratio": None,
-              "wrong_loop": None}
-    # Each forward marks the timeline, so each backward's launches fall after its forward's mark
-    ours.register_forward_pre_hook(lambda module, args: module.reducer.timeline.append(
-        ("forward", -1, 0.0)) if module.reducer.timeline is not None else None)
-    for s in range(steps):
-        micro = list(zip(x_all[8 * k * s:8 * k * (s + 1)].chunk(k),
-                         y_all[8 * k * s:8 * k * (s + 1)].chunk(k)))
-        start = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
-        step(learner, optimizers[0], micro)
-        reference_step(reference, optimizers[1], micro)
-        ours.reducer.timeline = []
-        step(ours, optimizers[2], micro)
-        events = [e for e, _, _ in ours.reducer.timeline]
-        report["rounds"].append((events.count("backward_end"), events.count("launch")))
-        marks = [at for at, e in enumerate(events) if e == "forward"] + [len(events)]
-        report["synced"].append([j for j in range(len(marks) - 1)
-                                 if "launch" in events[marks[j]:marks[j + 1]]])
-        a = torch.cat([p.detach().reshape(-1) for p in learner.parameters()])
-        b = torch.cat([p.detach().reshape(-1) for p in reference.parameters()])
-        if s == 0:  # the wrong loops' first steps, from the same start, on every rank
-            for loop, model in wrong_loops.items():
-                reference_step(model, torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9),
-                               micro, **{loop: True})
-                if report["wrong_loop"] is None and torch.allclose(a, torch.cat(
-                        [p.detach().reshape(-1) for p in model.parameters()])):
-                    report["wrong_loop"] = WRONG_LOOPS_07[loop]
-        if report["mismatch"] is None and not torch.equal(a, b):
-            report["mismatch"] = f"after step {s}, rank {rank}: largest difference " \
-                                 f"{(a - b).abs().max().item():.3g}"
-            # Both started from the same parameters: how the learner's update compares
-            report["update_ratio"] = update_ratio(a - start, b - start, k) if s == 0 else None
-    report["buckets"] = len(ours.buckets)
-    return report
-
-
-def grade_07():
-    by_world = {world: on_ranks(world, no_sync_task) for world in (2, 3)}
-    rounds, buckets = by_world[3][0]["rounds"], by_world[3][0]["buckets"]
-    synced, k = by_world[3][0]["synced"], 3
-    when = (f"the micro-batches (0 to {k - 1}) whose backward launched all_reduces, per step: "
-            f"{synced}")
-    yield (all(r == (1, buckets) for r in rounds), "one all_reduce round per step",
-           f"(synchronized backwards, all_reduces) per step were {rounds}, expected (1, "
-           f"{buckets}); {when}. The forward and backward of the first k - 1 micro-batches go "
-           "inside no_sync, the last outside")
-    last_synced = all(s == [k - 1] for s in synced)
-    yield (last_synced, "the micro-batch that synchronizes is the last one of each step",
-           f"{when}, expected [{k - 1}] in each. Until the last micro-batch's backward the "
-           "gradients are still accumulating, so an all_reduce before it averages only part of "
-           "them: every earlier micro-batch inside no_sync, the last outside")
-    for world, results in by_world.items():
-        wrong = next((r for r in results if r["mismatch"]), None)
-        mismatch = wrong and wrong["mismatch"]
-        ratio = wrong and wrong["update_ratio"]
-        if not last_synced:
-            why = "the synchronization checked above is wrong, and changes the gradient"
-        elif wrong and wrong["wrong_loop"] and mismatch.startswith("after step 0"):
-            why = wrong["wrong_loop"]
-        elif ratio == k:
-            why = (f"the first step's update is {k} times the right one (k = {k} micro-"
-                   "batches): the gradient is the SUM of the micro-batches' gradients, not "
-                   "their mean. Divide each micro-batch's loss by k before its backward")
-        elif ratio:
-            why = (f"the first step's update is 1 / {k} of the right one: the loss was divided "
-                   "by k twice (or by k * k). Divide each micro-batch's loss by k, once")
-        else:
-            why = ("zero_grad once before the first micro-batch, each loss divided by k, one "
-                   "optimizer step after the last")
-        yield (mismatch is None, f"{world} ranks: parameters equal the correct loop's on torch's "
-               "DDP bit for bit after every step", f"{mismatch}: {why}")

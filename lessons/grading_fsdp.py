@@ -32,21 +32,27 @@ HIDDEN = 40  # cut in 3: 14, 14, 12 rows; the last weight's 4 rows: 2, 2, 0
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 COLLECTIVES = ("reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_reduce")
 
-HINT_17 = """Step 1, the idea: one buffer of W equal rows, row r = rank r's chunk of every
-gradient, padded; a SUM reduce-scatter leaves this rank its row summed; the division by W is
-split around the sum (all after it, except in fp16).
-divide_factors:
+HINT_17 = (
+    "One buffer of W equal rows, row r holding rank r's chunk of every gradient (each padded to "
+    "chunk 0's rows); a SUM reduce-scatter leaves this rank its row summed; the division by W "
+    "is split around the sum: all of it after the sum, except in fp16, where a power of two "
+    "near sqrt(W) comes before it to keep fp16 in range.",
+    "divide_factors: (1, W) unless the reduction is in fp16; there, double a factor from 1 while "
+    "W is divisible by it and W over it is larger than it, the rest after. "
+    "reduce_scatter_gradients: the rows per parameter are the ceiling of its dim 0 over W; "
+    "build the buffer rank by rank, parameter by parameter, pad, cast to the reduce dtype; "
+    "divide, reduce-scatter, divide; split this rank's row by parameter and cut each piece back "
+    "to the shape of its (unpadded) chunk, in the gradient's dtype.",
+    """divide_factors:
     if reduce_dtype != torch.float16:
         return 1, world_size
     before = 1
     while world_size % before == 0 and world_size / before > before:
         before *= 2
     return before, world_size / before
-Step 2, the shape: every chunk padded to chunk 0's rows, so each row holds
-sum(rows[i] * grads[i][0].numel()) elements:
+reduce_scatter_gradients:
     rank, world_size = dist.get_rank(), dist.get_world_size()
     rows = [-(-g.shape[0] // world_size) for g in grads]
-Step 3, the lines:
     pieces = []
     for r in range(world_size):
         for g, n in zip(grads, rows):
@@ -61,7 +67,7 @@ Step 3, the lines:
     sizes = [n * g[0].numel() for g, n in zip(grads, rows)]
     shards = [chunk(g, world_size, rank) for g in grads]
     return [part[:s.numel()].view_as(s).to(g.dtype)
-            for part, s, g in zip(out.split(sizes), shards, grads)]"""
+            for part, s, g in zip(out.split(sizes), shards, grads)]""")
 
 
 def exercise():

@@ -10,6 +10,7 @@ that skips one is named at once instead of timing out.
 import copy
 import sys
 
+import grading_checks
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -59,11 +60,22 @@ class AllReduceSpy:
     def __init__(self, reducer):
         self.reducer, self.calls, self.waits, self.works = reducer, [], [], []
         self.original = dist.all_reduce
+        self.incomplete: list[tuple[int, list[int]]] = []  # launched before all were ready
+
+    def _note_incomplete(self, tensor) -> None:
+        flats = [f.data_ptr() for f in self.reducer.flat]
+        if tensor.data_ptr() in flats:
+            b = flats.index(tensor.data_ptr())
+            ready = {i for event, i, _ in self.reducer.timeline if event == "ready"}
+            missing = [i for i in self.reducer.buckets[b] if i not in ready]
+            if missing:
+                self.incomplete.append((b, missing))
 
     def ready_so_far(self) -> int:
         return sum(event == "ready" for event, _, _ in self.reducer.timeline)
 
     def __call__(self, tensor, *args, async_op=False, **kwargs):
+        self._note_incomplete(tensor)
         if not async_op:
             work = self.original(tensor, *args, **kwargs)
             self.calls.append((False, tensor.data_ptr(), self.ready_so_far()))
@@ -174,7 +186,7 @@ def reducer_task(steps: int = 3):
     report = {"mismatch": None, "sync": [], "order": [], "late": [], "early_wait": [],
               "no_finish": [], "not_reset": [], "unwaited": [], "finish_in_hook": [],
               "layouts": {}, "steps": steps, "finish_calls": {}, "read_early": [],
-              "unlaunched": {}}
+              "unlaunched": {}, "incomplete": None, "holds": None}
     for s in range(steps + len(extra)):
         torch_step = s < steps  # then: out-of-order layouts, checked against the grader's sums
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
@@ -209,6 +221,8 @@ def reducer_task(steps: int = 3):
         finally:
             reducer.__dict__.pop("_finish", None)
         same.finish()  # a rank that launched more all_reduces than the others is named here
+        if spy.incomplete and report["incomplete"] is None:
+            report["incomplete"] = (s, *spy.incomplete[0])
         if spy.unwaited():
             report["unwaited"].append((s, spy.unwaited(), len(spy.works)))
         if spy.read_early(reducer):
@@ -223,6 +237,9 @@ def reducer_task(steps: int = 3):
             if torch_step and not torch.equal(flat_grads(mine), flat_grads(theirs)):
                 diff = (flat_grads(mine) - flat_grads(theirs)).abs().max().item()
                 report["mismatch"] = f"step {s}, rank {rank}: largest difference {diff:.3g}"
+                got, mean = flat_grads(mine), flat_grads(theirs)
+                holds = grading_checks.what_grad_holds(got, mean, got * torch.nan, world)
+                report["holds"] = holds if holds.startswith("it equals") else None
             elif not torch_step and not torch.equal(flat_grads(mine), expected):
                 diff = (flat_grads(mine) - expected).abs().max().item()
                 report["mismatch"] = (f"step {s} (buckets set to {extra[s - steps]}), rank "
@@ -314,6 +331,12 @@ def grade_06(steps: int = 3):
            + (" (-1: not a bucket's buffer)" if order and -1 in order[1] else "")
            + ", expected 0, 1, 2, ... once each: a complete bucket waits for the ones before "
            "it, so that every rank issues the same collectives in the same order")
+    incomplete = r["incomplete"]
+    yield (incomplete is None, "every bucket is launched once all its gradients are in it",
+           "" if incomplete is None else f"at step {incomplete[0]} bucket {incomplete[1]} was "
+           f"launched while the gradients of parameters {incomplete[2]} were not yet in it: its "
+           "all_reduce summed whatever its buffer held. Count each gradient in as it arrives "
+           "and launch a bucket only when its count of missing gradients reaches 0")
     early = min((e for rep in reports for e in rep["read_early"]), default=None)
     yield (early is None, "every bucket is read after its all_reduce finished (its work waited "
            "for before its gradients are copied into .grad)",
@@ -323,14 +346,19 @@ def grade_06(steps: int = 3):
            ".grad")
     mismatch = {}
     for world, results in by_world.items():
-        mismatch[world] = next((r["mismatch"] for r in results if r["mismatch"]), None)
+        wrong = next((r for r in results if r["mismatch"]), None)
+        mismatch[world] = wrong and wrong["mismatch"]
         why = f"{mismatch[world]}. Each gradient times the reciprocal of world_size into its " \
               "view, and every bucket's average copied back into .grad in _finish"
-        if order is not None or early is not None or unwaited is not None:
-            why = f"{mismatch[world]}: follows from the failure above (" + (
-                "buckets launched out of order" if order is not None else
-                "buckets read before their all_reduce finished" if early is not None else
-                "all_reduces never waited for") + "): fix that first"
+        if wrong and wrong["holds"]:
+            why = f"{mismatch[world]}: .grad is not the mean; {wrong['holds']}"
+        above = next((said for value, said in (
+            (order, "buckets launched out of order"),
+            (incomplete, "a bucket launched before its gradients were in it"),
+            (early, "buckets read before their all_reduce finished"),
+            (unwaited, "all_reduces never waited for")) if value is not None), None)
+        if above:
+            why = f"{mismatch[world]}: follows from the failure above ({above}): fix that first"
         elif world == 3 and mismatch[3] and not mismatch[2]:
             why = f"{mismatch[3]}. 2 ranks matched, so this points at the scaling arithmetic: " \
                   "x / 2 and x * (1 / 2) are the same bits, x / 3 and x * (1 / 3) are not. " \

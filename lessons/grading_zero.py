@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import many_layers, on_ranks
+from grading_checks import Waited, many_layers, on_ranks
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
@@ -23,20 +23,6 @@ OPTIMIZERS = {"SGD with momentum": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9
               "Adam": (torch.optim.Adam, {"lr": 0.01})}
 STEPS = 3
 WORLDS = (2, 3)
-
-HINT_15 = """owners:
-    result, load = [0] * len(params), [0] * world_size
-    for i in sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True):
-        result[i] = load.index(min(load))
-        load[result[i]] += params[i].numel()
-    return result
-__init__:
-    mine = [p for p, owner in zip(self.params, self.owners) if owner == self.rank]
-    self.local = optimizer_class(mine, **defaults)
-step:
-    self.local.step()
-    for p, owner in zip(self.params, self.owners):
-        dist.broadcast(p, src=owner)"""
 
 
 def exercise():
@@ -67,12 +53,21 @@ def parameter_sizes(cases: int = 40) -> list[list[int]]:
                                   generator=g)].tolist() for _ in range(cases)]
 
 
+DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
 def partition_task():
+    """Each size list twice: all float32, then of mixed dtypes. torch's rule counts elements
+    whatever their dtype (``t.numel()`` in ``_partition_parameters``), but its optimizer refuses
+    mixed dtypes, so the expected owners of the mixed list are those of float32 stand-ins."""
     cases = []
-    for sizes in parameter_sizes():
-        params = [nn.Parameter(torch.zeros(n)) for n in sizes]
-        cases.append((sizes, torch_owners(params),
-                      list(exercise().owners(params, dist.get_world_size()))))
+    for k, sizes in enumerate(parameter_sizes()):
+        expected = torch_owners([nn.Parameter(torch.zeros(n)) for n in sizes])
+        for dtypes in ([torch.float32] * len(sizes),
+                       [DTYPES[(k + i) % len(DTYPES)] for i in range(len(sizes))]):
+            params = [nn.Parameter(torch.zeros(n, dtype=d)) for n, d in zip(sizes, dtypes)]
+            cases.append((sizes, [str(d)[6:] for d in dtypes], expected,
+                          list(exercise().owners(params, dist.get_world_size()))))
     return cases
 
 
@@ -85,9 +80,11 @@ def greedy(sizes, world, order, lowest=True) -> list[int]:
     return owners
 
 
-def what_went_wrong(sizes, world, got) -> str:
-    """Name the rule the learner's owners follow, when it is a plausible wrong one."""
+def wrong_rules(sizes, dtypes, world) -> dict[str, list[int]]:
+    """The owners each plausible wrong rule gives, by what to say of it."""
     n = len(sizes)
+    nbytes = [s * torch.empty((), dtype=getattr(torch, d)).element_size()
+              for s, d in zip(sizes, dtypes)]
     largest_first = sorted(range(n), key=lambda i: sizes[i], reverse=True)
     rules = {
         "you dealt the parameters out in turn; torch balances elements: each parameter goes to "
@@ -104,18 +101,34 @@ def what_went_wrong(sizes, world, got) -> str:
         "you balanced the number of parameters each rank owns; torch balances their sizes: "
         "each parameter goes to the rank that owns the fewest elements (numel) so far":
             greedy([1] * n, world, largest_first),
+        "you balanced bytes (numel * element_size); torch balances elements: the sort and the "
+        "load both count numel(), whatever the dtype":
+            greedy(nbytes, world, sorted(range(n), key=lambda i: nbytes[i], reverse=True)),
+        "you sorted by bytes; torch sorts by the number of elements (numel), whatever the dtype":
+            greedy(sizes, world, sorted(range(n), key=lambda i: nbytes[i], reverse=True)),
+        "you counted each rank's load in bytes; torch counts elements (numel), whatever the "
+        "dtype": greedy(nbytes, world, largest_first),
     }
-    return next((why for why, owners in rules.items() if owners == got),
+    return rules
+
+
+def what_went_wrong(cases, world) -> str:
+    """Name the rule the learner's owners follow on every case, when it is a plausible wrong
+    one (two rules can agree on one case, so one case alone would not tell them apart)."""
+    named = [wrong_rules(sizes, dtypes, world) for sizes, dtypes, _, _ in cases]
+    return next((why for why in named[0] if all(rules[why] == got for rules, (_, _, _, got)
+                                                in zip(named, cases))),
                 "largest first, each to the rank owning the fewest elements so far")
 
 
 def grade_partition():
     for world in WORLDS:
-        for sizes, expected, got in on_ranks(world, partition_task)[0]:
+        cases = on_ranks(world, partition_task)[0]
+        for sizes, dtypes, expected, got in cases:
             if got != expected:
-                return False, (f"for parameters of {sizes} elements at {world} ranks torch's "
-                               f"owners are {expected}, yours {got}: "
-                               f"{what_went_wrong(sizes, world, got)}")
+                return False, (f"for parameters of {sizes} elements (dtypes {dtypes}) at "
+                               f"{world} ranks torch's owners are {expected}, yours {got}: "
+                               f"{what_went_wrong(cases, world)}")
     return True, ""
 
 
@@ -139,6 +152,8 @@ class BroadcastSpy:
         self.original = dist.broadcast
         self.index = {p.data_ptr(): i for i, p in enumerate(params)}
         self.owners, self.calls, self.wrong = owners, 0, []
+        self.works: list[dict] = []  # each asynchronous broadcast's record: waited for or not
+        self.order: list[str] = []  # "broadcast" and "step" (the local optimizer's), as called
 
     def _agree(self, row: list[int]) -> None:
         rows = [torch.empty(3, dtype=torch.long) for _ in range(dist.get_world_size())]
@@ -164,10 +179,26 @@ class BroadcastSpy:
         if index >= 0 and src != self.owners[index]:
             self.wrong.append((index, src, self.owners[index]))
         self.calls += 1
-        return self.original(tensor, src, *args, **kwargs)
+        self.order.append("broadcast")
+        work = self.original(tensor, src, *args, **kwargs)
+        if not (kwargs.get("async_op") or (len(args) > 1 and args[1])):
+            return work
+        self.works.append({"waited": False})
+        return Waited(work, self.works[-1])
+
+    def unwaited(self) -> int:
+        return sum(not w["waited"] for w in self.works)
 
     def finish(self) -> None:
         self._agree([self.END, self.END, self.END])
+
+
+def noted(function, order: list, what: str):
+    """``function``, appending ``what`` to ``order`` at each call."""
+    def call(*args, **kwargs):
+        order.append(what)
+        return function(*args, **kwargs)
+    return call
 
 
 def sharded_task(name: str):
@@ -182,9 +213,14 @@ def sharded_task(name: str):
     report = {"local": type(local).__name__, "count": len(params), "share": None,
               "torch_share": [i for i, owner in enumerate(owners) if owner == rank],
               "state": None, "torch_state": None, "disagreement": None, "wrong": [],
-              "mismatch": None}
+              "mismatch": None, "unwaited": None, "defaults": defaults, "options": None,
+              "sent_first": False, "steps_taken": 0}
     if isinstance(local, torch.optim.Optimizer):
+        report["options"] = {key: local.defaults.get(key) for key in defaults}
         report["share"] = positions(params, [p for g in local.param_groups for p in g["params"]])
+    calls: list[str] = []  # this step's broadcasts and local steps, in order
+    if isinstance(local, torch.optim.Optimizer):
+        local.step = noted(local.step, calls, "step")
     x_all, y_all = make_dataset(n=16 * STEPS, seed=rank).tensors
     for s in range(STEPS):
         x, y = x_all[16 * s:16 * (s + 1)], y_all[16 * s:16 * (s + 1)]
@@ -193,6 +229,8 @@ def sharded_task(name: str):
             optimizer.zero_grad()
             F.mse_loss(model(x), y).backward()
         spy = BroadcastSpy(params, owners)
+        calls.clear()
+        spy.order = calls
         dist.broadcast = spy
         try:
             mine.step()
@@ -204,6 +242,11 @@ def sharded_task(name: str):
             dist.broadcast = spy.original
         reference.step()
         report["wrong"] += spy.wrong
+        report["steps_taken"] = max(report["steps_taken"], calls.count("step"))
+        if "broadcast" in calls and "step" in calls:
+            report["sent_first"] |= calls.index("broadcast") < calls.index("step")
+        if spy.unwaited() and report["unwaited"] is None:
+            report["unwaited"] = (s, spy.unwaited(), len(spy.works))
         if s == 0 and isinstance(local, torch.optim.Optimizer):
             report["state"], report["torch_state"] = state_bytes(local), state_bytes(
                 reference.optim)
@@ -237,6 +280,9 @@ def share_problem(rank: int, r: dict) -> str | None:
     if r["share"] != r["torch_share"]:
         return (f"rank {rank}'s optimizer holds the parameters {r['share']}; torch's gives it "
                 f"{r['torch_share']} (self.owners == rank)")
+    if r["options"] != r["defaults"]:
+        return (f"rank {rank}'s optimizer was built with {r['options']}, not the defaults "
+                f"given, {r['defaults']}: pass them on, optimizer_class(share, **defaults)")
     if r["state"] == 0 < r["torch_state"]:
         return (f"after one step rank {rank}'s optimizer holds no state, torch's "
                 f"{r['torch_state']} bytes: self.local never stepped")
@@ -249,6 +295,12 @@ def share_problem(rank: int, r: dict) -> str | None:
 def send_problem(rank: int, r: dict) -> str | None:
     if r["disagreement"]:
         return r["disagreement"]
+    if r["unwaited"]:
+        step, unwaited, works = r["unwaited"]
+        return (f"in step {step}, {unwaited} of the {works} works that broadcast(async_op=True) "
+                "returned were never waited for: a parameter may still be arriving when step "
+                "returns, and the next forward read it half-written. Wait for every work "
+                "(work.wait()) before step returns, or use a blocking broadcast")
     if r["wrong"]:
         index, src, owner = r["wrong"][0]
         return (f"parameter {index} was broadcast from rank {src}, but rank {owner} owns it: "
@@ -263,6 +315,13 @@ def bits_problem(rank: int, r: dict) -> str | None:
     if m is None:
         return None
     where = f"after step {m['step']} on rank {rank}"
+    if r["steps_taken"] > 1:
+        return (f"{where} the parameters {m['differ']} differ: self.local.step() ran "
+                f"{r['steps_taken']} times in one step. Step once, then send")
+    if r["sent_first"]:
+        return (f"{where} the parameters {m['differ']} differ: the broadcasts ran before "
+                "self.local.step(), so the owners sent the values from before the step. Step "
+                "first, then send")
     own_stale = [i for i in m["stale"] if i in m["owned"]]
     if own_stale:
         return (f"{where} this rank's own parameters {own_stale} did not move: step the local "
@@ -290,8 +349,8 @@ def first_problem(results: dict, find) -> str | None:
 
 def grade_15():
     ok, why = grade_partition()
-    yield (ok, "owners: torch's ZeroRedundancyOptimizer's partition of 40 parameter lists at 2 "
-           "and 3 ranks", why)
+    yield (ok, "owners: torch's ZeroRedundancyOptimizer's partition of 40 parameter lists, of "
+           "one dtype and of mixed dtypes, at 2 and 3 ranks", why)
     if not ok:
         return
     results = {(world, name): on_ranks(world, sharded_task, name)
@@ -301,7 +360,7 @@ def grade_15():
            "keeps on that rank", problem)
     problem = first_problem(results, send_problem)
     yield (problem is None, "every broadcast sends a parameter from its owner, every rank "
-           "taking part", problem)
+           "taking part, and is finished when step returns", problem)
     for world in WORLDS:
         problem = first_problem({key: value for key, value in results.items()
                                  if key[0] == world}, bits_problem)

@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from lesson_modules import LESSONS_DIR
+from lesson_modules import CANNOT_RUN_HERE, LESSONS_DIR
 from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
 
 GRADE = LESSONS_DIR / "grade.py"
 SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
-NUMBERS = ["03", "04", "05", "06", "07", "15", "17"]
+NUMBERS = ["03", "04", "05", "06", "07", "15"] + ([] if "17_fsdp" in CANNOT_RUN_HERE else ["17"])
 
 
 GRADER_WARM = ("grade", "torch._dynamo")  # the grader's own imports, with its settings
@@ -231,10 +231,23 @@ def test_a_wrong_solution_fails_naming_its_root_cause(graded_ahead, request, cas
     assert words in lines[failed[0] + 1], done.stdout
 
 
-def test_hint_prints_the_code_the_instruction_leaves_out():
-    done = grade("--hint", "03")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert all(line in done.stdout for line in solution_lines("03")), done.stdout
+@pytest.mark.parametrize("number", NUMBERS)
+def test_hints_come_in_steps_and_only_the_last_prints_the_code(number):
+    """The idea first, then the shape, then the lines the instruction leaves out: a learner
+    asking for a hint is not handed the whole solution at once."""
+    steps = [grade("--hint", number, "--step", str(step)) for step in (1, 2, 3)]
+    assert all(done.returncode == 0 for done in steps), [d.stdout + d.stderr for d in steps]
+    assert grade("--hint", number).stdout == steps[0].stdout
+    lines = solution_lines(number)
+    for step, done in enumerate(steps[:2], 1):
+        given = [line for line in lines if line in done.stdout]
+        assert given == [], f"hint {step} of {number} prints the code {given}"
+        assert f"--hint {number} --step {step + 1}" in done.stdout, done.stdout
+    assert all(line in steps[2].stdout for line in lines), steps[2].stdout
+    assert len({done.stdout for done in steps}) == 3
+
+
+def test_an_unknown_hint_is_refused():
     assert grade("--hint", "99").returncode == 2
 
 
@@ -384,11 +397,13 @@ WRONG = {
     "07 the first micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
                                                       "        if j > 0:\n")],
                                               "the micro-batch that synchronizes is the last",
-                                              ["[[0], [0], [0]]", "expected [2]"], []),
+                                              ["[[1, 0, 0, 0],", "expected [0, 0, 0, 1]",
+                                               "Micro-batch 0 synchronized and the last did "
+                                               "not"], []),
     "07 a middle micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
                                                      "        if j != 1:\n")],
                                              "the micro-batch that synchronizes is the last",
-                                             ["[[1], [1], [1]]"], []),
+                                             ["[[0, 1, 0, 0],"], []),
 }
 
 
@@ -546,7 +561,7 @@ NAMED = {
                 "                F.mse_loss(ddp(x), y).backward()\n        else:\n"
                 "            F.mse_loss(ddp(x), y).backward()\n")],
         "2 ranks: parameters equal the correct loop's",
-        ["3 times the right one", "Divide each micro-batch's loss by k"],
+        ["k times the right one", "Divide each micro-batch's loss by k"],
         ["zero_grad once"]),
     "04 the shuffle ignores the epoch": (
         "04", [("        g.manual_seed(seed + epoch)", "        g.manual_seed(seed)")],
@@ -612,3 +627,372 @@ def test_an_average_by_reduce_op_avg_is_named(tmp_path):
     assert done.returncode == 1, done.stdout + done.stderr
     _, _, check, words, _ = case["03 ReduceOp.AVG"]
     first_failure(sections(done.stdout)["03"], "03 ReduceOp.AVG", check, words)
+
+
+# ----- many solutions of one exercise, graded in one run on the same ranks -----
+# Each class of mistake has several solutions; each must fail first the check named, with a reason
+# that holds every one of the words and none of the absent ones. Each right solution, written in
+# an unusual way, must pass every check. Each entry: name -> (exercise, edits of the reference
+# solution, check, words, absent) for a wrong one; (exercise, edits) for a right one.
+
+LOOP_07 = ("    optimizer.zero_grad()\n    for j, (x, y) in enumerate(micro_batches):\n"
+           "        if j < k - 1:\n            with ddp.no_sync():\n"
+           "                (F.mse_loss(ddp(x), y) / k).backward()\n        else:\n"
+           "            (F.mse_loss(ddp(x), y) / k).backward()\n    optimizer.step()\n")
+
+
+def loop_07(inside: str, last: str, before: str = "    optimizer.zero_grad()\n",
+            after: str = "    optimizer.step()\n", over: str = "micro_batches",
+            split: str = "j < k - 1") -> list[tuple[str, str]]:
+    """The reference loop with its pieces replaced: the loss of the first k - 1 micro-batches
+    (``inside``) and of the last, what comes before and after the loop, what it runs over."""
+    return [(LOOP_07, f"{before}    for j, (x, y) in enumerate({over}):\n        if {split}:\n"
+                      f"            with ddp.no_sync():\n                {inside}\n"
+                      f"        else:\n            {last}\n{after}")]
+
+
+DIST_07 = [("import torch.nn.functional as F\n",
+            "import torch.distributed as dist\nimport torch.nn.functional as F\n")]
+LOSS_07 = "(F.mse_loss(ddp(x), y) / k).backward()"
+SYNC_07 = "the micro-batch that synchronizes is the last one"
+BITS_07 = "2 ranks: parameters equal the correct loop's"
+BITS3_07 = "3 ranks: parameters equal the correct loop's"
+ROUND_07 = "one all_reduce round per step"
+
+FLAT_03 = ("    world_size = dist.get_world_size()\n"
+           "    grads = [p.grad for p in model.parameters() if p.grad is not None]\n"
+           "    flat = torch.cat([g.reshape(-1) for g in grads])\n"
+           "    flat.mul_(1.0 / world_size)\n    dist.all_reduce(flat)\n"
+           "    for g, piece in zip(grads, flat.split([g.numel() for g in grads])):\n"
+           "        g.copy_(piece.view_as(g))\n")
+
+
+def flat_03(body: str) -> list[tuple[str, str]]:
+    """Exercise 03's solution with ``body`` in place of its own (and torch imported)."""
+    return [(BODY_03, body), ("import torch.distributed as dist\n",
+                              "import torch\nimport torch.distributed as dist\n")]
+
+
+BODY_03 = "    world_size = dist.get_world_size()\n" + LOOP_03
+ORDER_04 = "    order = (order * -(-total_size // dataset_len))[:total_size]\n"
+EQUAL_04 = "every rank's indices equal torch's"
+SHARE_15 = "each rank's optimizer holds its share only"
+SEND_15 = "every broadcast sends a parameter from its owner"
+OWNERS_15 = "owners: torch's ZeroRedundancyOptimizer's partition"
+SEND_LOOP_15 = ("        for p, owner in zip(self.params, self.owners):\n"
+                "            dist.broadcast(p, src=owner)\n")
+
+CLASSES = {
+    # 07, the loss's divisor: each named from the update's size, at k = 4 (no world size)
+    "07 divided by the world size": (
+        "07", DIST_07 + loop_07("(F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()",
+                                "(F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()"),
+        BITS_07, ["divided by the world size, not by k"], ["twice", "zero_grad once"]),
+    "07 divided by k and the world size": (
+        "07", DIST_07 + loop_07(
+            "(F.mse_loss(ddp(x), y) / (k * dist.get_world_size())).backward()",
+            "(F.mse_loss(ddp(x), y) / (k * dist.get_world_size())).backward()"),
+        BITS_07, ["divided by k and by the world size", "already averages"],
+        ["twice", "zero_grad once"]),
+    "07 divided by k twice": (
+        "07", loop_07("(F.mse_loss(ddp(x), y) / k / k).backward()",
+                      "(F.mse_loss(ddp(x), y) / k / k).backward()"),
+        BITS_07, ["divided by k twice"], ["world size", "zero_grad once"]),
+    "07 the sum of the losses": (
+        "07", loop_07("F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()"),
+        BITS_07, ["SUM of the micro-batches' gradients"], ["zero_grad once"]),
+    "07 the last loss not divided": (
+        "07", loop_07(LOSS_07, "F.mse_loss(ddp(x), y).backward()"),
+        BITS_07, ["last micro-batch's loss", "was not divided by k"], ["zero_grad once"]),
+    "07 only the last loss divided": (
+        "07", loop_07("F.mse_loss(ddp(x), y).backward()", LOSS_07),
+        BITS_07, ["only the last micro-batch's loss was divided by k"], ["zero_grad once"]),
+    # 07, zero_grad and step in the wrong place
+    "07 zero_grad never": (
+        "07", loop_07(LOSS_07, LOSS_07, before=""), BITS_07,
+        ["never called", "the first step was right"], ["zero_grad once"]),
+    "07 zero_grad just before the step": (
+        "07", loop_07(LOSS_07, LOSS_07, before="",
+                      after="    optimizer.zero_grad()\n    optimizer.step()\n"),
+        BITS_07, ["no parameter ever moved", "just before"], ["zero_grad once"]),
+    "07 zero_grad before each micro-batch, inside the branch": (
+        "07", loop_07("optimizer.zero_grad()\n                " + LOSS_07,
+                      "optimizer.zero_grad()\n            " + LOSS_07, before=""),
+        BITS_07, ["zero_grad() ran before every micro-batch"], ["zero_grad once"]),
+    "07 a micro-batch left out": (
+        "07", loop_07(LOSS_07, LOSS_07, over="micro_batches[1:]", split="j < k - 2"),
+        BITS_07, ["first micro-batch was left out"], ["zero_grad once"]),
+    # 07, the synchronization: launches counted per micro-batch, whichever way it ran
+    "07 no no_sync at all": (
+        "07", loop_07(LOSS_07, LOSS_07, split="False")
+        + [("        else:\n", "        if True:\n")],
+        ROUND_07, ["Every micro-batch synchronized", "[0, 0, 0,"], []),
+    "07 only the backward inside no_sync": (
+        "07", [("            with ddp.no_sync():\n                " + LOSS_07,
+                "            loss = F.mse_loss(ddp(x), y) / k\n            with ddp.no_sync():\n"
+                "                loss.backward()")],
+        ROUND_07, ["Every micro-batch synchronized", "read at forward time"], []),
+    "07 every micro-batch inside no_sync": (
+        "07", loop_07(LOSS_07, "with ddp.no_sync():\n                " + LOSS_07),
+        ROUND_07, ["No micro-batch synchronized", "[0, 0, 0, 0]"], []),
+    "07 the last through ddp.module": (
+        "07", loop_07(LOSS_07, "(F.mse_loss(ddp.module(x), y) / k).backward()"),
+        ROUND_07, ["No micro-batch synchronized"], ["micro-batch 0 synchronized"]),
+    "07 one micro-batch too early": (
+        "07", loop_07(LOSS_07, LOSS_07, split="j < k - 2"),
+        ROUND_07, ["Micro-batches [2] synchronized as well as the last"], []),
+    # 15, the local optimizer's options, asynchronous broadcasts, a partition by bytes
+    "15 built without the defaults": (
+        "15", [("self.local = optimizer_class(mine, **defaults)",
+                "self.local = optimizer_class(mine)")],
+        SHARE_15, ["not the defaults given", "**defaults"], ["never stepped"]),
+    "15 built with the learning rate only": (
+        "15", [("self.local = optimizer_class(mine, **defaults)",
+                "self.local = optimizer_class(mine, lr=defaults[\"lr\"])")],
+        SHARE_15, ["'momentum': 0", "not the defaults given"], ["never stepped"]),
+    "15 asynchronous broadcasts never waited for": (
+        "15", [("dist.broadcast(p, src=owner)", "dist.broadcast(p, src=owner, async_op=True)")],
+        SEND_15, ["never waited for", "work.wait()"], []),
+    "15 asynchronous broadcasts, only the last waited for": (
+        "15", [(SEND_LOOP_15, "        works = [dist.broadcast(p, src=owner, async_op=True)\n"
+                              "                 for p, owner in zip(self.params, self.owners)]\n"
+                              "        works[-1].wait()\n")],
+        SEND_15, ["never waited for"], []),
+    "15 balanced by bytes": (
+        "15", [("load[result[i]] += params[i].numel()",
+                "load[result[i]] += params[i].numel() * params[i].element_size()")],
+        OWNERS_15, ["counted each rank's load in bytes", "whatever the dtype"], []),
+    "15 sorted and balanced by bytes": (
+        "15", [("load[result[i]] += params[i].numel()",
+                "load[result[i]] += params[i].numel() * params[i].element_size()"),
+               ("key=lambda i: params[i].numel()",
+                "key=lambda i: params[i].numel() * params[i].element_size()")],
+        OWNERS_15, ["you balanced bytes"], []),
+    # 03, one flat buffer: a wrong arithmetic named in that layout too
+    "03 one flat buffer, divided after the sum": (
+        "03", flat_03(FLAT_03.replace("flat.mul_(1.0 / world_size)\n    dist.all_reduce(flat)",
+                                      "dist.all_reduce(flat)\n    flat.div_(world_size)")),
+        WHICH_03, ["You divided the sum by world_size", "BEFORE the all_reduce"],
+        ["none of", "neither"]),
+    # 05: each rule named only when it is the learner's; '>=' said only of a comparison
+    "05 one bucket for all dtypes": (
+        "05", [("open_buckets.setdefault((p.dtype, p.device), [[], 0, 0])",
+                "open_buckets.setdefault(p.device, [[], 0, 0])")],
+        AT_LIMITS, ["one open bucket for all dtypes"], ["MORE", ">=", "at least its limit"]),
+    "05 elements counted, not bytes": (
+        "05", [("entry[1] += p.numel() * p.element_size()", "entry[1] += p.numel()")],
+        AT_LIMITS, ["you counted elements"], ["MORE", ">=", "at least its limit"]),
+    "05 four bytes an element": (
+        "05", [("entry[1] += p.numel() * p.element_size()", "entry[1] += p.numel() * 4")],
+        AT_LIMITS, ["4 bytes per element"], ["MORE", ">=", "at least its limit"]),
+    "05 every bucket at the cap": (
+        "05", [(CLOSE_05, "        if entry[1] >= cap_bytes:\n")],
+        AT_LIMITS, ["every bucket closed at cap_bytes"], ["MORE", ">=", "at least its limit"]),
+    "05 the first limit once overall": (
+        "05", [(CLOSE_05, "        if entry[1] >= (first_bytes if not closed else cap_bytes):\n")],
+        AT_LIMITS, ["first bucket of EACH dtype"], ["MORE", ">=", "at least its limit"]),
+    "05 past the limit, written as not below it plus one": (
+        "05", [(CLOSE_05, "        if entry[1] >= (first_bytes if entry[2] == 0 else cap_bytes) "
+                          "+ 1:\n")],
+        AT_LIMITS, ["MORE than its limit", "(>=)"], []),
+    "05 sorted by the largest index": (
+        "05", [("return list(reversed(sorted(closed, key=min)))",
+                "return list(reversed(sorted(closed, key=max)))")],
+        "the layout of torch's _compute_bucket_assignment_by_size",
+        ["torch's buckets in another order", "smallest index"], ["opposite order"]),
+    "05 in the order they closed": (
+        "05", [("return list(reversed(sorted(closed, key=min)))", "return closed[::-1]")],
+        "the layout of torch's _compute_bucket_assignment_by_size",
+        ["torch's buckets in another order", "smallest index"], ["opposite order"]),
+    "04 never shuffled": (
+        "04", [("    if shuffle:\n", "    if False:\n")], EQUAL_04, ["You never shuffled"],
+        ["contiguous"]),
+    "04 always shuffled": (
+        "04", [("    if shuffle:\n", "    if True:\n")], EQUAL_04,
+        ["You shuffled with shuffle=False too"], ["contiguous"]),
+    "15 the local step taken twice": (
+        "15", [("        self.local.step()\n", "        self.local.step()\n"
+                "        self.local.step()\n")],
+        "2 ranks: parameters equal torch's", ["ran 2 times in one step"], []),
+    # 04: the process-wide random state
+    "04 reseeds torch's global RNG": (
+        "04", [("        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n"
+                "        order = torch.randperm(dataset_len, generator=g).tolist()\n",
+                "        torch.manual_seed(seed + epoch)\n"
+                "        order = torch.randperm(dataset_len).tolist()\n")],
+        "every rank's indices equal torch's", ["process-wide random state",
+                                                "torch's default generator"], []),
+    "04 draws from Python's random": (
+        "04", [("        order = torch.randperm(dataset_len, generator=g).tolist()\n",
+                "        order = torch.randperm(dataset_len, generator=g).tolist()\n"
+                "        random.random()\n"),
+               ("import torch\n", "import random\n\nimport torch\n")],
+        "every rank's indices equal torch's", ["Python's random"], []),
+    # 04: the padding, the cut and the count, each named from every case
+    "04 padded with the last index": (
+        "04", [(ORDER_04, "    order = (order + order[-1:] * (total_size - dataset_len))"
+                          "[:total_size]\n")],
+        EQUAL_04, ["repeating the last index"], ["contiguous"]),
+    "04 padded once": (
+        "04", [(ORDER_04, "    order = (order + order[:total_size - dataset_len])[:total_size]\n")],
+        EQUAL_04, ["falls short when the padding is longer than the dataset"], ["contiguous"]),
+    "04 never cut": (
+        "04", [(ORDER_04, "    order = order * -(-total_size // dataset_len)\n"),
+               ("return order[rank:total_size:num_replicas]", "return order[rank::num_replicas]")],
+        EQUAL_04, ["not cut to total_size"], ["contiguous"]),
+    "04 drop_last swapped": (
+        "04", [("    if drop_last:\n", "    if not drop_last:\n")],
+        EQUAL_04, ["You swapped drop_last's two cases"], ["contiguous"]),
+    "04 one more than the floor": (
+        "04", [("num_samples = -(-dataset_len // num_replicas)",
+                "num_samples = dataset_len // num_replicas + 1")],
+        EQUAL_04, ["one too many when the dataset splits evenly"], ["contiguous"]),
+    # 03: a scale that is a number written in, named from the ratio to the mean
+    "03 the world size written in as 2": (
+        "03", [("p.grad.mul_(1.0 / world_size)", "p.grad.mul_(0.5)")],
+        WHICH_03, ["the mean times 1.5", "dist.get_world_size()"], ["rounding-sized"]),
+    # 15: the order of the local step and the broadcasts
+    "15 broadcasts before the local step": (
+        "15", [("        self.local.step()\n" + SEND_LOOP_15,
+                SEND_LOOP_15 + "        self.local.step()\n")],
+        "2 ranks: parameters equal torch's", ["before self.local.step()", "Step first"], []),
+    # 06: more of what a reducer gets wrong
+    "06 never scaled": (
+        "06", [("torch.mul(param.grad, 1.0 / self.world_size, out=view)",
+                "view.copy_(param.grad)")],
+        "2 ranks: .grad equals torch's DDP's bit for bit", ["the SUM over the ranks"],
+        ["Each gradient times the reciprocal"]),
+    "06 in_flight never reset": (
+        "06", [("        self.in_flight = []\n\n    def _record", "\n    def _record")],
+        "every backward starts from a reset state", ["reset the state at the end of _finish"],
+        []),
+    "06 a bucket counted complete at its first gradient": (
+        "06", [("self.missing[b] -= 1", "self.missing[b] = 0")],
+        "every bucket is launched once all its gradients are in it",
+        ["were not yet in it", "count of missing gradients"], []),
+    # 07: every micro-batch's loss in one backward
+    "07 the losses summed, one backward": (
+        "07", [(LOOP_07, "    optimizer.zero_grad()\n"
+                         "    losses = [F.mse_loss(ddp(x), y) / k for x, y in micro_batches]\n"
+                         "    sum(losses).backward()\n    optimizer.step()\n")],
+        BITS_07, ["one backward after all k forwards", "no_sync"], ["none of the usual"]),
+}
+RIGHT_CLASSES = {
+    "15 one flat broadcast per owner": ("15", [(SEND_LOOP_15, (
+        "        for r in range(self.world_size):\n"
+        "            share = [p for p, o in zip(self.params, self.owners) if o == r]\n"
+        "            flat = torch.cat([p.detach().reshape(-1) for p in share])\n"
+        "            dist.broadcast(flat, src=r)\n"
+        "            offset = 0\n"
+        "            for p in share:\n"
+        "                p.copy_(flat[offset:offset + p.numel()].view_as(p))\n"
+        "                offset += p.numel()\n"))]),
+    "06 copied back into a new tensor": ("06", [(
+        "self.params[i].grad.copy_(self.views[i][1])",
+        "self.params[i].grad = self.views[i][1].clone()")]),
+    "07 the flag set by hand": ("07", [(LOOP_07, (
+        "    optimizer.zero_grad()\n    for j, (x, y) in enumerate(micro_batches):\n"
+        "        ddp.require_backward_grad_sync = j == k - 1\n"
+        "        " + LOSS_07 + "\n    ddp.require_backward_grad_sync = True\n"
+        "    optimizer.step()\n"))]),
+    "03 p.grad rebound to a scaled copy": ("03", [(
+        "        p.grad.mul_(1.0 / world_size)\n",
+        "        p.grad = p.grad * (1.0 / world_size)\n")]),
+    "15 the share from a generator": ("15", [(
+        "self.local = optimizer_class(mine, **defaults)",
+        "self.local = optimizer_class((p for p in mine), **defaults)")]),
+    "04 the strided slice without its end": ("04", [(
+        "return order[rank:total_size:num_replicas]", "return order[rank::num_replicas]")]),
+    "04 the ceiling from math": ("04", [
+        ("num_samples = -(-dataset_len // num_replicas)",
+         "num_samples = math.ceil(dataset_len / num_replicas)"),
+        ("import torch\n", "import math\n\nimport torch\n")]),
+    "04 a generator from torch.Generator().manual_seed": ("04", [(
+        "        g = torch.Generator()\n        g.manual_seed(seed + epoch)\n",
+        "        g = torch.Generator().manual_seed(seed + epoch)\n")]),
+    "05 bytes from the dtype's bits": ("05", [(
+        "entry[1] += p.numel() * p.element_size()",
+        "entry[1] += p.nelement() * torch.finfo(p.dtype).bits // 8")]),
+    "03 one flat buffer, scaled, one all_reduce": ("03", flat_03(FLAT_03)),
+    "03 one flat buffer, last parameter first": ("03", flat_03(FLAT_03.replace(
+        "if p.grad is not None]", "if p.grad is not None][::-1]"))),
+    "15 asynchronous broadcasts, all waited for": ("15", [(
+        SEND_LOOP_15, "        works = [dist.broadcast(p, src=owner, async_op=True)\n"
+                      "                 for p, owner in zip(self.params, self.owners)]\n"
+                      "        for work in works:\n            work.wait()\n")]),
+    "15 ties broken by index in the key": ("15", [(
+        "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)",
+        "sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))")]),
+    "15 the least-loaded rank by min over ranks": ("15", [(
+        "result[i] = load.index(min(load))",
+        "result[i] = min(range(world_size), key=lambda r: load[r])")]),
+    "15 a parameter group and .data sent": ("15", [
+        ("self.local = optimizer_class(mine, **defaults)",
+         "self.local = optimizer_class([{\"params\": mine}], **defaults)"),
+        ("dist.broadcast(p, src=owner)", "dist.broadcast(p.data, src=owner)")]),
+    "07 the first k - 1 through ddp.module": ("07", loop_07(
+        "(F.mse_loss(ddp.module(x), y) / k).backward()", LOSS_07)),
+    "07 zero_grad after the step": ("07", loop_07(
+        LOSS_07, LOSS_07, before="", after="    optimizer.step()\n    optimizer.zero_grad()\n")),
+    "07 times the reciprocal": ("07", loop_07("(F.mse_loss(ddp(x), y) * (1.0 / k)).backward()",
+                                              "(F.mse_loss(ddp(x), y) * (1.0 / k)).backward()")),
+    "07 gradients divided by k before the step": ("07", loop_07(
+        "F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()",
+        after="    for p in ddp.parameters():\n        p.grad.div_(k)\n    optimizer.step()\n")),
+    "07 one no_sync block, then the last": ("07", [(LOOP_07, (
+        "    optimizer.zero_grad()\n    with ddp.no_sync():\n"
+        "        for x, y in micro_batches[:-1]:\n            " + LOSS_07 + "\n"
+        "    x, y = micro_batches[-1]\n    " + LOSS_07 + "\n    optimizer.step()\n"))]),
+    "07 zeros kept, not None": ("07", loop_07(
+        LOSS_07, LOSS_07, before="    optimizer.zero_grad(set_to_none=False)\n")),
+}
+
+
+def solution_files(names: list[str], directory: Path, tables: tuple[dict, ...]) -> list[Path]:
+    """Write each named solution as ``directory/NN_<name>.py``; return their paths."""
+    table = {k: v for t in tables for k, v in t.items()}
+    paths = []
+    for name in names:
+        number, edits = table[name][:2]
+        text = next(SOLUTIONS.glob(f"{number}_*.py")).read_text()
+        for right, wrong in edits:
+            assert text.count(right) == 1, f"{name}: the solution no longer holds {right!r}"
+            text = text.replace(right, wrong)
+        paths.append(directory / f"{number}_{re.sub(r'[^a-z0-9]+', '_', name.lower())}.py")
+        paths[-1].write_text(text)
+    return paths
+
+
+def by_file(stdout: str) -> dict[str, str]:
+    """The grader's output per graded file (by its name), each verdict on one line."""
+    parts = re.split(r"^exercise \d\d: (.*)$", unwrapped(stdout), flags=re.MULTILINE)
+    return {Path(path).name: text for path, text in zip(parts[1::2], parts[2::2])}
+
+
+CLASS_NUMBERS = sorted({case[0] for case in (*CLASSES.values(), *RIGHT_CLASSES.values())})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", CLASS_NUMBERS)
+def test_each_class_of_mistake_is_named_and_unusual_right_solutions_pass(tmp_path, number):
+    wrong = [name for name, case in CLASSES.items() if case[0] == number]
+    right = [name for name, case in RIGHT_CLASSES.items() if case[0] == number]
+    paths = solution_files(wrong + right, tmp_path, (CLASSES, RIGHT_CLASSES))
+    done = grade(*paths, timeout=600)
+    found = by_file(done.stdout)
+    assert len(found) == len(paths), done.stdout + done.stderr
+    problems = []
+    for name, path in zip(wrong + right, paths):
+        text = found[path.name]
+        if name in RIGHT_CLASSES:
+            if "FAIL" in text or "PASS" not in text:
+                problems.append(f"{name} (right) did not pass:\n{text}")
+            continue
+        _, _, check, words, absent = CLASSES[name]
+        try:
+            lines, failed = first_failure(text, name, check, words)
+            why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+            assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
+        except AssertionError as error:
+            problems.append(str(error))
+    assert not problems, "\n\n".join(problems)

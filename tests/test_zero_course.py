@@ -175,10 +175,12 @@ def test_exercise_solution_passes_every_check():
     assert text.count("PASS") == 5 and "FAIL" not in text, text
 
 
-def test_exercise_hint_prints_the_code_the_instruction_leaves_out():
-    done = grade("--hint", "15")
+def test_exercise_hint_prints_the_code_the_instruction_leaves_out_at_its_last_step():
+    done = grade("--hint", "15", "--step", "3")
     assert done.returncode == 0, done.stdout + done.stderr
     assert all(line in done.stdout for line in solution_lines("15")), done.stdout
+    first = grade("--hint", "15").stdout
+    assert not any(line in first for line in solution_lines("15")), first
 
 
 # Each: (text in the solution, the mistake put in its place, the first check that must fail,

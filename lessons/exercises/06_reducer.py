@@ -14,7 +14,8 @@ Write the two pieces that make DDP:
   the averages back into ``.grad``; reset for the next backward.
 
 Try it before re-reading lesson 06's ``SmallReducer``: the reference solution is close to it.
-``python lessons/grade.py --hint 06`` prints the code-level steps if you are stuck.
+``python lessons/grade.py --hint 06`` gives the idea if you are stuck; ``--step 2`` adds the
+shape of the code, ``--step 3`` its lines.
 
 Graded by ``python lessons/grade.py 06``: ``_finish`` run by the autograd engine once after
 every backward, every launched all_reduce waited for before its bucket is read, the state reset;

@@ -10,7 +10,8 @@ Three steps, as in ``miniddp.sampler.DistributedSampler``:
    num_replicas``, and the order is cut to ``total_size``;
 3. rank ``r`` takes every ``num_replicas``-th index starting at ``r``.
 
-Graded by ``python lessons/grade.py 04`` on 3 ranks against torch's sampler, index for index.
+Graded by ``python lessons/grade.py 04`` on 3 ranks against torch's sampler, index for index;
+like torch's, it must leave the process-wide random state alone (the training draws from it).
 """
 
 import torch

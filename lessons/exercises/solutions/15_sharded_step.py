@@ -13,7 +13,8 @@ Three pieces to write:
 * ``step``: the local step, then every parameter sent from its owner to every rank.
 
 Graded by ``python lessons/grade.py 15`` against torch's ``ZeroRedundancyOptimizer``: the owners
-for 40 parameter lists at 2 and 3 ranks, the parameters and state each rank's optimizer holds,
+for 40 parameter lists (of one dtype, and of mixed dtypes: torch counts elements, not
+bytes) at 2 and 3 ranks, the parameters and state each rank's optimizer holds,
 where every parameter is sent from, and beside torch's DDP the parameters after every step bit
 for bit, with SGD with momentum and with Adam, at 2 and 3 ranks.
 """
