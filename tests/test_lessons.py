@@ -1,7 +1,8 @@
 """Every lesson runs end to end and proves itself; run_course.py tells a failing lesson apart.
 
 Lessons are found by glob, so a new ``lessons/NN_topic.py`` is tested without touching this file.
-Select them with ``pytest -m lesson``; ``-m "lesson and not slow"`` skips the torchrun runs.
+Select them with ``pytest -m lesson``; the fast tier (``-m "not slow"``, ``tests/conftest.py``)
+runs lesson 08 alone.
 
 ``python lessons/NN_topic.py`` runs in a warm interpreter (``tests/warm_python.py``: a fork of
 one that imported torch, which is otherwise most of a short lesson's CPU), and the documented
