@@ -139,6 +139,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
     whole_files = {item.nodeid.split("::")[0] for item in items}
     if not any("::" in arg for arg in config.args):
+        if (FAST_TIER_LESSON.split("::")[0] in whole_files
+                and FAST_TIER_LESSON not in {item.nodeid for item in items}):
+            warnings.warn(pytest.PytestWarning(
+                f"tests/conftest.py: FAST_TIER_LESSON {FAST_TIER_LESSON!r} is no test; the "
+                "fast tier runs no lesson end to end. Name another."), stacklevel=2)
         for globs in SLOW.values():
             for glob in globs:
                 if glob.split("::")[0] in whole_files and _pattern(glob).pattern not in matched:
