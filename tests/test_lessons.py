@@ -1,7 +1,16 @@
 """Every lesson runs end to end and proves itself; run_course.py tells a failing lesson apart.
 
 Lessons are found by glob, so a new ``lessons/NN_topic.py`` is tested without touching this file.
-Select them with ``pytest -m lesson``; ``-m "lesson and not slow"`` skips the torchrun runs.
+Select them with ``pytest -m lesson``; the fast tier (``-m "not slow"``, ``tests/conftest.py``)
+runs lesson 08 alone.
+
+``python lessons/NN_topic.py`` runs in a warm interpreter (``tests/warm_python.py``: a fork of
+one that imported torch, which is otherwise most of a short lesson's CPU), and the documented
+torchrun command runs as it is, in fresh interpreters, for each lesson whose code does
+something of its own under torchrun (it asks ``launched_by_torchrun()`` or
+``started_by_torchrun()``). The others reach torchrun only through ``miniddp.launch``, the same
+code for every lesson, which those runs and ``tests/test_launch.py`` prove; for them the test
+checks that the command their docstring gives names the lesson's own file.
 """
 
 import functools
@@ -14,6 +23,7 @@ from pathlib import Path
 import pytest
 from lesson_modules import CANNOT_RUN_HERE, runnable_here
 from runs_ahead import RunsAhead, selected
+from warm_python import warm_python
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
 LESSONS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.py"))
@@ -47,7 +57,16 @@ def torchrun_command(lesson: Path):
     return found.group(1).split() if found else None
 
 
-TORCHRUN_LESSONS = [p for p in LESSONS if torchrun_command(p)]
+def branches_under_torchrun(lesson: Path) -> bool:
+    """Whether the lesson's own code does something else when torchrun started it."""
+    return re.search(r"\b(launched|started)_by_torchrun\(\)", lesson.read_text()) is not None
+
+
+DOCUMENTED_TORCHRUN = [p for p in LESSONS if torchrun_command(p)]
+TORCHRUN_LESSONS = [p for p in DOCUMENTED_TORCHRUN if branches_under_torchrun(p)]
+#: Preloaded in the interpreter that forks each plain lesson run: the modules every lesson
+#: imports first, shared with ``tests/test_lesson_breakage.py``'s warm interpreters.
+WARM = ("torch", "torch._dynamo")
 
 
 def lesson_command(test_name: str, lesson: Path) -> list[str]:
@@ -60,10 +79,16 @@ def lesson_command(test_name: str, lesson: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def runs_ahead(request, tmp_path_factory):
     """The selected tests' lesson runs, one test ahead, two at a time (``tests/runs_ahead.py``)."""
+    for slot in (0, 1):
+        warm_python(WARM, slot=slot)  # created here: it reads os.environ
+
     def prepared(item):
         lesson = item.callspec.params["lesson"]
         runs = tmp_path_factory.mktemp(lesson.stem)
         command, env = lesson_command(item.originalname, lesson), learner_env(runs)
+        if item.originalname == "test_lesson_runs_and_ends_with_ok":
+            return lambda slot: warm_python(WARM, slot=slot).run(
+                command, env=env, cwd=LESSONS_DIR.parent, timeout=TIMEOUT)
         return lambda slot: run(command, runs, env=env)
 
     items = [item for item in selected(request, "test_lesson_runs_and_ends_with_ok",
@@ -97,6 +122,20 @@ def test_lesson_runs_under_its_documented_torchrun_command(lesson, runs_ahead, r
                                  f"{done.stderr[-3000:]}"
     assert last_line(done).startswith("OK"), f"{' '.join(command)}:\n{done.stdout}"
     assert done.stdout.count("OK:") == 1, "only rank 0 should print the OK line"
+
+
+def test_lessons_that_branch_under_torchrun_are_found():
+    """The selection above, checked: it must not quietly drop every torchrun run."""
+    stems = {p.stem for p in TORCHRUN_LESSONS}
+    assert {"01_processes_and_collectives", "09_checkpoints_and_restarts"} <= stems, stems
+    assert "03_data_parallel_by_hand" not in stems, stems
+
+
+@pytest.mark.parametrize("lesson", [pytest.param(p, id=p.stem) for p in DOCUMENTED_TORCHRUN])
+def test_a_documented_torchrun_command_runs_the_lessons_own_file(lesson):
+    [script] = [arg for arg in torchrun_command(lesson) if arg.endswith(".py")]
+    assert script == f"lessons/{lesson.name}", f"{lesson.name}'s docstring says to run {script}"
+    assert (LESSONS_DIR.parent / script).is_file()
 
 
 @pytest.mark.lesson

@@ -15,8 +15,9 @@ never from another run's, so one verdict cannot leak into the next.
 What such a child has that a fresh interpreter would not: the modules named in ``preload``
 already imported, before any ``sitecustomize`` of its own runs. A breakage aimed at one of them
 is applied at once instead of on import (``tests/breakage/breakages.py`` does either): preload
-torch only, not the code that the breakages patch. The learner's own commands are still run as
-they are, in fresh interpreters, by ``tests/test_lessons.py``.
+torch only, not the code that the breakages patch. ``tests/test_lessons.py`` runs each lesson's
+plain command here too; a fresh interpreter still starts each torchrun worker there and the
+lesson that ``run_course.py`` runs for real.
 
     warm = WarmPython(["torch", "torch._dynamo"])
     done = warm.run([sys.executable, "lessons/00_one_process.py"], env=..., cwd=..., timeout=120)
