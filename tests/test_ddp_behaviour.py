@@ -272,7 +272,7 @@ def test_backward_returns_only_once_every_bucket_is_averaged(ranks):
 
 # ----- what becomes of each .grad tensor, with a bucket per parameter -----
 # (A reducer that replaced .grad by its bucket's tensor instead of copying into it, tried and
-# withdrawn: benchmarks/README.md, "Changes made to the engine", 9. These pin down what it must
+# withdrawn: docs/performance-notes.md, "Changes made to the engine", 9. These pin down what it must
 # keep of torch's behaviour.)
 
 def lone_gradient_tensors():

@@ -332,7 +332,7 @@ def test_without_static_graph_a_layer_checkpointed_twice_is_refused(ranks):
     assert which and which.group(0) in ours, (ours, theirs)
 
 
-# ----- a first iteration that bypasses the static-graph DDP (README, "Known differences") -----
+# ----- a first iteration that bypasses the static-graph DDP (docs/differences.md) -----
 
 TORCH_2_13 = TORCH_RELEASE == (2, 13)
 

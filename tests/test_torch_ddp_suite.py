@@ -9,7 +9,7 @@ with torch's assertions, changed only where the original needs a GPU (``.cuda(ra
 torch's class, which shows the port is faithful (it passes where torch's own suite passes), and
 with miniddp's, which is the claim: code written against torch's DDP, private debugging APIs
 and error phrases included, works unchanged with miniddp. Cases miniddp cannot pass are listed
-in :data:`KNOWN_DIFFERENCES` (and in the README's "Known differences"), and are expected to
+in :data:`KNOWN_DIFFERENCES` (and in docs/differences.md), and are expected to
 fail with miniddp's class, for the reason given: if one starts passing, the list is out of date.
 
 Not ported: tests of what only a GPU has (CUDA streams, SyncBatchNorm, DDP-native mixed-precision
@@ -1932,7 +1932,7 @@ def t_test_post_localSGD_optimizer_parity_grad_is_view(self, DDP):
 
 # ----- running them -----
 
-#: miniddp cannot pass these, and the README's "Known differences" says why: {case: what
+#: miniddp cannot pass these, and docs/differences.md says why: {case: what
 #: miniddp's error says}.
 KNOWN_DIFFERENCES: dict[str, str] = {
     "test_ddp_native_mixed_precision_ignored_params":
