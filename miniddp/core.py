@@ -220,13 +220,12 @@ class CoreDDP(nn.Module):
 
     def _post_forward(self, output):
         """After the module ran: when a synced backward will follow, prepare the reducer."""
-        grad_enabled = torch.is_grad_enabled()
         if self.buffer_hook is not None and self.will_sync_module_buffers():
             self._sync_buffers(before_forward=False)
-        sync = grad_enabled and self.require_backward_grad_sync
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self.require_forward_param_sync = sync
         if sync:
-            output = self.reducer.prepare_for_backward(output)
-        elif grad_enabled:  # inside no_sync: watched all the same (see the reducer)
-            output = self.reducer.outputs_of_unsynced_forward(output)
+            return self.reducer.prepare_for_backward(output)
+        if torch.is_grad_enabled():  # inside no_sync: watched all the same (see the reducer)
+            return self.reducer.outputs_of_unsynced_forward(output)
         return output

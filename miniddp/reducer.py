@@ -184,8 +184,13 @@ class Reducer:
 
     def begin_forward(self, sync: bool = True) -> None:
         """At a forward with grad enabled (``sync``: not inside ``no_sync``): fail on an
-        unfinished reduction, rebuild the buckets once."""
-        self.ensure_prior_reduction_finished()
+        unfinished reduction, rebuild the buckets once.
+
+        An unfinished reduction raises at once, naming the parameters, as torch does: waiting
+        for the launched buckets could hang, since a rank missing a different parameter never
+        launched some of them."""
+        if self.state is Step.REDUCING:
+            raise errors.logged(self, errors.unfinished_reduction(self))
         self.forwards, self.allreduce_calls = self.forwards + 1, 0
         self.state = Step.EXPECTING if self.state is Step.EXPECTING else Step.IDLE
         if self.should_rebuild and self.ready_order:
@@ -203,8 +208,8 @@ class Reducer:
             for bucket in self.buckets:
                 self._reset(bucket)
             self.ready.clear()
-        self.state, self.next_bucket = Step.EXPECTING, 0
-        self.synced_forwards += 1
+        self.state, self.next_bucket, self.synced_forwards = (Step.EXPECTING, 0,
+                                                              self.synced_forwards + 1)
         self.fast_path = (self.unused is None and self.static_graph is None
                           and not self.should_rebuild)
         if "forward_end" in self._listeners:
@@ -442,9 +447,8 @@ class Reducer:
         self._listeners = {event: fs for event, fs in kept.items() if fs}
 
     def _record(self, event: str, ident: int) -> None:
-        record = (event, ident, time.perf_counter())
         for listener in self._listeners.get(event, self._listeners.get(None, ())):
-            listener(record)
+            listener((event, ident, time.perf_counter()))
 
     @property
     def timeline(self) -> list[tuple] | None:
@@ -460,13 +464,6 @@ class Reducer:
         if records is not None:
             self._timeline_append = records.append
             self.subscribe(self._timeline_append)
-
-    def ensure_prior_reduction_finished(self) -> None:
-        """Raise, naming the parameters, if the last synced backward never completed. At once,
-        as torch does: waiting for the launched buckets could hang, since a rank missing a
-        different parameter never launched some of them."""
-        if self.state is Step.REDUCING:
-            raise errors.logged(self, errors.unfinished_reduction(self))
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

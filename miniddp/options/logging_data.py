@@ -32,7 +32,6 @@ The reducer pays nothing on iterations that are not sampled: nothing listens to 
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import time
 
@@ -127,29 +126,29 @@ class DDPLogging:
         if sample_rate < 1:
             raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
         self.sample_rate = sample_rate
-        self.next_sampled = next(i for i in itertools.count(self.iterations + 1)
-                                 if self.is_sampled(i))
+        self.next_sampled = self.sampled_after(self.iterations)
 
-    def is_sampled(self, iteration: int) -> bool:
-        """torch's rule: the first ten iterations, then one in every ``sample_rate``."""
-        return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
+    def sampled_after(self, iteration: int) -> int:
+        """The first sampled iteration after ``iteration``; torch's rule: the first ten, then
+        one in every ``sample_rate``."""
+        if iteration < 10:
+            return iteration + 1
+        return (iteration // self.sample_rate + 1) * self.sample_rate
 
     def sample(self, reducer) -> None:
         """At a synchronized forward that a sampled iteration ends or begins: keep the last
         iteration's records if it was sampled, and start recording this one if it is."""
         if self.records is not None:
             reducer.unsubscribe(self.records.append)
-            seam = reducer.unused or reducer.static_graph  # which parameters went unused
-            unused = seam.unreached_this_step if seam is not None else ()
+            unused = getattr(reducer.unused or reducer.static_graph, "unreached_this_step", ())
             self.waiting.append((self.iterations - 1, self.records, unused, reducer.has_rebuilt))
-            self.records = None
-            if len(self.waiting) >= MAX_WAITING:
-                self._take_stats(reducer)
-        if self.iterations == self.next_sampled:
-            self.records = [("forward_start", -1, time.perf_counter())]
+        sampled = self.iterations == self.next_sampled
+        self.records = [("forward_start", -1, time.perf_counter())] if sampled else None
+        if sampled:
             reducer.subscribe(self.records.append, TIMED_EVENTS)
-            self.next_sampled = next(i for i in itertools.count(self.iterations + 1)
-                                     if self.is_sampled(i))
+            self.next_sampled = self.sampled_after(self.iterations)
+        if len(self.waiting) >= MAX_WAITING:
+            self._take_stats(reducer)
 
     def at_error(self, reducer, _record: tuple) -> None:
         self.set_error(reducer.error)
