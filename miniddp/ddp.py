@@ -212,7 +212,7 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
                                "rather than loading miniddp/ddp.py on its own.")
         return self.checks
 
-    # ----- uneven inputs (miniddp.options.join): torch's Joinable interface -----
+    # ----- uneven inputs: torch's Joinable interface -----
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False):

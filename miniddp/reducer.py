@@ -72,6 +72,10 @@ EVENTS = ("rebuild", "forward", "forward_end", "ready", "launch", "done",
           "buffers", "error")
 
 
+#: What the timeline records: a backward's events, and any other a caller records (None).
+TIMELINE_EVENTS = ("ready", "launch", "done", "backward_end", "waited", "finalized", None)
+
+
 class Step(enum.Enum):
     """Where the reducer stands in a step."""
 
@@ -133,7 +137,7 @@ class Reducer:
                        for i, node in enumerate(self._accumulators)]
         self._init_buckets(self.initial_assignment())
 
-    # ----- bucket layout (the rules live in miniddp.buckets) -----
+    # ----- bucket layout (torch's rules: miniddp.buckets) -----
 
     def initial_assignment(self) -> list[list[int]]:
         """Iteration 0: one bucket per dtype/device, unless unused parameters are expected."""
@@ -168,8 +172,8 @@ class Reducer:
 
         Each copy on the way in is one call from this thread (on a GPU, one more kernel launched
         by the thread that launches the backward's). Waiting trades those calls for one more
-        pass over the bucket, which pays on a CPU only for small gradients (benchmarks/README.md,
-        "Changes made to the engine", 4). ``float("inf")``: every bucket (a GPU's); -1: none.
+        pass over the bucket, which pays on a CPU only for small gradients (measured in
+        benchmarks/README.md). ``float("inf")``: every bucket (a GPU's); -1: none.
         """
         self.copy_at_end_bytes = max_bytes
         for bucket in self.buckets:
@@ -334,7 +338,7 @@ class Reducer:
 
     def _reciprocal(self, dtype: torch.dtype):
         """``1 / divisor`` as torch's reducer multiplies by it; for float32 a 0-dim float32
-        tensor: the same bits, and no new tensor per call (benchmarks/README.md, "Changes", 3)."""
+        tensor: the same bits, and no new tensor per call."""
         try:
             return self._reciprocals[dtype, self.divisor]
         except KeyError:
@@ -452,7 +456,8 @@ class Reducer:
 
     @property
     def timeline(self) -> list[tuple] | None:
-        """Every event as ``(event, ident, time)``, when set to a list (lessons, traces)."""
+        """A backward's events as ``(event, ident, time)`` (:data:`TIMELINE_EVENTS`), when set
+        to a list (lessons, traces)."""
         return self.__dict__.get("_timeline")
 
     @timeline.setter
@@ -463,7 +468,7 @@ class Reducer:
         self._timeline = records
         if records is not None:
             self._timeline_append = records.append
-            self.subscribe(self._timeline_append)
+            self.subscribe(self._timeline_append, TIMELINE_EVENTS)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:

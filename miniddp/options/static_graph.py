@@ -75,7 +75,7 @@ class StaticGraph:
         self._unmarked: list[int] = []
         self._first_backward_queued = False
         self._work = self._used_everywhere = None
-        self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
+        self.clone_outputs = True  # False: ddp._set_ddp_sink_clone(False)
 
     @classmethod
     def attach(cls, reducer, initial_buckets: bool) -> StaticGraph:
