@@ -40,8 +40,8 @@ MIB = 1024 * 1024
 DEFAULT_BUCKET_CAP_MB = 25
 #: torch's ``dist._DEFAULT_FIRST_BUCKET_BYTES``: a small first bucket starts communication early.
 DEFAULT_FIRST_BUCKET_BYTES = 1 * MIB
-#: The limit that puts every parameter of a dtype/device in one bucket (iteration 0).
-ONE_BUCKET = sys.maxsize
+#: A byte limit no bucket reaches: every parameter of a dtype/device in one bucket (iteration 0).
+UNLIMITED_BYTES = sys.maxsize
 
 
 def bucket_limits(bucket_cap_mb: float | None,
@@ -180,15 +180,12 @@ class Bucket:
                 view = self.buffer.narrow(0, offset, p.numel()).view(p.shape)
             self.views.append(view)
             offset += p.numel()
+        # What one backward does with it, reset by the reducer after each backward:
         self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
-        self.reset()
-
-    def reset(self) -> None:
-        """Ready for the next backward (the reducer calls it as it finishes each backward)."""
-        self.pending = len(self.param_indices)
+        self.pending = len(param_indices)  # gradients still to come
+        self.waiting: list[tuple] = []  # (gradient, view) pairs, copied in with the last one
         self.work = None  # the in-flight all_reduce, once launched
-        self.recorded = None  # with a timeline: the future of its "done" record
-        self.copy_later = [] if self.copy_at_end else None  # (grad, view) pairs, copied at once
+        self.done = None  # with a "done" listener: the future of that record
 
     def info(self, names: list[str]) -> BucketInfo:
         return BucketInfo(self.index, [names[i] for i in self.param_indices],

@@ -15,12 +15,31 @@ class NoProcessGroupError(ValueError, RuntimeError):
     for this now and raised RuntimeError before, so code written against either catches it."""
 
 
+def no_process_group() -> NoProcessGroupError:
+    return NoProcessGroupError(
+        "DistributedDataParallel needs a process group: call "
+        "torch.distributed.init_process_group(...) first (or start the script with "
+        "miniddp.launch.launch / torchrun).")
+
+
+def nothing_to_synchronize() -> RuntimeError:
+    """torch's words first: code matches on them."""
+    return RuntimeError(
+        "DistributedDataParallel is not needed when a module doesn't have any parameter "
+        "that requires a gradient: this module has no parameter that requires grad, so "
+        "there is nothing to synchronize. Train it without DDP, or unfreeze a parameter.")
+
+
 def logged(owner, error: BaseException) -> BaseException:
     """Record ``error`` where ``_get_ddp_logging_data()`` reports it (``has_error``, ``error``),
-    as torch's DDP does; ``owner`` is the DDP module or its reducer."""
+    as torch's DDP does; ``owner`` is the DDP module (its ``logger``) or its reducer (an
+    ``error`` event, which the logger hears)."""
     logger = getattr(owner, "logger", None)
     if logger is not None:
         logger.set_error(error)
+    elif hasattr(owner, "subscribe"):
+        owner.error = error
+        owner._record("error", -1)
     return error
 
 

@@ -22,13 +22,16 @@ The life of one synchronized step:
    into ``.grad`` while the later ones are still in flight. So when ``loss.backward()``
    returns, gradients are synchronized.
 
-That is all of this file. The options attach where it says so, each in the module of
-``miniddp.options`` named for it (``unused``, ``gradient_views``, ``comm_hooks``,
-``static_graph``, ``batched_copy``, ``create_graph``); the bucket layout and its one rebuild
-are ``miniddp.buckets``. A hook that no option needs to see goes straight to its bucket. The
-checks (``miniddp.checks``) are not imported here: they attach to ``self.watch`` and
-``self.consistency``, called at the points marked ``miniddp.checks``. ``timeline``, when set
-to a list, records ``(event, ident, time)`` for lessons and traces.
+That is the plain path, and all of it is in this file. Everything else attaches through a few
+seams, each ``None`` (the plain behaviour) until something is attached to it from outside the
+engine (this file imports none of it):
+
+* how a gradient enters its bucket and how the average returns: ``views``
+  (``gradient_as_bucket_view``), ``batched_copy``, ``graph_gradients`` (``create_graph=True``);
+* what reduces a bucket: ``comm_hook`` instead of the all_reduce;
+* which parameters count as ready: ``unused`` (``find_unused_parameters``), ``static_graph``;
+* what happened, as one stream of ``(event, ident, time)`` records: ``subscribe``. The timeline,
+  traces, torch's logging timers, the consistency checks and the late-gradient watch listen there.
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
 after backward" baselines share this code instead of copying it.
@@ -36,6 +39,7 @@ after backward" baselines share this code instead of copying it.
 
 from __future__ import annotations
 
+import enum
 import functools
 import threading
 import time
@@ -43,67 +47,83 @@ import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from miniddp import errors
 from miniddp.buckets import (
-    ONE_BUCKET,
+    UNLIMITED_BYTES,
     Bucket,
     BucketInfo,
     assign_buckets,
     bucket_limits,
     rebuilt_assignment,
 )
-from miniddp.options import create_graph
-from miniddp.options.gradient_views import GradientsAsBucketViews
-from miniddp.options.torch_private import TorchPrivateReducer
-from miniddp.options.unused import UnusedParameters
 
 #: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
 #: its last one (``Reducer.copy_buckets_at_end``).
 COPY_AT_END_BYTES_CPU = 64 * 1024
 
+#: The events of the stream, in the order a step emits them; ``ident`` is a parameter index for
+#: ``ready`` and ``late_gradient``, a bucket index for ``launch``, ``done``, ``waited`` and
+#: ``wait_failed``, 1 or 0 (synchronized or not) for ``forward``, else -1;
+#: the error a ``wait_failed`` or ``error`` names is the reducer's ``error``.
+EVENTS = ("rebuild", "forward", "forward_end", "ready", "launch", "done",
+          "used_flags", "backward_end", "waited", "wait_failed", "finalized", "late_gradient",
+          "buffers", "error")
 
-class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.torch_private
+
+#: What the timeline records: a backward's events, and any other a caller records (None).
+TIMELINE_EVENTS = ("ready", "launch", "done", "backward_end", "waited", "finalized", None)
+
+
+class Step(enum.Enum):
+    """Where the reducer stands in a step."""
+
+    IDLE = "no synchronized backward expected"
+    EXPECTING = "a synchronized forward ran; its backward has not reached the reducer"
+    REDUCING = "gradients are being marked ready; the end of backward has not run"
+    REDUCED = "this forward's backward has been reduced"
+    SECOND_BACKWARD = "a backward reached this forward's outputs again after the reduction"
+
+
+class Reducer:
     """Owns the buckets and the hooks of one DDP module. See the module docstring."""
+
+    views = None  # gradient_as_bucket_view: .grad aliases the bucket
+    batched_copy = None  # batched_grad_copy: a bucket's gradients copied in once it is full
+    graph_gradients = None  # backward(create_graph=True): gradients that require grad
+    comm_hook = None  # a bucket reduced by a hook instead of the all_reduce
+    unused = None  # find_unused_parameters: parameters no output reaches are ready too
+    static_graph = None  # static_graph: firings counted in the first backward
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 gradient_as_bucket_view: bool = False, overlap: bool = True,
-                 bucket_caps: list[int] | None = None):
+                 views=None, overlap: bool = True, bucket_caps: list[int] | None = None):
         self.params, self.names = params, names
         self.group = process_group
         # Launch through the group's own allreduce: dist.all_reduce's checks cost ~3 us a call.
         self._process_group = dist.group.WORLD if process_group is None else process_group
         self.world_size = dist.get_world_size(process_group)
         self.divisor = self.world_size  # what gradients are divided by
-        self.first_bucket_bytes, self.bucket_bytes = bucket_limits(bucket_cap_mb)
-        self.bucket_caps = bucket_caps  # torch's bucket_cap_mb_list, in bytes (miniddp.buckets)
+        #: Byte limits of the buckets after the rebuild: the first bucket's, then the rest's
+        #: (the last repeats); ``bucket_caps`` (torch's ``bucket_cap_mb_list``) when given.
+        self.bucket_limits = bucket_caps or list(bucket_limits(bucket_cap_mb))
+        self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
         self.overlap = overlap
         self.find_unused = find_unused_parameters
-        # The options, each in the module named for it; None when off.
-        self.unused = UnusedParameters(params, process_group) if find_unused_parameters else None
-        self.views = GradientsAsBucketViews(names) if gradient_as_bucket_view else None
-        self.comm_hook = None  # see miniddp.options.comm_hooks
-        self.static_graph = None  # see miniddp.options.static_graph
-        self.batched_copy = None  # batched_grad_copy (miniddp.options.batched_copy)
-        self.watch = None  # attached by miniddp.checks: late gradients, failed waits
-        self.consistency = None  # checks across ranks, when on (miniddp.checks)
+        self.views = views
+        self.state = Step.IDLE
+        self.fast_path = False  # set for a backward in which nothing needs to see each hook
+        self._listeners: dict[str | None, list] = {}  # event (None: any other) -> callables
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
-        self.timeline: list[tuple] | None = None
-        self.timer = self.logger = None  # a sampled step's times (miniddp.options.logging_data)
-        # Where this step stands.
-        self.expect_hooks = False  # True between a synced forward and the end of its backward
-        self.reduced = False  # this forward's backward has been reduced
-        self.second_backward = False  # and a backward reached its outputs again since
-        self.require_finalize = False  # a parameter was marked ready and finalize has not run
         self.ready: set[int] = set()
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
         self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
         self.has_rebuilt = False
-        self.buckets_fresh = True  # no hook has touched the buckets since their last reset
+        self.output_nodes: list = []  # the last synced forward's, until its backward ends
+        self.error: BaseException | None = None  # what the last wait_failed or error names
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
-        self.plain = False  # no option needs to see each hook this backward (prepare_for_backward)
         # A bucket of gradients of at most this many bytes each waits for its last one.
         on_gpu = bool(params) and params[0].device.type != "cpu"
         self.copy_at_end_bytes = float("inf") if on_gpu else COPY_AT_END_BYTES_CPU
@@ -117,11 +137,11 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                        for i, node in enumerate(self._accumulators)]
         self._init_buckets(self.initial_assignment())
 
-    # ----- bucket layout (the rules live in miniddp.buckets) -----
+    # ----- bucket layout (torch's rules: miniddp.buckets) -----
 
     def initial_assignment(self) -> list[list[int]]:
         """Iteration 0: one bucket per dtype/device, unless unused parameters are expected."""
-        limits = [self.first_bucket_bytes, self.bucket_bytes] if self.find_unused else [ONE_BUCKET]
+        limits = self.bucket_limits if self.find_unused else [UNLIMITED_BYTES]
         limits = self.bucket_caps or limits  # bucket_cap_mb_list applies from iteration 0
         return list(reversed(assign_buckets(self.params, limits)))
 
@@ -132,11 +152,11 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
     def _init_buckets(self, assignment: list[list[int]]) -> None:
         # Free the old buffers before allocating the new ones (as torch does), or a rebuild holds
         # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
-        self.buckets, self.locate = [], {}
+        self.buckets, self.slot_of = [], {}
         self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(assignment)]
         for bucket in self.buckets:
             for slot, i in enumerate(bucket.param_indices):
-                self.locate[i] = (bucket, slot)
+                self.slot_of[i] = (bucket, slot)
         if self.views is not None:
             self.views.move_into(self.buckets, self.params)
         self.copy_buckets_at_end(self.copy_at_end_bytes)
@@ -152,56 +172,58 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
 
         Each copy on the way in is one call from this thread (on a GPU, one more kernel launched
         by the thread that launches the backward's). Waiting trades those calls for one more
-        pass over the bucket, which pays on a CPU only for small gradients (benchmarks/README.md,
-        "Changes made to the engine", 4). ``float("inf")``: every bucket (a GPU's); -1: none.
+        pass over the bucket, which pays on a CPU only for small gradients (measured in
+        benchmarks/README.md). ``float("inf")``: every bucket (a GPU's); -1: none.
         """
         self.copy_at_end_bytes = max_bytes
-        self.buckets_fresh = False  # their next reset sets them up for it
         for bucket in self.buckets:
             bucket.copy_at_end = len(bucket.views) > 1 and self.views is None and all(
                 view.numel() * view.element_size() <= max_bytes for view in bucket.views)
+            self._reset(bucket)
 
     def bucket_info(self) -> list[BucketInfo]:
         return [bucket.info(self.names) for bucket in self.buckets]
 
     # ----- one step -----
 
-    def begin_forward(self) -> None:
-        """At a forward with grad enabled: fail on an unfinished reduction, rebuild once."""
-        self.ensure_prior_reduction_finished()
-        self.forwards += 1  # miniddp.checks.consistency
-        self.reduced = self.second_backward = False
-        self.allreduce_calls = 0
+    def begin_forward(self, sync: bool = True) -> None:
+        """At a forward with grad enabled (``sync``: not inside ``no_sync``): fail on an
+        unfinished reduction, rebuild the buckets once.
+
+        An unfinished reduction raises at once, naming the parameters, as torch does: waiting
+        for the launched buckets could hang, since a rank missing a different parameter never
+        launched some of them."""
+        if self.state is Step.REDUCING:
+            raise errors.logged(self, errors.unfinished_reduction(self))
+        self.forwards, self.allreduce_calls = self.forwards + 1, 0
+        self.state = Step.EXPECTING if self.state is Step.EXPECTING else Step.IDLE
         if self.should_rebuild and self.ready_order:
-            limits = self.bucket_caps or [self.first_bucket_bytes, self.bucket_bytes]
-            if self.consistency is not None:  # miniddp.checks
-                self.consistency.before_collective("the broadcast of the bucket order", None, [])
-            self._init_buckets(rebuilt_assignment(self.params, self.ready_order, limits,
-                                                  self.group))
+            if "rebuild" in self._listeners:
+                self._record("rebuild", -1)
+            self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
+                                                  self.bucket_limits, self.group))
             self.has_rebuilt, self.ready_order = True, []
+        if "forward" in self._listeners:
+            self._record("forward", int(sync))
 
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
-        self.expect_hooks = True
-        self.synced_forwards += 1  # miniddp.checks.consistency
-        if self.timer is not None:  # miniddp.options.logging_data
-            self.timer.note("forward_end")
-        self.ready.clear()
-        self.next_bucket = 0
-        if not self.buckets_fresh:  # the last synced forward's backward did not finish them
+        if self.ready:  # the last synced forward's backward never reached the reducer
             for bucket in self.buckets:
-                bucket.reset()
-        self.buckets_fresh = False  # (each backward's _finalize resets them as it goes)
-        # The options that see every hook first; without them a hook goes straight to its
-        # bucket (a trace's timeline is checked at each hook: it may start after the forward).
-        self.plain = (self.unused is None and self.static_graph is None and self.timer is None
-                      and not self.should_rebuild)
+                self._reset(bucket)
+            self.ready.clear()
+        self.state, self.next_bucket, self.synced_forwards = (Step.EXPECTING, 0,
+                                                              self.synced_forwards + 1)
+        self.fast_path = (self.unused is None and self.static_graph is None
+                          and not self.should_rebuild)
+        if "forward_end" in self._listeners:
+            self._record("forward_end", -1)
         if self.unused is not None:  # find the parameters no output reaches; watch outputs
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # firings to expect; the first backward waits
             outputs = self.static_graph.prepare(outputs)
-        if self.watch is not None:  # miniddp.checks: mark them, to notice a second backward
-            self.watch.outputs_of_synced_forward(outputs)
+        self.output_nodes = [t.grad_fn for t in tree_flatten(outputs)[0]
+                             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         return outputs
 
     def outputs_of_unsynced_forward(self, outputs):
@@ -211,7 +233,7 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         It matters after a synced forward that no backward followed (a validation forward
         without ``torch.no_grad()``): the hooks that forward expects are still expected, so the
         ``no_sync`` backward is reduced after all, and a parameter behind an output its loss
-        ignores must still fire its hook to be marked ready (``miniddp.options.unused``).
+        ignores must still fire its hook to be marked ready (``find_unused_parameters``).
         Otherwise the watch changes nothing: hooks that are not expected only note use.
         """
         if self.unused is None:
@@ -220,26 +242,29 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
 
     def _hook(self, index: int) -> None:
         with self._lock:
-            if self.plain and self.expect_hooks and self.timeline is None:
-                self._mark_ready(index)  # nothing else needs to see it: into its bucket
+            if self.fast_path:
+                if "ready" in self._listeners:
+                    self._record("ready", index)
+                self._mark_ready(index)
             else:
-                self._hook_with_options(index)
+                self._hook_through_seams(index)
 
-    def _hook_with_options(self, index: int) -> None:
-        """A hook that an option, a trace or the bucket rebuild needs to see first, or that
-        no synced backward expects."""
-        if self.static_graph is not None and not self.static_graph.final_firing(
-                index, self.expect_hooks):
-            return  # static_graph: counted, not yet this parameter's last firing
-        if self.expect_hooks:
+    def _hook_through_seams(self, index: int) -> None:
+        """A hook that a seam or the bucket rebuild needs to see first, or that no synced
+        backward expects."""
+        expected = self.state in (Step.EXPECTING, Step.REDUCING)
+        if self.static_graph is not None and not self.static_graph.final_firing(index, expected):
+            return  # counted, not yet this parameter's last firing
+        if expected:
             self._gradient_ready(index)
-        elif self.second_backward:  # through a reduced forward: warn, or raise
-            self.watch.late_gradient(index)  # (miniddp.checks)
+        elif self.state is Step.SECOND_BACKWARD:  # through a reduced forward: warn, or raise
+            self._record("late_gradient", index)
         elif self.unused is not None:  # no_sync, or a forward through ddp.module:
             self.unused.note_use(index)  # gradients just accumulate
 
     def _gradient_ready(self, index: int) -> None:
-        self._record("ready", index)  # the trace, and logging data
+        if "ready" in self._listeners:
+            self._record("ready", index)
         if self.unused is not None:  # the unreached ones are ready too, with zeros
             self.unused.note_use(index)
             for unreached in self.unused.take_unreached():
@@ -255,31 +280,24 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
         if index in self.ready:
             raise errors.marked_ready_twice(index, self.names[index])
         self.ready.add(index)
-        self.require_finalize = True
-        bucket, slot = self.locate[index]
-        param = self.params[index]
-        if self.batched_copy is not None:  # copies now or later (miniddp.options.batched_copy)
+        self.state = Step.REDUCING
+        bucket, slot = self.slot_of[index]
+        grad = self.params[index].grad
+        if self.batched_copy is not None:
             self.batched_copy.copy_in(index, bucket, slot)
-        elif bucket.copy_later is not None and param.grad is not None:
-            bucket.copy_later.append((param.grad, bucket.views[slot]))  # with the bucket's last
+        elif bucket.copy_at_end and grad is not None:
+            if grad.requires_grad:  # backward(create_graph=True): its value is averaged
+                grad = self.graph_gradients.value(grad) if self.graph_gradients else grad.detach()
+            bucket.waiting.append((grad, bucket.views[slot]))  # copied with the bucket's last
         else:
-            self._copy_into_bucket(param, bucket.views[slot])
+            self._copy_into_bucket(self.params[index], bucket.views[slot])
         bucket.pending -= 1
-        if bucket.pending == 0:  # full: launch it, and any full ones waiting behind it
-            if self.batched_copy is not None:
-                self.batched_copy.flush(bucket)
-            elif bucket.copy_later:  # gradients that waited for this, the bucket's last one:
-                grads, views = zip(*bucket.copy_later)  # one call copies them all in, one scales
-                torch._foreach_copy_(list(views), list(create_graph.values(grads)))
-                if self.comm_hook is None:  # (a comm hook does its own scaling)
-                    self._scale(bucket.buffer, bucket.buffer)
-            if self.overlap:
-                self._launch_ready_buckets()
+        if bucket.pending == 0:
+            self._bucket_full(bucket)
         if len(self.ready) == len(self.params):
             if self.unused is not None:
-                if self.consistency is not None:  # miniddp.checks
-                    self.consistency.before_collective("the all_reduce of used-parameter flags",
-                                                       None, [self.unused.locally_used])
+                if "used_flags" in self._listeners:
+                    self._record("used_flags", -1)
                 self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
@@ -295,8 +313,23 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
                 self._scale(param.grad, view)
             else:
                 view.copy_(param.grad)
-        except RuntimeError as error:  # backward(create_graph=True)? miniddp.options.create_graph
-            create_graph.copy_value(self, param, view, error)
+        except RuntimeError as error:  # a gradient that requires grad (create_graph=True)?
+            if self.graph_gradients is None:
+                raise
+            self.graph_gradients.copy_value(self, param, view, error)
+
+    def _bucket_full(self, bucket: Bucket) -> None:
+        """The bucket's last gradient is in: copy in those that waited, then launch it and any
+        full ones waiting behind it."""
+        if self.batched_copy is not None:
+            self.batched_copy.flush(bucket)
+        elif bucket.waiting:  # one call copies them all in, one scales the bucket
+            grads, views = zip(*bucket.waiting)
+            torch._foreach_copy_(list(views), list(grads))
+            if self.comm_hook is None:  # (a comm hook does its own scaling)
+                self._scale(bucket.buffer, bucket.buffer)
+        if self.overlap:
+            self._launch_ready_buckets()
 
     def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
@@ -305,13 +338,13 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
 
     def _reciprocal(self, dtype: torch.dtype):
         """``1 / divisor`` as torch's reducer multiplies by it; for float32 a 0-dim float32
-        tensor: the same bits, and no new tensor per call (benchmarks/README.md, "Changes", 3)."""
-        key = (dtype, self.divisor)
-        if key not in self._reciprocals:
+        tensor: the same bits, and no new tensor per call."""
+        try:
+            return self._reciprocals[dtype, self.divisor]
+        except KeyError:
             value = 1.0 / self.divisor
-            self._reciprocals[key] = (torch.tensor(value, dtype=dtype)
-                                      if dtype == torch.float32 else value)
-        return self._reciprocals[key]
+            value = torch.tensor(value, dtype=dtype) if dtype == torch.float32 else value
+            return self._reciprocals.setdefault((dtype, self.divisor), value)
 
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
@@ -319,87 +352,123 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.unused is not None and self.unused.skips(bucket):  # miniddp.options.unused
+        if self.unused is not None and self.unused.skips(bucket):
             return
-        self._record("launch", bucket.index)
-        if self.consistency is not None:  # miniddp.checks
-            self.consistency.before_collective("the all_reduce", bucket.index, [bucket.buffer])
+        if "launch" in self._listeners:
+            self._record("launch", bucket.index)
         if self.comm_hook is None:
             bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
         else:  # the hook's future replaces the all_reduce
             bucket.work = self.comm_hook.launch(self, bucket)
         self.allreduce_calls += 1
-        if self.timeline is not None:
+        if "done" in self._listeners:
             # A chained future, waited for in _finalize: the callback runs on a communication
             # thread, and must not still be running when the process exits.
             future = bucket.work if self.comm_hook else bucket.work.get_future()
-            bucket.recorded = future.then(lambda _f, b=bucket.index: self._record("done", b))
+            bucket.done = future.then(lambda _f, b=bucket.index: self._record("done", b))
 
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
-        self._record("backward_end", -1)
-        self.expect_hooks = self.require_finalize = False
-        self.reduced = True
+        if "backward_end" in self._listeners:
+            self._record("backward_end", -1)
+        self.state, self.fast_path = Step.REDUCED, False
         self._launch_ready_buckets()  # overlap=False launches everything here
         used = self.unused.used_on_some_rank() if self.unused is not None else None
         if self.static_graph is not None:  # used by some rank in the first backward
             used = self.static_graph.end_backward()
         for bucket in self.buckets:
-            if bucket.work is None:  # skip_all_reduce_unused_params (miniddp.options.unused)
-                bucket.reset()
-                continue
-            try:
-                bucket.work.wait()
-            except RuntimeError as error:  # say where every rank was (miniddp.checks)
-                if self.watch is not None:
-                    self.watch.failed_wait(bucket, error)
-                raise
-            if self.comm_hook is not None:  # its result goes into the bucket
-                self.comm_hook.take_result(bucket)
-            if bucket.recorded is not None:
-                bucket.recorded.wait()
+            if bucket.work is not None:  # (None: skipped, skip_all_reduce_unused_params)
+                self._wait(bucket)
+                self._write_back_bucket(bucket, used)
+            self._reset(bucket)  # for the next backward, while it is at hand
+        self.ready.clear()
+        for node in self.output_nodes:  # a backward reaching them again is a second one
+            node.register_prehook(functools.partial(_call_reached_again, weakref.ref(self)))
+        self.output_nodes = []
+        if "finalized" in self._listeners:
+            self._record("finalized", -1)
+
+    def _wait(self, bucket: Bucket) -> None:
+        try:
+            bucket.work.wait()
+        except RuntimeError as error:  # the listeners may say where every rank was
+            self.error = error
+            self._record("wait_failed", bucket.index)
+            raise
+        if self.comm_hook is not None:  # its result goes into the bucket
+            self.comm_hook.take_result(bucket)
+        if bucket.done is not None:
+            bucket.done.wait()
+        if "waited" in self._listeners:
             self._record("waited", bucket.index)
-            grads, averages = [], []  # copied in one call, while later buckets are in flight
-            for i, view in zip(bucket.param_indices, bucket.views):
-                if used is not None and not used[i]:  # unused on every rank: .grad stays
-                    continue
-                grad = self.params[i].grad
-                if grad is None or grad.requires_grad or self.views is not None:
-                    self._write_back(i, view)
-                else:
-                    grads.append(grad)
-                    averages.append(view)
-            _copy_all(grads, averages)
-            bucket.reset()  # for the next backward, while it is at hand
-        self.buckets_fresh = True
-        self._record("finalized", -1)
-        if self.consistency is not None:  # compare this step across ranks (miniddp.checks)
-            self.consistency.after_backward()
+
+    def _write_back_bucket(self, bucket: Bucket, used: list[bool] | None) -> None:
+        """The bucket's averages into ``.grad``: one call for the plain ones, while later
+        buckets are still in flight."""
+        grads, averages = [], []
+        for i, view in zip(bucket.param_indices, bucket.views):
+            if used is not None and not used[i]:  # unused on every rank: .grad stays
+                continue
+            grad = self.params[i].grad
+            if grad is None or grad.requires_grad or self.views is not None:
+                self._write_back(i, view)
+            else:
+                grads.append(grad)
+                averages.append(view)
+        if grads:  # one dispatch for all: a private op, present from torch 2.1 on
+            torch._foreach_copy_(grads, averages)
 
     def _write_back(self, index: int, view: torch.Tensor) -> None:
         """The average into a ``.grad`` that is missing, a bucket view, or part of a graph."""
         param = self.params[index]
         if self.views is not None:
-            self.views.write_back(param, index, view)
+            self.views.write_back(param, self.names[index], view)
         elif param.grad is None:
             param.grad = view.clone(memory_format=torch.preserve_format)
-        else:  # create_graph=True (miniddp.options.create_graph)
-            create_graph.write_back(self.names[index], param.grad, view)
+        else:
+            self.graph_gradients.write_back(self.names[index], param.grad, view)
 
-    # ----- records, clean-up -----
+    @staticmethod
+    def _reset(bucket: Bucket) -> None:
+        bucket.pending, bucket.work, bucket.done = len(bucket.param_indices), None, None
+        bucket.waiting.clear()
 
-    def ensure_prior_reduction_finished(self) -> None:
-        """Raise, naming the parameters, if the last synced backward never completed. At once,
-        as torch does: waiting for the launched buckets could hang, since a rank missing a
-        different parameter never launched some of them."""
-        if self.require_finalize:
-            raise errors.logged(self, errors.unfinished_reduction(self))
+    def _reached_again(self) -> None:
+        if self.state is Step.REDUCED:
+            self.state = Step.SECOND_BACKWARD
+
+    # ----- the event stream, clean-up -----
+
+    def subscribe(self, listener, events=None) -> None:
+        """Call ``listener((event, ident, time.perf_counter()))`` at each of ``events`` (every
+        event when None; see :data:`EVENTS`)."""
+        for event in (*EVENTS, None) if events is None else events:
+            self._listeners.setdefault(event, []).append(listener)
+
+    def unsubscribe(self, listener) -> None:
+        kept = {event: [f for f in fs if f != listener]
+                for event, fs in self._listeners.items()}
+        self._listeners = {event: fs for event, fs in kept.items() if fs}
 
     def _record(self, event: str, ident: int) -> None:
-        if self.timeline is not None:
-            self.timeline.append((event, ident, time.perf_counter()))
-        if self.timer is not None:  # a sampled step (miniddp.options.logging_data)
-            self.timer.note(event, ident)
+        for listener in self._listeners.get(event, self._listeners.get(None, ())):
+            listener((event, ident, time.perf_counter()))
+
+    @property
+    def timeline(self) -> list[tuple] | None:
+        """A backward's events as ``(event, ident, time)`` (:data:`TIMELINE_EVENTS`), when set
+        to a list (lessons, traces)."""
+        return self.__dict__.get("_timeline")
+
+    @timeline.setter
+    def timeline(self, records: list[tuple] | None) -> None:
+        old = self.__dict__.get("_timeline")
+        if old is not None:
+            self.unsubscribe(self._timeline_append)
+        self._timeline = records
+        if records is not None:
+            self._timeline_append = records.append
+            self.subscribe(self._timeline_append, TIMELINE_EVENTS)
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -411,12 +480,11 @@ class Reducer(TorchPrivateReducer):  # torch's private methods: miniddp.options.
             self.remove_hooks()
 
 
-def _copy_all(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
-    if destinations:  # one dispatch for all: a private op, present from torch 2.1 on
-        torch._foreach_copy_(destinations, sources)
-
-
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
-    reducer = reducer_ref()
-    if reducer is not None:
+    if (reducer := reducer_ref()) is not None:
         reducer._hook(index)
+
+
+def _call_reached_again(reducer_ref, _grad_outputs) -> None:
+    if (reducer := reducer_ref()) is not None:
+        reducer._reached_again()

@@ -6,6 +6,14 @@ can hang or corrupt memory. So shapes are gathered from every rank, and every ra
 same error (naming the parameter, its shape on each rank, and the ranks) before any broadcast.
 Strides are compared too: a bucket view copies its parameter's memory layout, so a
 ``channels_last`` parameter on one rank only would have the ranks sum mismatched elements.
+
+A job whose ranks built different DDP classes (a launcher that started some ranks without
+miniddp in torch's place) must stop here too, not at a timeout: torch's first collective at
+construction is an all-gather of one int64, its number of parameters, and miniddp's first is the
+same all-gather carrying :data:`MINIDDP_SAYS`, a negative count no torch rank sends. So every
+miniddp rank learns which ranks are torch's and raises :class:`MixedDDPClasses`, naming the mix and
+the fix, while every torch rank stops at once on its own count check ("... while rank 0 has
+inconsistent -999999999 params").
 """
 
 from __future__ import annotations
@@ -17,15 +25,50 @@ import torch.distributed as dist
 
 
 class ModelsDiffer(ValueError, RuntimeError):
-    """The ranks' models differ: torch raises a RuntimeError; miniddp raised a ValueError."""
+    """The ranks' models differ: a RuntimeError, as torch raises (and a ValueError, which code
+    written for miniddp may catch)."""
+
+
+#: What miniddp's ranks send where torch's send their number of parameters.
+MINIDDP_SAYS = -999_999_999
+
+
+class MixedDDPClasses(RuntimeError):
+    """Some ranks built torch's DistributedDataParallel and others miniddp's."""
+
+
+def _all_gather_among_miniddp_ranks(mine, named_tensors, group=None) -> list:
+    """Every rank's ``mine`` (``dist.all_gather_object``) at construction, once every rank of
+    ``group`` is known to be building miniddp's class; :class:`MixedDDPClasses` if not."""
+    device = named_tensors[0][1].device if named_tensors else torch.device("cpu")
+    refuse_torchs_ddp_on_other_ranks(device, group)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    return everyone
+
+
+def refuse_torchs_ddp_on_other_ranks(device: torch.device, group=None) -> None:
+    """Raise on every miniddp rank if any rank of ``group`` is constructing torch's DDP (whose
+    first collective, its parameter count, meets this one)."""
+    said = torch.tensor([MINIDDP_SAYS], dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(said) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, said, group=group)
+    torchs = [rank for rank, s in enumerate(everyone) if s.item() != MINIDDP_SAYS]
+    if torchs:
+        raise MixedDDPClasses(
+            f"rank(s) {torchs} of this job built torch's DistributedDataParallel and the others "
+            "miniddp's: every rank must build the same class. A launcher or a multiprocessing "
+            "start method started those ranks without miniddp in torch's place. Start the job "
+            "with `python -m miniddp.run script.py` (it reaches every Python process the script "
+            "starts), call miniddp.install() before any worker starts, or build "
+            "miniddp.DistributedDataParallel explicitly in the code every rank runs.")
 
 
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
     """Raise on every rank if a rank built torch's DDP, or if any rank's parameter names, shapes
     or strides differ (on a rank whose parameter differs from rank 0's, in torch's words too)."""
-    from miniddp.options.mixed_classes import all_gather_among_miniddp_ranks
     mine = [(name, tuple(t.shape), tuple(t.stride())) for name, t in named_tensors]
-    everyone = all_gather_among_miniddp_ranks(mine, named_tensors, group)
+    everyone = _all_gather_among_miniddp_ranks(mine, named_tensors, group)
     problems, torchs, me = [], "", dist.get_rank(group)
     if len({len(shapes) for shapes in everyone}) > 1:
         counts = ", ".join(f"rank {r}: {len(s)}" for r, s in enumerate(everyone))

@@ -1,12 +1,16 @@
 """The package's layout as a map: the engine at the top, every other room named for what it is,
 and dependencies that run one way (read from the source with ``ast``; nothing is imported).
 
-    train (the reference job) -> launch (starting ranks) -> engine <- options, checks, baselines
+    train (the reference job) -> launch (starting ranks) -> engine
+    public (miniddp.ddp: the public class) -> options (DDP's options, torch's compatibility)
+                                          -> engine
+    checks, baselines -> public -> engine
 
-The engine (the modules at the top of ``miniddp/``) imports no check, nothing that starts
-processes and nothing of the job; the checks attach to it at named points
-(``DistributedDataParallel.checks``). No module imports another that imports it back, however
-long the way round.
+The engine (the modules at the top of ``miniddp/`` but ``ddp``) imports nothing of the other
+rooms: no option, no check, nothing that starts processes and nothing of the job. They attach
+to it through its seams and its event stream; ``miniddp.ddp`` composes the public class from the
+engine's and the options. No module imports another that imports it back, however long the
+way round.
 """
 
 from __future__ import annotations
@@ -19,20 +23,25 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "miniddp"
 
 ROOMS = {"options", "checks", "baselines", "launch", "train", "optim", "run", "fsdp"}
-#: What the engine must never import: the rooms that build on it or watch it.
-ENGINE_MUST_NOT_IMPORT = {"checks", "launch", "train", "baselines", "optim", "run", "fsdp"}
+#: The module that composes the public class: a room of one, at the top of the package.
+PUBLIC = "miniddp.ddp"
+#: What the engine must never import: every other room.
+ENGINE_MUST_NOT_IMPORT = {"options", "public", "checks", "launch", "train", "baselines", "optim",
+                          "run", "fsdp"}
 #: Who may import whom, room by room ("engine" is the top of the package; the façade
 #: ``miniddp/__init__.py`` exports from every room and is left out).
 MAY_IMPORT = {
-    "engine": {"engine", "options"},
+    "engine": {"engine"},
     "options": {"engine", "options"},
-    "checks": {"engine", "options", "checks"},
-    "baselines": {"engine", "baselines"},
+    "public": {"engine", "options"},
+    "checks": {"engine", "options", "public", "checks"},
+    "baselines": {"engine", "public", "baselines"},
     "optim": {"engine", "options", "optim"},
     "fsdp": {"engine", "fsdp"},
     "launch": {"engine", "launch"},
-    "run": {"engine", "options", "checks", "launch", "run"},
-    "train": {"engine", "options", "checks", "baselines", "launch", "train", "optim", "run"},
+    "run": {"engine", "options", "public", "checks", "launch", "run"},
+    "train": {"engine", "options", "public", "checks", "baselines", "launch", "train", "optim",
+              "run"},
 }
 
 
@@ -75,6 +84,8 @@ def room(name: str) -> str:
     parts = name.split(".")
     if len(parts) > 1 and parts[1] in ROOMS:
         return parts[1]
+    if name == PUBLIC:
+        return "public"
     return "engine" if name != "miniddp" else "facade"
 
 
@@ -125,7 +136,7 @@ def forbidden_imports(graph: dict[str, set[str]]) -> list[str]:
 
 def test_the_engine_sits_at_the_top_and_is_small():
     engine = sorted(n for n in modules() if room(n) == "engine")
-    assert engine == ["miniddp.buckets", "miniddp.ddp", "miniddp.errors", "miniddp.reducer",
+    assert engine == ["miniddp.buckets", "miniddp.core", "miniddp.errors", "miniddp.reducer",
                       "miniddp.sampler", "miniddp.sync", "miniddp.torch_versions"]
     lines = sum(len(modules()[n].read_text().splitlines()) for n in engine)
     assert lines < 1500, f"the engine has grown to {lines} lines: does something belong in a room?"
@@ -164,6 +175,15 @@ def write_package(tmp_path, files: dict[str, str]) -> pathlib.Path:
     return root
 
 
+def test_an_engine_importing_an_option_is_caught(tmp_path):
+    root = write_package(tmp_path, {
+        "reducer.py": "from miniddp.options.unused import UnusedParameters\n",
+        "options/unused.py": "import torch\n",
+    })
+    assert forbidden_imports(import_graph(root)) == [
+        "miniddp.reducer (engine) imports miniddp.options.unused (options)"]
+
+
 def test_an_engine_importing_a_check_is_caught(tmp_path):
     root = write_package(tmp_path, {
         "reducer.py": "from miniddp.checks.consistency import late_gradient\n",
@@ -176,11 +196,11 @@ def test_an_engine_importing_a_check_is_caught(tmp_path):
 
 def test_a_late_import_in_a_function_is_caught(tmp_path):
     root = write_package(tmp_path, {
-        "ddp.py": "def trace(self):\n    from miniddp.checks import trace\n",
+        "core.py": "def trace(self):\n    from miniddp.checks import trace\n",
         "checks/trace.py": "",
     })
     assert forbidden_imports(import_graph(root)) == [
-        "miniddp.ddp (engine) imports miniddp.checks.trace (checks)"]
+        "miniddp.core (engine) imports miniddp.checks.trace (checks)"]
 
 
 def test_two_modules_importing_each_other_are_caught(tmp_path):
@@ -201,14 +221,16 @@ def test_a_relative_import_is_read_like_an_absolute_one(tmp_path):
         "miniddp.options.join (options) imports miniddp.launch.launcher (launch)"]
 
 
-@pytest.mark.parametrize("text", ["from miniddp import checks\n", "import miniddp.checks\n"])
+@pytest.mark.parametrize("text", ["from miniddp import checks\n", "import miniddp.checks\n",
+                                  "from miniddp import options\n", "from miniddp import ddp\n"])
 def test_the_real_engine_with_a_check_import_added_fails(text):
-    """Shown failing on the package itself: the real reducer with one line added."""
+    """Shown failing on the package itself: the real reducer with one line added (a check,
+    an option, the public class)."""
     graph = import_graph()
     reducer = PACKAGE / "reducer.py"
     added = ast.parse(text).body[0]
     names = [a.name for a in added.names]
-    target = "miniddp.checks" if isinstance(added, ast.Import) else f"miniddp.{names[0]}"
+    target = names[0] if isinstance(added, ast.Import) else f"miniddp.{names[0]}"
     graph["miniddp.reducer"] = graph["miniddp.reducer"] | {target}
     assert reducer.exists()
     assert any("miniddp.reducer (engine)" in w for w in forbidden_imports(graph))

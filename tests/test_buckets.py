@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from miniddp.buckets import (
     DEFAULT_FIRST_BUCKET_BYTES,
     MIB,
-    ONE_BUCKET,
+    UNLIMITED_BYTES,
     Bucket,
     assign_buckets,
     bucket_limits,
@@ -17,7 +17,7 @@ from miniddp.buckets import (
 from miniddp.torch_versions import TORCH_RELEASE, _release
 
 sizes = st.lists(st.integers(1, 4000), min_size=1, max_size=14)
-limits = st.one_of(st.just([ONE_BUCKET]), st.lists(st.integers(4, 20_000), min_size=1,
+limits = st.one_of(st.just([UNLIMITED_BYTES]), st.lists(st.integers(4, 20_000), min_size=1,
                                                    max_size=3))
 
 

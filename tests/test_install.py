@@ -30,8 +30,7 @@ from ddp_cases import MLP
 from torch import nn
 
 import miniddp
-from miniddp import run
-from miniddp.options import mixed_classes
+from miniddp import run, sync
 from miniddp.run import children
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -355,7 +354,7 @@ def test_a_job_mixing_torchs_ddp_and_miniddps_stops_at_construction_naming_the_m
     # torch's rank stops at once, on its own parameter-count check, on miniddp's number
     assert theirs["raised"] == "RuntimeError", theirs
     assert "DDP expects same model across all ranks" in theirs["message"]
-    assert f"inconsistent {mixed_classes.MINIDDP_SAYS} params" in theirs["message"]
+    assert f"inconsistent {sync.MINIDDP_SAYS} params" in theirs["message"]
     for same in (["miniddp", "miniddp"], ["torch", "torch"]):  # no mix, no error
         assert group.run(build_one_class_each, same) == [{"raised": None, "message": ""}] * 2
 

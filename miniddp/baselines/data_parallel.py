@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from miniddp.ddp import move_to
+from miniddp.core import move_to
 
 __all__ = ["DataParallel", "ForwardStats"]
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from miniddp.checks import out_of_step
 from miniddp.checks.fingerprints import CollectiveFingerprints
 from miniddp.checks.ledger import Ledger, RecordsMissing
-from miniddp.options.unused import output_grad_fns
+from miniddp.reducer import Step
 
 DEBUG_VARIABLE = "TORCH_DISTRIBUTED_DEBUG"
 EVERY_VARIABLE = "MINIDDP_CHECK_EVERY"
@@ -91,6 +91,10 @@ def checks_from_environment(ddp, reducer=None) -> ConsistencyChecks | None:
     return ConsistencyChecks(ddp, int(every), detail=mode == "DETAIL", reducer=reducer)
 
 
+#: The reducer's events the checks listen to (``miniddp.reducer.EVENTS``).
+CHECKED_EVENTS = ("forward", "rebuild", "buffers", "launch", "used_flags", "finalized")
+
+
 class ConsistencyChecks:
     """The reducer's ``consistency`` when checks are on. See the module docstring."""
 
@@ -127,12 +131,32 @@ class ConsistencyChecks:
         ddp = self.ddp()
         return ddp is None or ddp._join_config.enable
 
+    def on_event(self, record: tuple) -> None:
+        """The reducer's events that the checks follow (:data:`CHECKED_EVENTS`)."""
+        event, ident, _ = record
+        reducer = self.reducer
+        if event == "forward":
+            self.at_forward(bool(ident))
+        elif event == "finalized":
+            self.after_backward()
+        elif event == "launch":
+            self.before_collective("the all_reduce", ident, [reducer.buckets[ident].buffer])
+        elif event == "rebuild":
+            self.before_collective("the broadcast of the bucket order", None, [])
+        elif event == "used_flags":
+            self.before_collective("the all_reduce of used-parameter flags", None,
+                                   [reducer.unused.locally_used])
+        elif event == "buffers":
+            ddp = self.ddp()
+            self.before_collective("the broadcast of buffers", None,
+                                   list(ddp._modules_buffers.values()))
+
     def at_forward(self, sync: bool) -> None:
         """Start of a forward with grad enabled: note it; a synced one writes its record."""
         if self.paused:
             return
         reducer = self.reducer
-        if self.awaiting is not None and reducer.expect_hooks and not reducer.ready:
+        if self.awaiting is not None and reducer.state is Step.EXPECTING:
             self.no_backward.append(self.awaiting)
         self.awaiting = None
         if not sync:
@@ -244,19 +268,32 @@ def check_replicas(ddp, step: int | None = None) -> None:
 
 def attach(ddp, reducer) -> None:
     """Give a new reducer its :class:`Watch`, and the checks ``TORCH_DISTRIBUTED_DEBUG`` asks
-    for (called by the engine when it builds a reducer: ``DistributedDataParallel.checks``)."""
+    for (called when a DDP builds a reducer: ``DistributedDataParallel.checks``). Both listen
+    to the reducer's events, and are kept on it as ``reducer.watch`` and
+    ``reducer.consistency``."""
     reducer.watch = Watch(reducer)
-    reducer.consistency = checks_from_environment(ddp, reducer)
+    reducer.subscribe(reducer.watch.listen, ("late_gradient", "wait_failed"))
+    reducer.consistency = None
+    _switch(reducer, checks_from_environment(ddp, reducer))
 
 
 def check_every(ddp, steps: int | None, detail: bool = False) -> None:
     """``ddp.check_every(steps, detail)``: switch the checks on (every ``steps`` steps), or off."""
-    ddp.reducer.consistency = ConsistencyChecks(ddp, steps, detail) if steps else None
+    _switch(ddp.reducer, ConsistencyChecks(ddp, steps, detail) if steps else None)
+
+
+def _switch(reducer, checks: ConsistencyChecks | None) -> None:
+    if reducer.consistency is not None:
+        reducer.unsubscribe(reducer.consistency.on_event)
+    reducer.consistency = checks
+    if checks is not None:
+        reducer.subscribe(checks.on_event, CHECKED_EVENTS)
 
 
 class Watch:
-    """A reducer's ``watch``: notices a second backward through one forward, and explains a
-    bucket's all_reduce that failed. Nothing runs on the hot path until one of them happens.
+    """A reducer's ``watch``: warns (or raises) at a second backward through one forward, and
+    explains a bucket's all_reduce that failed. It listens to those two events only, so nothing
+    of it runs until one of them happens.
 
     It owns the reducer's :class:`~miniddp.checks.ledger.Ledger`, made here at construction
     (so ledgers are numbered in the same order on every rank) and opened at first use."""
@@ -267,23 +304,14 @@ class Watch:
         self._reducer = weakref.ref(reducer)  # the reducer holds its watch
         self.ledger = Ledger(reducer.group, reducer.params[0].device)
 
-    def outputs_of_synced_forward(self, outputs) -> None:
-        """Mark the outputs of a synchronized forward, so that a backward reaching them after
-        the reduction is known to be a second backward through that forward
-        (:meth:`late_gradient`).
-
-        A forward through ``ddp.module`` leaves no mark: gradients it accumulates before the
-        next synchronized step are averaged by that step, as with ``no_sync``, and are not
-        reported."""
-        me = self._reducer
-
-        def reached(_grad_outputs):
-            watched = me()
-            if watched is not None and watched.reduced:
-                watched.second_backward = True
-
-        for node in output_grad_fns(outputs):
-            node.register_prehook(reached)
+    def listen(self, record: tuple) -> None:
+        """The reducer's ``late_gradient`` and ``wait_failed`` events."""
+        event, ident, _ = record
+        reducer = self._reducer()
+        if event == "late_gradient":
+            self.late_gradient(ident)
+        elif event == "wait_failed":
+            self.failed_wait(reducer.buckets[ident], reducer.error)
 
     def late_gradient(self, index: int) -> None:
         """A hook fired after this forward's gradients were averaged: warn once, or raise."""

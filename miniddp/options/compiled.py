@@ -20,7 +20,8 @@ module's ``bucket_bytes_cap``; it reads nothing else from the module. Parameters
 ``_ddp_ignored`` (by ``_set_params_and_buffers_to_ignore_for_model``, which miniddp shares
 with torch) do not count toward a piece.
 
-So miniddp sets that same attribute around ``self.module(...)`` (:func:`inside_forward`), and
+So miniddp sets that same attribute around ``self.module(...)`` (the engine's ``_run_module``,
+with torch's DDP class as its ``active_module_holder``; :func:`inside_forward` when traced), and
 gets the same cuts, the same order of ready gradients, hence the same rebuilt buckets and, at
 3 ranks and more, the same bits as torch's compiled DDP.
 
@@ -45,13 +46,6 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
-from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
-
-#: True while dynamo traces the code that asks (it folds the call to a constant). torch 2.1
-#: and 2.2 have no ``torch.compiler.is_compiling``; there, ``torch.compile(ddp)`` traces
-#: miniddp's forward line by line (untested: the tests skip there).
-_is_compiling = torch.compiler.is_compiling if TORCH_HAS_IS_COMPILING else None
-
 #: The graph breaks ``torch.compile(ddp)`` costs around miniddp's forward (see above): three, as
 #: torch's DDP costs on 2.11 and 2.13 (on 2.3 and 2.4 torch's costs one; the pieces, buckets and
 #: bits are the same).
@@ -61,9 +55,10 @@ FIRST_BUCKET_PHRASE = ("First bucket should be smaller/equal to other buckets to
                        "warmed up ASAP")
 
 
-def tracing() -> bool:
-    """Whether dynamo is tracing the caller (``torch.compile(ddp)``)."""
-    return _is_compiling is not None and _is_compiling()
+def torch_ddp_class() -> type:
+    """Where torch's compiler looks for the running DDP module: torch's DDP class (the
+    engine's ``active_module_holder``)."""
+    return _TorchDDP
 
 
 def active_ddp_module():
@@ -78,16 +73,23 @@ def inside_forward(ddp):
     Restores the previous module on the way out, so a DDP nested inside another (as torch does).
     A compile refused because of the bucket cap gets miniddp's explanation.
     """
-    previous = _TorchDDP._active_ddp_module
-    _TorchDDP._active_ddp_module = ddp
+    holder = ddp.active_module_holder
+    previous = holder._active_ddp_module
+    holder._active_ddp_module = ddp
     try:
         yield
     except AssertionError as error:
-        if FIRST_BUCKET_PHRASE in str(error):
-            raise first_bucket_refused(ddp) from error
+        explain_assertion(ddp, error)
         raise
     finally:
-        _TorchDDP._active_ddp_module = previous
+        holder._active_ddp_module = previous
+
+
+def explain_assertion(ddp, error: AssertionError) -> None:
+    """The engine's ``explain_assertion``: a compile refused because of the bucket cap gets
+    miniddp's explanation."""
+    if FIRST_BUCKET_PHRASE in str(error):
+        raise first_bucket_refused(ddp) from error
 
 
 def forward(ddp, inputs, kwargs):

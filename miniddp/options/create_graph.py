@@ -8,7 +8,7 @@ attached. miniddp does the same, in the three places where a gradient meets a bu
 
 * copied in one by one: ``torch.mul(grad, r, out=view)`` refuses a gradient that requires
   grad while grad mode is on, so the reducer's copy calls :func:`copy_value` when it fails;
-* copied in with the rest of a complete bucket: :func:`values` detaches them first;
+* copied in with the rest of a complete bucket: :func:`value` detaches each first;
 * written back at the end of backward: :func:`write_back`, an in-place copy into the graph.
 
 The reducer pays nothing for this on a plain backward: the first path costs a ``try``, the
@@ -44,12 +44,10 @@ def copy_value(reducer, param: torch.Tensor, view: torch.Tensor, error: RuntimeE
         reducer._copy_into_bucket(param, view)
 
 
-def values(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """``grads`` to copy into a bucket in one call, detached where they require grad."""
-    if not any(g.requires_grad for g in grads):
-        return grads
+def value(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient that requires grad, to copy into a bucket with others: its value, detached."""
     warn()
-    return [g.detach() for g in grads]
+    return grad.detach()
 
 
 def write_back(name: str, grad: torch.Tensor, average: torch.Tensor) -> None:

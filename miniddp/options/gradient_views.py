@@ -28,9 +28,6 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
 class GradientsAsBucketViews:
     """The reducer's copy-in and write-back when ``.grad`` aliases the bucket."""
 
-    def __init__(self, names: list[str]):
-        self.names = names
-
     def copy_in(self, param: torch.Tensor, view: torch.Tensor, divisor: int,
                 scale: bool) -> None:
         """Put ``param``'s gradient into ``view``, divided by ``divisor`` when ``scale``."""
@@ -47,12 +44,12 @@ class GradientsAsBucketViews:
                 view.copy_(grad)
             param.grad = view
 
-    def write_back(self, param: torch.Tensor, index: int, view: torch.Tensor) -> None:
+    def write_back(self, param: torch.Tensor, name: str, view: torch.Tensor) -> None:
         if param.grad is None:
             param.grad = view
         elif not same_storage(param.grad, view):
             raise RuntimeError(
-                f"the .grad of {self.names[index]!r} is no longer a view of its bucket; with "
+                f"the .grad of {name!r} is no longer a view of its bucket; with "
                 "gradient_as_bucket_view=True, don't replace .grad (zero it in place, or set it "
                 "to None)")
 

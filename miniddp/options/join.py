@@ -15,9 +15,10 @@ a rank still training (``DistributedDataParallel``)    a rank that joined (:clas
 =====================================================  =========================================
 "I am still here": all_reduce of 1                     all_reduce of 0: how many still train?
                                                        (0: everyone joined, leave the loop)
+buffers, when synced: agree on a source rank           the same, offering no rank of its own
+"my backward will synchronize": all_reduce of 1 or 0   all_reduce of 0
 the bucket rebuild's broadcast, when it falls here     the same rebuild, with the same broadcast
-buffers: agree on a source rank, broadcast             the same, offering no rank of its own
-"my backward will synchronize": all_reduce of 1 or 0   all_reduce of 0; skip the rest if no one
+buffers, when synced: the broadcast                    the same; skip the rest if no one
                                                        synchronizes (everyone is in ``no_sync``)
 backward: one all_reduce per bucket                    one all_reduce of zeros per bucket
 the used-parameter flags (``find_unused_parameters``)  its last flags, summed in again
@@ -25,7 +26,9 @@ the used-parameter flags (``find_unused_parameters``)  its last flags, summed in
 
 Gradients are divided by the initial world size (``divide_by_initial_world_size=True``: every
 sample weighs the same) or by the number of ranks still training, which the first all_reduce
-counts. When every rank has joined, the rank that joined last (the highest one if several)
+counts. The left column runs in the engine's ``before_forward`` seam (:func:`before_forward`,
+attached when ``ddp`` is first given to a join context), the rest in the engine's forward and
+backward. When every rank has joined, the rank that joined last (the highest one if several)
 broadcasts its parameters and buffers, so every replica ends equal. With
 ``throw_on_early_termination=True`` every rank raises instead as soon as one runs out.
 
@@ -62,16 +65,17 @@ class DDPJoinHook(JoinHook):
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
         ddp.logger.data["join_uneven_inputs"] = 1  # _get_ddp_logging_data(), as torch's
+        if before_forward not in ddp.before_forward:
+            ddp.before_forward.append(before_forward)
 
     def main_hook(self) -> None:
         """Shadow one step of the ranks still training (after ``Join`` counted them)."""
         ddp, reducer = self.ddp, self.ddp.reducer
-        reducer.begin_forward()  # the bucket rebuild, with its broadcast, if it is due
-        if ddp.will_sync_module_buffers():  # as at a forward of the ranks still training
-            buffers = ddp._buffers_to_sync()
-            if buffers:
-                broadcast_from(buffers, _common_rank(ddp, candidate=False), ddp.process_group)
+        source = _common_rank(ddp, candidate=False) if _syncs_buffers(ddp) else None
         flag, work = _all_reduce_flag(ddp, False)
+        reducer.begin_forward()  # the bucket rebuild, with its broadcast, if it is due
+        if source is not None:  # as at a forward of the ranks still training
+            broadcast_from(ddp._buffers_to_sync(), source, ddp.process_group)
         work.wait()
         someone_syncs = flag.item() > 0
         ddp.require_forward_param_sync = someone_syncs
@@ -99,8 +103,24 @@ class DDPJoinHook(JoinHook):
 
 # ----- a rank still training: called from DistributedDataParallel.forward -----
 
+def before_forward(ddp) -> None:
+    """The engine's ``before_forward`` once ``ddp`` has been given to a join context, at every
+    forward: tell the joined ranks this one still trains (which sets the divisor); then, inside
+    an enabled join context, agree on the rank whose buffers every rank copies (rank 0 may
+    have joined, and its buffers be stale: the highest rank still training) and say whether this
+    step's backward synchronizes (not inside ``no_sync``), so that joined ranks shadow its
+    all_reduces or skip them (torch does not wait for that all_reduce)."""
+    notify_still_training(ddp)
+    if not ddp._join_config.enable:
+        ddp.buffer_source = group_rank0(ddp.process_group)
+        return
+    if _syncs_buffers(ddp):
+        ddp.buffer_source = _common_rank(ddp, candidate=True)
+    _all_reduce_flag(ddp, ddp.require_backward_grad_sync)
+
+
 def notify_still_training(ddp) -> None:
-    """Start of every forward: tell the joined ranks this one still trains; set the divisor.
+    """Tell the joined ranks this one still trains; set the divisor.
 
     Outside a join context this does nothing. Inside, the all_reduce also counts the ranks
     still training, which is the divisor when ``divide_by_initial_world_size=False``.
@@ -115,22 +135,11 @@ def notify_still_training(ddp) -> None:
         ddp.reducer.divisor = int(work.get_future().value()[0].item())
 
 
-def buffer_source(ddp) -> int:
-    """The global rank whose buffers every rank copies: rank 0, or under ``join`` the highest
-    rank still training (rank 0 may have joined, and its buffers be stale)."""
-    if not ddp._join_config.enable:
-        return group_rank0(ddp.process_group)
-    return _common_rank(ddp, candidate=True)
+def _syncs_buffers(ddp) -> bool:
+    """Whether this forward broadcasts buffers (by rank 0's broadcast, not a buffer hook)."""
+    return (ddp.will_sync_module_buffers() and ddp.buffer_hook is None
+            and bool(ddp._buffers_to_sync()))
 
-
-def announce_backward_sync(ddp) -> None:
-    """Under ``join``: say whether this step's backward synchronizes (not inside ``no_sync``),
-    so that joined ranks shadow its all_reduces or skip them."""
-    if ddp._join_config.enable:
-        _all_reduce_flag(ddp, ddp.require_backward_grad_sync)  # torch does not wait for it
-
-
-# ----- the collectives both sides share -----
 
 def _all_reduce_flag(ddp, flag: bool):
     """Start summing a 0/1 flag across ranks; return the tensor and the work."""

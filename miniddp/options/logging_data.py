@@ -26,11 +26,12 @@ work unchanged:
   rebuilt, ``has_rebuilt_buckets``, ``rebuilt_bucket_sizes`` and
   ``rebuilt_per_bucket_param_indices``.
 
-The reducer pays nothing on iterations that are not sampled: its ``timer`` is ``None`` then.
+The reducer pays nothing on iterations that are not sampled: nothing listens to their events.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 
@@ -55,40 +56,35 @@ def dtype_name(dtype: torch.dtype) -> str:
     return _DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch."))
 
 
-class StepTimer:
-    """Host clock readings (ns) of one sampled step, taken by the reducer where it says
-    ``timer``; also the order in which gradients became ready."""
+#: The reducer's events a sampled iteration records (``miniddp.reducer.EVENTS``).
+TIMED_EVENTS = ("forward_end", "ready", "launch", "backward_end", "finalized")
 
-    def __init__(self):
-        self.times: dict[str, int] = {}
-        self.ready_order: list[int] = []
-        self.buckets_launched = 0
-
-    def note(self, event: str, ident: int = -1) -> None:
-        now = time.time_ns()
-        if event == "ready":
-            self.ready_order.append(ident)
-        elif event == "launch":
-            self.buckets_launched += 1
-            self.times.setdefault("backward_comm_time_start", now)
-        elif event == "forward_end":
-            self.times["backward_compute_time_start"] = now
-        elif event == "backward_end":
-            self.times["backward_compute_time_end"] = now
-        elif event == "finalized":
-            self.times["backward_comm_time_end"] = now
+#: Sampled iterations whose records wait to be turned into statistics: they are turned when the
+#: data is read, or when this many are waiting (so a long run keeps a few records, not all).
+MAX_WAITING = 10
 
 
 class DDPLogging:
-    """What ``ddp.logger`` holds: the dictionary ``_get_ddp_logging_data()`` returns."""
+    """What ``ddp.logger`` holds: the dictionary ``_get_ddp_logging_data()`` returns.
+
+    :func:`at_forward` runs in the engine's ``before_forward`` seam, counting synchronized
+    iterations; the logger listens to the reducer's ``error`` events, and in a sampled
+    iteration to the events it times, with a list's own ``append`` as its listener: a sampled
+    step runs none of this module's code but at its forward. The records become statistics
+    when the data is read."""
 
     def __init__(self, ddp):
         self.data: dict[str, object] = {}
         self.sample_rate = DEFAULT_SAMPLE_RATE
         self.iterations = 0  # synchronized forwards begun, torch's num_iterations_
         self.sampled = 0  # iterations whose statistics were taken
-        self.timer: StepTimer | None = None
+        self.next_sampled = 1  # the next iteration to record
+        self.records: list[tuple] | None = None  # this iteration's events, when it is sampled
+        self.waiting: list[tuple] = []  # (iteration, records, unused bytes, rebuilt) to take
+        #: The host clock (ns) minus the reducer's clock (``time.perf_counter``, in ns).
+        self.clock_offset = time.time_ns() - int(time.perf_counter() * 1e9)
         self._construction(ddp)
+        ddp.reducer.subscribe(functools.partial(self.at_error, ddp.reducer), ("error",))
 
     def _construction(self, ddp) -> None:
         group = ddp.process_group
@@ -130,47 +126,60 @@ class DDPLogging:
         if sample_rate < 1:
             raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
         self.sample_rate = sample_rate
+        self.next_sampled = self.sampled_after(self.iterations)
 
-    def is_sampled(self, iteration: int) -> bool:
-        """torch's rule: the first ten iterations, then one in every ``sample_rate``."""
-        return iteration > 0 and (iteration <= 10 or iteration % self.sample_rate == 0)
+    def sampled_after(self, iteration: int) -> int:
+        """The first sampled iteration after ``iteration``; torch's rule: the first ten, then
+        one in every ``sample_rate``."""
+        if iteration < 10:
+            return iteration + 1
+        return (iteration // self.sample_rate + 1) * self.sample_rate
 
-    def at_synced_forward(self, reducer) -> None:
-        """Start of a synchronized forward: take the last step's times if it was sampled;
-        time this step if it is."""
-        if self.is_sampled(self.iterations):
+    def sample(self, reducer) -> None:
+        """At a synchronized forward that a sampled iteration ends or begins: keep the last
+        iteration's records if it was sampled, and start recording this one if it is."""
+        if self.records is not None:
+            reducer.unsubscribe(self.records.append)
+            unused = getattr(reducer.unused or reducer.static_graph, "unreached_this_step", ())
+            self.waiting.append((self.iterations - 1, self.records, unused, reducer.has_rebuilt))
+        sampled = self.iterations == self.next_sampled
+        self.records = [("forward_start", -1, time.perf_counter())] if sampled else None
+        if sampled:
+            reducer.subscribe(self.records.append, TIMED_EVENTS)
+            self.next_sampled = self.sampled_after(self.iterations)
+        if len(self.waiting) >= MAX_WAITING:
             self._take_stats(reducer)
-        self.iterations += 1
-        reducer.logger = self
-        self.timer = reducer.timer = StepTimer() if self.is_sampled(self.iterations) else None
-        if self.timer is not None:
-            self.timer.times["forward_compute_time_start"] = time.time_ns()
+
+    def at_error(self, reducer, _record: tuple) -> None:
+        self.set_error(reducer.error)
 
     def _take_stats(self, reducer) -> None:
+        """The waiting iterations' records into torch's statistics, oldest first."""
+        for iteration, records, unused, rebuilt in self.waiting:
+            self._take_iteration(reducer, iteration, records, unused, rebuilt)
+        self.waiting = []
+
+    def _take_iteration(self, reducer, iteration: int, records: list[tuple], unused,
+                        rebuilt: bool) -> None:
         data = self.data
         self.sampled += 1
-        data["iteration"] = self.iterations
-        if reducer.unused is not None:
-            unused = reducer.unused.unreached_this_step
-        elif reducer.static_graph is not None:
-            unused = reducer.static_graph.unused
-        else:
-            unused = ()
+        data["iteration"] = iteration
         data["unused_parameter_size"] = sum(reducer.params[i].numel()
                                             * reducer.params[i].element_size() for i in unused)
-        if reducer.has_rebuilt:
+        if rebuilt:
             data["has_rebuilt_buckets"] = 1
             data["rebuilt_bucket_sizes"] = _bucket_sizes(reducer)
             data["rebuilt_per_bucket_param_indices"] = ", ".join(
                 " ".join(map(str, b.param_indices)) for b in reducer.buckets)
         else:
             data.setdefault("has_rebuilt_buckets", 0)
-        timer = self.timer
-        if timer is None:
-            return
-        data["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, timer.ready_order))
-        data["num_buckets_reduced"] = timer.buckets_launched
-        times = timer.times
+        ready = [ident for event, ident, _ in records if event == "ready"]
+        data["prev_iteration_grad_ready_order_indices"] = ", ".join(map(str, ready))
+        data["num_buckets_reduced"] = sum(event == "launch" for event, _, _ in records)
+        times = {}
+        for event, _, when in records:  # the first time of each, in ns
+            times.setdefault(_TIMES.get(event), int(when * 1e9) + self.clock_offset)
+        times.pop(None, None)
         needed = ("forward_compute_time_start", "backward_compute_time_start",
                   "backward_compute_time_end", "backward_comm_time_start",
                   "backward_comm_time_end")
@@ -193,11 +202,29 @@ class DDPLogging:
             data["avg_" + key] = (average * (self.sampled - 1) + span) // self.sampled
 
     def snapshot(self, ddp) -> dict:
+        self._take_stats(ddp.reducer)
         data = dict(self.data)
         hook = ddp.reducer.comm_hook
         if hook is not None:
             data["comm_hook"] = hook.name
         return data
+
+
+#: Which of torch's times each event gives (its first occurrence in the iteration).
+_TIMES = {"forward_start": "forward_compute_time_start",
+          "forward_end": "backward_compute_time_start",
+          "launch": "backward_comm_time_start", "backward_end": "backward_compute_time_end",
+          "finalized": "backward_comm_time_end"}
+
+
+def at_forward(ddp) -> None:
+    """The engine's ``before_forward``: count a synchronized iteration; at one that a sampled
+    iteration ends or begins, :meth:`DDPLogging.sample`."""
+    if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
+        logger = ddp.logger
+        logger.iterations += 1
+        if logger.records is not None or logger.iterations == logger.next_sampled:
+            logger.sample(ddp.reducer)
 
 
 def _gloo_threads(group) -> int:

@@ -27,6 +27,12 @@ import torch
 import torch.distributed as dist
 
 
+def at_first_forward(ddp) -> None:
+    """In the engine's ``before_forward``, once: :func:`take_over`."""
+    ddp.before_forward.remove(at_first_forward)
+    take_over(ddp)
+
+
 def take_over(ddp) -> None:
     """At the first forward: if any of ``ddp``'s parameters has optimizers applied in backward,
     remove their hooks and step them from a communication hook instead, after the all_reduce."""

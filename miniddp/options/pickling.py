@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.options.arguments import is_default_group
+from miniddp.options.gradient_views import GradientsAsBucketViews
 from miniddp.options.logging_data import DDPLogging
 
 
@@ -38,7 +39,9 @@ def restore_copy(ddp, state: dict) -> None:
     it), and a new reducer for the copy's parameters, with a new logger (the copy's
     ``_get_ddp_logging_data()`` counts its own iterations from 0, as torch's copy does)."""
     nn.Module.__setstate__(ddp, {**state, "process_group": dist.group.WORLD})
-    ddp.reducer = ddp._make_reducer()
+    views = GradientsAsBucketViews() if ddp.gradient_as_bucket_view else None
+    ddp.reducer = ddp._make_reducer(views)
+    ddp._attach_options(ddp.reducer)
     ddp.logger = DDPLogging(ddp)
     if ddp.static_graph:
         ddp.logger.set_static_graph()

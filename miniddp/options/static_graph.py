@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from miniddp import errors
+from miniddp.reducer import Step
 
 #: torch's message for a parameter that starts being used (code and tests match on it).
 GRAPH_CHANGED = (
@@ -74,7 +75,7 @@ class StaticGraph:
         self._unmarked: list[int] = []
         self._first_backward_queued = False
         self._work = self._used_everywhere = None
-        self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
+        self.clone_outputs = True  # False: ddp._set_ddp_sink_clone(False)
 
     @classmethod
     def attach(cls, reducer, initial_buckets: bool) -> StaticGraph:
@@ -85,7 +86,7 @@ class StaticGraph:
         ``initial_buckets`` (from the constructor) the iteration-0 layout is made again as
         torch's constructor makes it for a static graph: one bucket per dtype and device.
         """
-        if reducer.expect_hooks or reducer.reduced or reducer.has_rebuilt:
+        if reducer.state is not Step.IDLE or reducer.has_rebuilt:
             raise RuntimeError(
                 "static_graph can only be turned on before the first forward: pass "
                 "static_graph=True to DistributedDataParallel, or call _set_static_graph() "
@@ -99,7 +100,7 @@ class StaticGraph:
         reducer.static_graph = cls(reducer)
         return reducer.static_graph
 
-    # ----- attach points in miniddp.reducer -----
+    # ----- the reducer's seam -----
 
     def prepare(self, outputs):
         """End of a synchronized forward: expect this backward's firings; return the outputs.
@@ -132,7 +133,7 @@ class StaticGraph:
         if not expect_hooks:  # inside no_sync: the reducer ignores it
             return True
         if self.remaining[index] == 0:  # as torch's, the next forward reports the step unfinished
-            self._reducer().require_finalize = True
+            self._reducer().state = Step.REDUCING
             raise errors.logged(self._reducer(), RuntimeError(
                 f"the gradient of {self.names[index]!r} arrived more often in this backward "
                 f"than in the first, where it arrived {self.firings[index]} time(s): the "
@@ -142,6 +143,12 @@ class StaticGraph:
                 f"static_graph=False.\nIn torch's words: {GRAPH_CHANGED}"))
         self.remaining[index] -= 1
         return self.remaining[index] == 0
+
+    @property
+    def unreached_this_step(self) -> list[int]:
+        """The parameters unused in this step (those of the first backward), as
+        ``find_unused_parameters`` names them."""
+        return self.unused
 
     def take_unused(self) -> list[int]:
         """The parameters unused in the first backward, to mark ready (with zeros) at the

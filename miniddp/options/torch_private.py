@@ -4,8 +4,8 @@ They are not part of torch's documented API, but torch's own tests use them, and
 parts of torch (the compiler's DDP support, FSDP, ``_sync_module_states``) and some libraries.
 Each has the meaning it has in torch, in miniddp's terms:
 
-* ``device_type``, ``is_multi_device_module``, ``mixed_precision`` (always None here) and
-  ``will_sync_module_buffers()``, which torch's DDP has as public attributes;
+* ``device_type``, ``is_multi_device_module`` and ``mixed_precision`` (always None here),
+  which torch's DDP has as public attributes (``will_sync_module_buffers()`` is the engine's);
 * ``parameters_to_ignore`` (the names DDP leaves alone), ``broadcast_bucket_size`` (the size of
   torch's coalesced broadcasts), ``bucket_bytes_cap_list`` (``bucket_cap_mb_list`` in bytes, ``[]``
   without one), ``modules_buffers`` / ``named_module_buffers``;
@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from miniddp.options import comm_hooks
+from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from
 
 #: torch's enum for where a buffer hook runs (its own, when torch has it).
@@ -75,12 +76,6 @@ class TorchPrivateDDP:
     def is_multi_device_module(self) -> bool:
         return len({p.device for name, p in self.module.named_parameters()
                     if name not in self.ignored}) > 1
-
-    def will_sync_module_buffers(self) -> bool:
-        """Whether the next forward broadcasts the buffers (torch's rule: right after a
-        synchronized forward, with buffer sync on, and buffers at construction)."""
-        return (self.require_forward_param_sync and self.forward_sync_buffers
-                and bool(self._modules_buffers))
 
     @property
     def bucket_bytes_cap_list(self) -> list[int]:
@@ -126,20 +121,7 @@ class TorchPrivateDDP:
         rank 0's, before or after forward (``comm_hook_location``)."""
         if not callable(hook):
             raise TypeError(f"the buffer communication hook must be callable, got {hook!r}")
-        self.buffer_hook = (state, hook, comm_hook_location)
-
-    def _run_buffer_hook(self, location) -> bool:
-        """Run the buffer hook if it is registered for ``location``; True when one is
-        registered at all (then the default broadcast does not run)."""
-        if self.buffer_hook is None:
-            return False
-        state, hook, where = self.buffer_hook
-        if where == location:
-            self._buffers_to_sync()  # read anew, as torch's _sync_buffers does
-            futures = hook(state, self.named_module_buffers)
-            if futures is not None:
-                torch.futures.wait_all(list(futures))
-        return True
+        self.buffer_hook = BufferHook(state, hook, comm_hook_location)
 
     def _default_broadcast_coalesced(self, bufs=None, bucket_size=None, authoritative_rank=0):
         """Broadcast ``bufs`` (default: the module's buffers) from ``authoritative_rank``."""
@@ -179,8 +161,25 @@ class TorchPrivateDDP:
         self.logger.set_sample_rate(sample_rate)
 
 
-class TorchPrivateReducer:
-    """Mixed into ``miniddp.reducer.Reducer``."""
+class BufferHook:
+    """The engine's ``buffer_hook``: buffers synchronized by ``hook(state, named_buffers)``
+    instead of rank 0's broadcast, before or after forward; futures it returns are waited for
+    at once (torch waits for them at the end of backward)."""
+
+    def __init__(self, state, hook, location):
+        self.state, self.hook, self.location = state, hook, location
+
+    def __call__(self, ddp, before_forward: bool) -> None:
+        if before_forward != (self.location == BufferCommHookLocation.PRE_FORWARD):
+            return
+        ddp._buffers_to_sync()  # read anew, as torch's _sync_buffers does
+        futures = self.hook(self.state, ddp.named_module_buffers)
+        if futures is not None:
+            torch.futures.wait_all(list(futures))
+
+
+class TorchReducer(Reducer):
+    """The engine's reducer with torch's private reducer methods, as ``ddp.reducer``."""
 
     def _get_local_used_map(self) -> torch.Tensor:
         """How many ranks used each parameter in the last synchronized backward (int32)."""

@@ -56,7 +56,7 @@ class UnusedParameters:
         self.unreached_this_step: set[int] = set()
         self.skip_unused_buckets = False  # skip_all_reduce_unused_params
         self.used_everywhere = self.work = None
-        self.clone_outputs = True  # ddp._set_ddp_sink_clone (miniddp.options.torch_private)
+        self.clone_outputs = True  # False: ddp._set_ddp_sink_clone(False)
         self.graph_static = True  # the same parameters unused every step so far (torch's
         self._previous_unreached: list[int] | None = None  # reducer._ddp_graph_static())
 

@@ -108,8 +108,7 @@ def bucket_cap_ignored(module):
 
 def averages_not_written_back(module):
     """Lesson 12: the reducer all_reduces the buckets but never writes the averages to .grad."""
-    _patch(module.Reducer, "_write_back", lambda original: lambda self, index, view: None)
-    _patch(module, "_copy_all", lambda original: lambda destinations, sources: None)
+    _patch(module.Reducer, "_write_back_bucket", lambda original: lambda self, bucket, used: None)
 
 
 def comm_hook_ignored(module):
@@ -244,8 +243,8 @@ def write_back_before_wait(module):
 def compiled_ddp_unrecognised(module):
     """Lesson 16: miniddp marks its forward on a stand-in class, not on torch's DDP class, so
     torch's compiler never sees an active DDP module and compiles one graph."""
-    _patch(module, "_TorchDDP", lambda original: type("NotTorchsDDP", (),
-                                                      {"_active_ddp_module": None}))
+    _patch(module.DistributedDataParallel, "active_module_holder",
+           lambda original: type("NotTorchsDDP", (), {"_active_ddp_module": None}))
 
 
 def buckets_launched_after_backward(module):
@@ -373,7 +372,7 @@ BREAKAGES = {
     "trace_waits_reversed": ("miniddp.checks.trace", trace_waits_reversed),
     "reducer_records_no_waits": ("miniddp.reducer", reducer_records_no_waits),
     "write_back_before_wait": ("miniddp.reducer", write_back_before_wait),
-    "compiled_ddp_unrecognised": ("miniddp.options.compiled", compiled_ddp_unrecognised),
+    "compiled_ddp_unrecognised": ("miniddp.ddp", compiled_ddp_unrecognised),
     "buckets_launched_after_backward": ("miniddp.reducer", buckets_launched_after_backward),
     "no_sync_exits_to_true": ("miniddp.ddp", no_sync_exits_to_true),
     "reshard_skips_by_the_new_world_size": ("miniddp.sampler",
