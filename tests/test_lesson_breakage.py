@@ -34,6 +34,8 @@ ARGUMENTS = {"11_benchmarking_buckets": ["--rounds", "4"],
              "13_communication_hooks": ["--nproc", "3"]}
 CASES = [
     ("00_one_process", "no_optimizer_step", "the model did not learn"),
+    ("01_processes_and_collectives", "all_reduce_does_nothing",
+     re.compile(r"all_reduce gave \[.*\], expected \d+ everywhere")),
     ("02_naive_data_parallel", "reversed_gather",
      "DataParallel must compute the plain module's output and gradients"),
     ("03_data_parallel_by_hand", "all_reduce_does_nothing",
@@ -92,6 +94,9 @@ CASES = [
      "with equal sizes, miniddp's ZeroRedundancyOptimizer gives this rank the parameters"),
     ("15_sharded_optimizer", "zero_lr_never_forwarded",
      "with the learning rate changed every 3 steps, miniddp's ZeroRedundancyOptimizer differs"),
+    # the reference broken, not the ring by hand: the comparison with all_reduce is a live one
+    ("15_sharded_optimizer_stage_2", "all_reduce_does_nothing",
+     "the reduce-scatter differs from all_reduce then slicing"),
     ("16_compile", "compiled_ddp_unrecognised",
      "differ from torch's compiled DDP's"),
     ("16_compile", "buckets_launched_after_backward",
