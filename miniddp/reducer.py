@@ -35,6 +35,11 @@ engine (this file imports none of it):
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
 after backward" baselines share this code instead of copying it.
+
+The plain steps name no seam. While something needs more (a seam attached, a listener of an event
+they do not emit, the rebuild still to come, ``overlap=False``), the reducer's class is swapped
+for one with the steps through the seams, which are attached from outside (``seamed_steps``),
+and back once nothing does: the plain step stays the small version, and as fast.
 """
 
 from __future__ import annotations
