@@ -18,10 +18,12 @@ issue the same collectives in the same order), and the callback
 (``Variable._execution_engine.queue_callback``) that waits and writes back; one bucket for the
 first step, then ``rebuilt_buckets`` in the order the gradients arrived. It is checked bit for
 bit against torch's DDP at every step, at 2 ranks and at 3 (where the layout decides the bits).
-The library's full version, ``miniddp.reducer.Reducer``, adds unused parameters, ``no_sync``,
-``gradient_as_bucket_view``, errors that name the parameter; with ``bucket_cap_mb=0.5`` its
-buckets hold one hidden layer each (checked), and one backward recorded with ``ddp.trace()``
-must launch every bucket once, in order, and wait for each, in order, before the write-back.
+The library's ``miniddp.reducer.Reducer`` is this small version plus named seams: its plain
+steps are printed beside ``SmallReducer``'s (checked to touch no seam); unused parameters,
+``gradient_as_bucket_view``, comm hooks take ``SeamedSteps`` when attached. With
+``bucket_cap_mb=0.5`` its buckets hold one hidden layer each (checked), and one backward recorded
+with ``ddp.trace()`` must launch every bucket once, in order, and wait for each, in order,
+before the write-back.
 Part 2 (``06_overlap_timeline.py``) proves from the reducer's timeline that it overlaps.
 
 Run it:
@@ -31,12 +33,14 @@ Run it:
     torchrun --standalone --nproc_per_node=2 lessons/06_overlap.py
 
 What you should see: ``SmallReducer`` equal to torch's DDP bit for bit at 2 ranks, then at 3;
-the library's buckets by layer; the trace's verdict (with ``--trace``, every gradient ready, each
-bucket launched, finished and waited for, the write-back); ``OK: ...``. About 10 s.
+its steps beside the library's; the library's buckets by layer; the trace's verdict (with
+``--trace``, every gradient ready, each bucket launched, finished and waited for, the
+write-back); ``OK: ...``. About 10 s.
 """
 
 import argparse
 import functools
+import inspect
 import time
 
 import torch
@@ -48,6 +52,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from miniddp import DistributedDataParallel
 from miniddp.buckets import bucket_limits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
+from miniddp.options.seamed_steps import SeamedSteps
+from miniddp.reducer import SEAMS, Reducer
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.train.report import check, ok, print0
@@ -229,11 +235,47 @@ def check_layout(ddp) -> None:
           "in the first and the input layer alone in the last")
 
 
+#: Each step of ``SmallReducer`` and the library's plain step that does it.
+SIDE_BY_SIDE = (
+    ("the hook: this parameter's gradient is final", "_on_ready", "_hook"),
+    ("grad * (1 / world_size) into its bucket", "_on_ready", "_mark_ready"),
+    ("launch the full buckets, strictly in order", "_on_ready", "_launch_ready_buckets"),
+    ("one bucket's all_reduce, async", "_on_ready", "_launch"),
+    ("end of backward: wait for each bucket", "_finish", "_finalize"),
+    ("a bucket's averages into .grad", "_finish", "_write_back_bucket"),
+)
+
+
+def beside_the_library() -> list[str]:
+    """``SmallReducer``'s steps beside the library's plain ones, with their lengths in lines,
+    read from the sources; then what the library adds, and where it attaches."""
+    def lines(function) -> int:
+        return len(inspect.getsource(function).splitlines())
+    rows = [f"{'step':<52}{'SmallReducer':<24}miniddp Reducer (plain)"]
+    for what, small, library in SIDE_BY_SIDE:
+        rows.append(f"{what:<52}{small + f' ({lines(getattr(SmallReducer, small))})':<24}"
+                    f"{library} ({lines(getattr(Reducer, library))})")
+    seamed = [name for name in vars(SeamedSteps) if not name.startswith("__")]
+    rows.append(f"the seams, None until an option attaches: {', '.join(SEAMS)}")
+    rows.append(f"then the steps through them (SeamedSteps):\n    {', '.join(seamed)}")
+    return rows
+
+
+def plain_steps_touching_seams() -> list[str]:
+    """The library's plain steps that mention a seam (none may: the plain path is the small
+    version, and every option attaches through ``SeamedSteps``)."""
+    return [f"Reducer.{library} mentions self.{seam}" for _, _, library in SIDE_BY_SIDE
+            for seam in SEAMS if f"self.{seam}" in inspect.getsource(getattr(Reducer, library))]
+
+
 def on_every_rank(show_the_trace: bool):
     device = rank_device()
     buckets_by_hand = small_reducer_matches_torch()
     print0(f"SmallReducer ({buckets_by_hand} buckets after the rebuild) gave torch's DDP's "
            f"gradients bit for bit at every step on {dist.get_world_size()} ranks\n")
+    print0("\n".join(beside_the_library()) + "\n")
+    touching = plain_steps_touching_seams()
+    check(not touching, f"the library's plain steps must touch no seam: {'; '.join(touching)}")
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(wide_student(device), device_ids=ids,
                                   bucket_cap_mb=BUCKET_CAP_MB)

@@ -32,6 +32,7 @@ from miniddp.options import (
     logging_data,
     optimizer_in_backward,
     pickling,
+    seamed_steps,  # noqa: F401  (attaches the reducer's steps through its seams)
 )
 from miniddp.options.batched_copy import BatchedGradCopy
 from miniddp.options.gradient_views import GradientsAsBucketViews

@@ -35,12 +35,18 @@ engine (this file imports none of it):
 
 ``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
 after backward" baselines share this code instead of copying it.
+
+The plain steps name no seam. While something needs more (a seam attached, a listener of an event
+they do not emit, the rebuild still to come, ``overlap=False``), the reducer's class is swapped
+for one with the steps through the seams, which are attached from outside (``seamed_steps``),
+and back once nothing does: the plain step stays the small version, and as fast.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import operator
 import threading
 import time
 import weakref
@@ -56,7 +62,6 @@ from miniddp.buckets import (
     BucketInfo,
     assign_buckets,
     bucket_limits,
-    rebuilt_assignment,
 )
 
 #: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
@@ -76,6 +81,25 @@ EVENTS = ("rebuild", "forward", "forward_end", "ready", "launch", "done",
 TIMELINE_EVENTS = ("ready", "launch", "done", "backward_end", "waited", "finalized", None)
 
 
+#: The events the plain steps emit; a listener of any other takes the seamed steps.
+PLAIN_EVENTS = ("forward_end", "ready", "launch", "backward_end", "finalized", "wait_failed",
+                "late_gradient", "error")
+
+#: The seams: each None (the plain behaviour) until an option attaches to it.
+SEAMS = ("views", "batched_copy", "comm_hook", "unused", "static_graph")
+
+
+def _seam(name: str, doc: str) -> property:
+    """A seam's attribute: read at C speed, and attaching to it (or detaching) chooses the
+    reducer's steps (``Reducer._route``)."""
+    private = "_" + name
+
+    def attach(reducer, value) -> None:
+        setattr(reducer, private, value)
+        reducer._route()
+    return property(operator.attrgetter(private), attach, doc=doc)
+
+
 class Step(enum.Enum):
     """Where the reducer stands in a step."""
 
@@ -89,12 +113,18 @@ class Step(enum.Enum):
 class Reducer:
     """Owns the buckets and the hooks of one DDP module. See the module docstring."""
 
-    views = None  # gradient_as_bucket_view: .grad aliases the bucket
-    batched_copy = None  # batched_grad_copy: a bucket's gradients copied in once it is full
+    views = _seam("views", "gradient_as_bucket_view: .grad aliases the bucket")
+    batched_copy = _seam("batched_copy",
+                         "batched_grad_copy: a bucket's gradients copied in once it is full")
+    comm_hook = _seam("comm_hook", "a bucket reduced by a hook instead of the all_reduce")
+    unused = _seam("unused",
+                   "find_unused_parameters: parameters no output reaches are ready too")
+    static_graph = _seam("static_graph", "static_graph: firings counted in the first backward")
     graph_gradients = None  # backward(create_graph=True): gradients that require grad
-    comm_hook = None  # a bucket reduced by a hook instead of the all_reduce
-    unused = None  # find_unused_parameters: parameters no output reaches are ready too
-    static_graph = None  # static_graph: firings counted in the first backward
+    _views = _batched_copy = _comm_hook = _unused = _static_graph = None
+    #: The steps through the seams, attached from outside the engine
+    #: (``miniddp.options.seamed_steps``); a reducer takes them while it needs them (``_route``).
+    seamed_steps = None
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
@@ -111,10 +141,9 @@ class Reducer:
         self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
         self.overlap = overlap
         self.find_unused = find_unused_parameters
+        self._listeners: dict[str | None, list] = {}  # event (None: any other) -> callables
         self.views = views
         self.state = Step.IDLE
-        self.fast_path = False  # set for a backward in which nothing needs to see each hook
-        self._listeners: dict[str | None, list] = {}  # event (None: any other) -> callables
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.ready: set[int] = set()
         self.next_bucket = 0
@@ -136,6 +165,8 @@ class Reducer:
         self._hooks = [node.register_hook(functools.partial(_call_hook, me, i))
                        for i, node in enumerate(self._accumulators)]
         self._init_buckets(self.initial_assignment())
+        self._plain_class = type(self)  # its steps are swapped for the seamed ones and back
+        self._route()
 
     # ----- bucket layout (torch's rules: miniddp.buckets) -----
 
@@ -188,7 +219,7 @@ class Reducer:
 
     def begin_forward(self, sync: bool = True) -> None:
         """At a forward with grad enabled (``sync``: not inside ``no_sync``): fail on an
-        unfinished reduction, rebuild the buckets once.
+        unfinished reduction (the seamed steps also rebuild the buckets once).
 
         An unfinished reduction raises at once, naming the parameters, as torch does: waiting
         for the launched buckets could hang, since a rank missing a different parameter never
@@ -197,14 +228,6 @@ class Reducer:
             raise errors.logged(self, errors.unfinished_reduction(self))
         self.forwards, self.allreduce_calls = self.forwards + 1, 0
         self.state = Step.EXPECTING if self.state is Step.EXPECTING else Step.IDLE
-        if self.should_rebuild and self.ready_order:
-            if "rebuild" in self._listeners:
-                self._record("rebuild", -1)
-            self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
-                                                  self.bucket_limits, self.group))
-            self.has_rebuilt, self.ready_order = True, []
-        if "forward" in self._listeners:
-            self._record("forward", int(sync))
 
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
@@ -214,14 +237,7 @@ class Reducer:
             self.ready.clear()
         self.state, self.next_bucket, self.synced_forwards = (Step.EXPECTING, 0,
                                                               self.synced_forwards + 1)
-        self.fast_path = (self.unused is None and self.static_graph is None
-                          and not self.should_rebuild)
-        if "forward_end" in self._listeners:
-            self._record("forward_end", -1)
-        if self.unused is not None:  # find the parameters no output reaches; watch outputs
-            outputs = self.unused.prepare(outputs)
-        if self.static_graph is not None:  # firings to expect; the first backward waits
-            outputs = self.static_graph.prepare(outputs)
+        self._record("forward_end", -1)
         self.output_nodes = [t.grad_fn for t in tree_flatten(outputs)[0]
                              if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         return outputs
@@ -242,39 +258,11 @@ class Reducer:
 
     def _hook(self, index: int) -> None:
         with self._lock:
-            if self.fast_path:
-                if "ready" in self._listeners:
-                    self._record("ready", index)
+            if self.state is Step.EXPECTING or self.state is Step.REDUCING:
+                self._record("ready", index)
                 self._mark_ready(index)
-            else:
-                self._hook_through_seams(index)
-
-    def _hook_through_seams(self, index: int) -> None:
-        """A hook that a seam or the bucket rebuild needs to see first, or that no synced
-        backward expects."""
-        expected = self.state in (Step.EXPECTING, Step.REDUCING)
-        if self.static_graph is not None and not self.static_graph.final_firing(index, expected):
-            return  # counted, not yet this parameter's last firing
-        if expected:
-            self._gradient_ready(index)
-        elif self.state is Step.SECOND_BACKWARD:  # through a reduced forward: warn, or raise
-            self._record("late_gradient", index)
-        elif self.unused is not None:  # no_sync, or a forward through ddp.module:
-            self.unused.note_use(index)  # gradients just accumulate
-
-    def _gradient_ready(self, index: int) -> None:
-        if "ready" in self._listeners:
-            self._record("ready", index)
-        if self.unused is not None:  # the unreached ones are ready too, with zeros
-            self.unused.note_use(index)
-            for unreached in self.unused.take_unreached():
-                self._mark_ready(unreached)
-        if self.static_graph is not None:  # unused in the first backward: ready, zeros
-            for unused in self.static_graph.take_unused():
-                self._mark_ready(unused)
-        if self.should_rebuild:
-            self.ready_order.append(index)
-        self._mark_ready(index)
+            elif self.state is Step.SECOND_BACKWARD:  # through a reduced forward: warn, or raise
+                self._record("late_gradient", index)
 
     def _mark_ready(self, index: int) -> None:
         if index in self.ready:
@@ -283,9 +271,7 @@ class Reducer:
         self.state = Step.REDUCING
         bucket, slot = self.slot_of[index]
         grad = self.params[index].grad
-        if self.batched_copy is not None:
-            self.batched_copy.copy_in(index, bucket, slot)
-        elif bucket.copy_at_end and grad is not None:
+        if bucket.copy_at_end and grad is not None:
             if grad.requires_grad:  # backward(create_graph=True): its value is averaged
                 grad = self.graph_gradients.value(grad) if self.graph_gradients else grad.detach()
             bucket.waiting.append((grad, bucket.views[slot]))  # copied with the bucket's last
@@ -295,24 +281,15 @@ class Reducer:
         if bucket.pending == 0:
             self._bucket_full(bucket)
         if len(self.ready) == len(self.params):
-            if self.unused is not None:
-                if "used_flags" in self._listeners:
-                    self._record("used_flags", -1)
-                self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
     def _copy_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
-        """``view = grad * (1 / world_size)``; unscaled when a comm hook does its own scaling."""
-        scale = self.comm_hook is None
+        """``view = grad * (1 / world_size)``, or zeros for a parameter without a gradient."""
         try:
-            if self.views is not None:
-                self.views.copy_in(param, view, self.divisor, scale)
-            elif param.grad is None:  # unused here: contribute zeros
+            if param.grad is None:  # unused here: contribute zeros
                 view.zero_()
-            elif scale:
-                self._scale(param.grad, view)
             else:
-                view.copy_(param.grad)
+                self._scale(param.grad, view)
         except RuntimeError as error:  # a gradient that requires grad (create_graph=True)?
             if self.graph_gradients is None:
                 raise
@@ -321,15 +298,11 @@ class Reducer:
     def _bucket_full(self, bucket: Bucket) -> None:
         """The bucket's last gradient is in: copy in those that waited, then launch it and any
         full ones waiting behind it."""
-        if self.batched_copy is not None:
-            self.batched_copy.flush(bucket)
-        elif bucket.waiting:  # one call copies them all in, one scales the bucket
+        if bucket.waiting:  # one call copies them all in, one scales the bucket
             grads, views = zip(*bucket.waiting)
             torch._foreach_copy_(list(views), list(grads))
-            if self.comm_hook is None:  # (a comm hook does its own scaling)
-                self._scale(bucket.buffer, bucket.buffer)
-        if self.overlap:
-            self._launch_ready_buckets()
+            self._scale(bucket.buffer, bucket.buffer)
+        self._launch_ready_buckets()
 
     def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
@@ -352,41 +325,23 @@ class Reducer:
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
-        if self.unused is not None and self.unused.skips(bucket):
-            return
-        if "launch" in self._listeners:
-            self._record("launch", bucket.index)
-        if self.comm_hook is None:
-            bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
-        else:  # the hook's future replaces the all_reduce
-            bucket.work = self.comm_hook.launch(self, bucket)
+        self._record("launch", bucket.index)
+        bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
         self.allreduce_calls += 1
-        if "done" in self._listeners:
-            # A chained future, waited for in _finalize: the callback runs on a communication
-            # thread, and must not still be running when the process exits.
-            future = bucket.work if self.comm_hook else bucket.work.get_future()
-            bucket.done = future.then(lambda _f, b=bucket.index: self._record("done", b))
 
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
-        if "backward_end" in self._listeners:
-            self._record("backward_end", -1)
-        self.state, self.fast_path = Step.REDUCED, False
-        self._launch_ready_buckets()  # overlap=False launches everything here
-        used = self.unused.used_on_some_rank() if self.unused is not None else None
-        if self.static_graph is not None:  # used by some rank in the first backward
-            used = self.static_graph.end_backward()
+        self._record("backward_end", -1)
+        self.state = Step.REDUCED
         for bucket in self.buckets:
-            if bucket.work is not None:  # (None: skipped, skip_all_reduce_unused_params)
-                self._wait(bucket)
-                self._write_back_bucket(bucket, used)
+            self._wait(bucket)
+            self._write_back_bucket(bucket)
             self._reset(bucket)  # for the next backward, while it is at hand
         self.ready.clear()
         for node in self.output_nodes:  # a backward reaching them again is a second one
             node.register_prehook(functools.partial(_call_reached_again, weakref.ref(self)))
         self.output_nodes = []
-        if "finalized" in self._listeners:
-            self._record("finalized", -1)
+        self._record("finalized", -1)
 
     def _wait(self, bucket: Bucket) -> None:
         try:
@@ -395,22 +350,14 @@ class Reducer:
             self.error = error
             self._record("wait_failed", bucket.index)
             raise
-        if self.comm_hook is not None:  # its result goes into the bucket
-            self.comm_hook.take_result(bucket)
-        if bucket.done is not None:
-            bucket.done.wait()
-        if "waited" in self._listeners:
-            self._record("waited", bucket.index)
 
-    def _write_back_bucket(self, bucket: Bucket, used: list[bool] | None) -> None:
+    def _write_back_bucket(self, bucket: Bucket) -> None:
         """The bucket's averages into ``.grad``: one call for the plain ones, while later
         buckets are still in flight."""
         grads, averages = [], []
         for i, view in zip(bucket.param_indices, bucket.views):
-            if used is not None and not used[i]:  # unused on every rank: .grad stays
-                continue
             grad = self.params[i].grad
-            if grad is None or grad.requires_grad or self.views is not None:
+            if grad is None or grad.requires_grad:
                 self._write_back(i, view)
             else:
                 grads.append(grad)
@@ -444,11 +391,26 @@ class Reducer:
         event when None; see :data:`EVENTS`)."""
         for event in (*EVENTS, None) if events is None else events:
             self._listeners.setdefault(event, []).append(listener)
+        if events is None or not set(events) <= set(PLAIN_EVENTS):
+            self._route()
 
     def unsubscribe(self, listener) -> None:
         kept = {event: [f for f in fs if f != listener]
                 for event, fs in self._listeners.items()}
         self._listeners = {event: fs for event, fs in kept.items() if fs}
+        if type(self) is not self._plain_class:  # perhaps plain again
+            self._route()
+
+    def _route(self) -> None:
+        """Take the plain steps while nothing needs the seamed ones: no seam attached, the
+        buckets rebuilt (or never to be), launches overlapping backward, and no listener of an
+        event the plain steps do not emit."""
+        if "_plain_class" not in self.__dict__:
+            return  # still in __init__
+        seamed = (self.should_rebuild or not self.overlap
+                  or any(getattr(self, seam) is not None for seam in SEAMS)
+                  or not set(self._listeners) <= set(PLAIN_EVENTS))
+        self.__class__ = _seamed_class(self._plain_class) if seamed else self._plain_class
 
     def _record(self, event: str, ident: int) -> None:
         for listener in self._listeners.get(event, self._listeners.get(None, ())):
@@ -478,6 +440,22 @@ class Reducer:
     def __del__(self):
         if hasattr(self, "_hooks"):  # not when __init__ failed before registering them
             self.remove_hooks()
+
+
+
+
+@functools.cache
+def _seamed_class(plain: type) -> type:
+    """``plain`` with the seamed steps' methods (``Reducer.seamed_steps``): the same name, and
+    every ``isinstance``."""
+    steps = Reducer.seamed_steps
+    if steps is None:
+        raise RuntimeError("a seam, a listener or the bucket rebuild needs the reducer's seamed "
+                           "steps: import miniddp.options.seamed_steps (import miniddp does)")
+    methods = {name: value for name, value in vars(steps).items()
+               if callable(value) and not name.startswith("__")}
+    return type(plain.__name__, (plain,), {**methods, "__qualname__": plain.__qualname__,
+                                           "__module__": plain.__module__})
 
 
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:

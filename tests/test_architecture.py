@@ -253,3 +253,32 @@ def test_fsdp_importing_the_reducer_is_caught():
     graph = import_graph()
     graph["miniddp.fsdp.param_group"] = graph["miniddp.fsdp.param_group"] | {"miniddp.reducer"}
     assert fsdp_engine_imports(graph) == {"miniddp.reducer"}
+
+
+#: The reducer's plain steps, from the hook to the write-back: they name no seam.
+PLAIN_STEPS = ("begin_forward", "prepare_for_backward", "_hook", "_mark_ready", "_bucket_full",
+               "_launch_ready_buckets", "_launch", "_finalize", "_wait", "_write_back_bucket")
+
+
+def seams_named(sources: dict[str, str]) -> list[str]:
+    """Which of the reducer's seams each step's source reads (``self.<seam>``)."""
+    from miniddp.reducer import SEAMS
+
+    return [f"Reducer.{name} reads self.{seam}" for name, source in sorted(sources.items())
+            for seam in SEAMS if f"self.{seam}" in source]
+
+
+def test_the_plain_steps_name_no_seam():
+    """The plain path is the small version: every option runs through the seamed steps."""
+    import inspect
+
+    from miniddp.reducer import Reducer
+
+    sources = {name: inspect.getsource(getattr(Reducer, name)) for name in PLAIN_STEPS}
+    assert seams_named(sources) == []
+
+
+def test_a_plain_step_reading_a_seam_is_caught():
+    """Negative control: a plain step that checks for a comm hook is named."""
+    planted = {"_launch": "        if self.comm_hook is None:\n            pass\n"}
+    assert seams_named(planted) == ["Reducer._launch reads self.comm_hook"]

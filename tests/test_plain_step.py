@@ -27,7 +27,7 @@ MAX_LINES = 110
 MAX_FILES = 3
 MEASURED_STEPS = (3, 12)  # sampled by torch's logging, and not
 #: What the plain step runs now, per step: it may shrink, never grow.
-MEASURED_NOW = {3: 140, 12: 115}
+MEASURED_NOW = {3: 106, 12: 93}
 
 
 def lines_run(step) -> dict[str, set[int]]:
@@ -103,9 +103,6 @@ def test_the_plain_step_stays_in_the_engine(measured):
     assert over_budget(measured, MEASURED_NOW) == []
 
 
-@pytest.mark.xfail(strict=True, reason="the plain step runs 115 lines unsampled and 140 at a "
-                   "sampled step (issue 33 asks for 110): the seams' checks and the event "
-                   "guards still sit on the plain path")
 def test_the_plain_step_reads_in_one_sitting(measured):
     assert over_budget(measured) == []
 

@@ -138,14 +138,18 @@ class DDPLogging:
     def sample(self, reducer) -> None:
         """At a synchronized forward that a sampled iteration ends or begins: keep the last
         iteration's records if it was sampled, and start recording this one if it is."""
-        if self.records is not None:
-            reducer.unsubscribe(self.records.append)
+        if self.records is not None:  # one list, subscribed while iterations are sampled
             unused = getattr(reducer.unused or reducer.static_graph, "unreached_this_step", ())
-            self.waiting.append((self.iterations - 1, self.records, unused, reducer.has_rebuilt))
-        sampled = self.iterations == self.next_sampled
-        self.records = [("forward_start", -1, time.perf_counter())] if sampled else None
-        if sampled:
-            reducer.subscribe(self.records.append, TIMED_EVENTS)
+            self.waiting.append((self.iterations - 1, self.records[:], unused, reducer.has_rebuilt))
+            self.records.clear()
+        if self.iterations != self.next_sampled:
+            reducer.unsubscribe(self.records.append)
+            self.records = None
+        else:
+            if self.records is None:
+                self.records = []
+                reducer.subscribe(self.records.append, TIMED_EVENTS)
+            self.records.append(("forward_start", -1, time.perf_counter()))
             self.next_sampled = self.sampled_after(self.iterations)
         if len(self.waiting) >= MAX_WAITING:
             self._take_stats(reducer)
