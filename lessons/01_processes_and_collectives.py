@@ -1,21 +1,19 @@
 """Lesson 01: processes, a process group, and the three collectives data parallelism is made of.
 
-What this adds since lesson 00: more than one process. Data-parallel training runs one copy of
-the lesson-00 loop per process (per GPU, on a GPU machine). The copies share nothing in memory;
-they agree only through *collectives*, calls that every process in a *process group* makes
-together:
+What this adds since lesson 00: more than one process, each running a copy of lesson 00's loop
+(one per GPU on a GPU machine). The copies share no memory; they agree only through
+*collectives*, calls that every process in a *process group* makes together:
 
 * ``broadcast(t, src)``: every rank ends with ``src``'s tensor. DDP uses it when it wraps the
   model, so every replica begins from rank 0's weights (and for buffers such as batch-norm
   statistics, before each forward).
 * ``all_reduce(t)``: every rank ends with the element-wise sum over all ranks. DDP uses it on
   every step, to turn each rank's gradient into the sum (then the mean) of all of them.
-* ``all_gather(out, t)``: every rank ends with every rank's tensor, in rank order. Useful to
-  compare ranks; the output grows with the number of ranks.
+* ``all_gather(out, t)``: every rank ends with every rank's tensor, in rank order (to compare
+  ranks; the output grows with their number).
 
-Each rank knows its ``rank`` (0 .. world_size - 1) and the ``world_size``; that is all that makes
-one copy behave differently from another. Every collective below is checked against the value
-computed by hand, then timed, next to the bytes a ring algorithm sends per rank.
+A rank knows only its ``rank`` (0 .. world_size - 1) and the ``world_size``: all that makes one
+copy differ from another. Each collective is checked against a value computed by hand, then timed.
 
 Then all_reduce is written out by hand, as gloo does it on the CPU: a *ring*. Cut the buffer
 into ``world_size`` chunks; in ``W - 1`` steps each rank sends one chunk to its left neighbour
@@ -28,9 +26,8 @@ summed in its own order, and with ``1.0`` on rank 0 and ``2**-24`` on the others
 numbers give ``1.0000001`` in chunk 0 and ``1.0`` elsewhere, by hand and in gloo's all_reduce.
 That is why DDP must use torch's bucket layout to match torch's bits at 3 ranks (lessons 05, 08).
 
-The ranks are started by ``miniddp.launch.launch(fn, world_size)`` (forked from this script, the
-group formed through a file: no ports), or by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``... for each; ``launch`` then joins that group (lesson 12 takes it to many nodes).
+Ranks are forked by ``miniddp.launch.launch(fn, world_size)`` (the group formed through a file),
+or started by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``... (lesson 12).
 
 Run it:
 
@@ -38,14 +35,12 @@ Run it:
     python lessons/01_processes_and_collectives.py --nproc 4    # 4 ranks
     torchrun --standalone --nproc_per_node=2 lessons/01_processes_and_collectives.py
 
-On a machine with N GPUs, ``--nproc N`` (or ``torchrun --standalone --nproc_per_node=N``) uses
-NCCL, one GPU per rank. With fewer GPUs than ranks it falls back to gloo on the CPU, because NCCL
-refuses two ranks on one GPU.
+With N GPUs, ``--nproc N`` uses NCCL, one GPU per rank; with fewer GPUs than ranks, gloo on the
+CPU (NCCL refuses two ranks on one GPU).
 
-What you will see: how the ranks were started and their process ids, the result of each
-collective with the value it was checked against, a small table of costs (a 4-byte call measures
-latency, a 4 MiB call bandwidth), the ring by hand equal to all_reduce, then (on 3 ranks) the
-summation order of each chunk and the bits it gives, and ``OK: ...``. About 10 s.
+What you will see: how the ranks were started, each collective's result next to its check, a
+table of costs (4 B measures latency, 4 MiB bandwidth), the ring by hand equal to all_reduce,
+(on 3 ranks) each chunk's summation order and its bits, and ``OK: ...``. About 10 s.
 """
 
 import argparse

@@ -19,20 +19,16 @@ step for the plain module and for 1, 2 and 4 replicas, and the bytes of weights 
 forward (``dp.last_forward``), which the plain module, and DDP after its first broadcast, never
 copy.
 
-What the numbers on a CPU do and do not show: without a GPU the replicas are threads on the CPU
-(``device_ids=["cpu", "cpu"]``), sharing its few cores with everything else running there. Torch
-releases Python's global interpreter lock (GIL) inside each operation, but this model's
-operations last microseconds and the Python between them holds the lock, so the threads mostly
-take turns: DataParallel is slower than the plain module here, and slower with every replica
-added (one replica is the module itself, called directly as torch's DataParallel calls it: there
-is nothing to split, copy or gather). That measures its overheads (threads, copies, scatter and
-gather), not parallel compute; the times are shown, not checked (what the lesson checks is that
-DataParallel computes the plain module's steps and copies the weights every step).
-On GPUs the replicas do compute at the same time, so a large model gets some speed-up, but the
-overheads stay and grow with the GPUs: the weights are copied from GPU 0 every step, outputs,
-loss and gradients all meet on GPU 0 (it works and holds more than the others), and one Python
-thread per GPU launches every kernel under one GIL. DDP (lesson 03 on) copies the weights once,
-runs one process per GPU, and spreads communication evenly over all of them.
+What the numbers on a CPU show: the replicas are threads on the CPU (``device_ids=["cpu",
+"cpu"]``). Torch releases Python's global interpreter lock (GIL) inside each operation, but this
+model's operations last microseconds and the Python between them holds the lock, so the threads
+mostly take turns: DataParallel is slower than the plain module here, and slower with every
+replica (one replica is the module itself, called directly: nothing to split, copy or gather).
+That measures its overheads, not parallel compute; the times are shown, not checked.
+On GPUs the replicas do compute at once, but the overheads stay and grow with the GPUs: weights
+copied from GPU 0 every step, outputs, loss and gradients all meeting on GPU 0, and one thread
+per GPU launching every kernel under one GIL. DDP (lesson 03 on) copies the weights once, runs
+one process per GPU, and spreads communication evenly over them.
 
 Run it:
 

@@ -1,7 +1,8 @@
 """Lesson 12: many machines: torchrun on every node, a rendezvous, and the variables it sets.
 
 What this adds since lesson 11: ranks on different machines. The training code does not change;
-what changes is how processes that cannot fork from one parent find each other. One
+what changes is how processes find each other with no parent to fork them, no shared file system
+to be sure of and no one to hand out ranks: over the network. One
 ``torchrun`` *agent* per machine (*node*) starts that node's workers. First the agents meet in a
 **rendezvous**: with ``--rdzv_backend=c10d`` the agent on ``--rdzv_endpoint=HOST:PORT`` serves a
 small store there, every agent joins with the same ``--rdzv_id``, and once ``--nnodes`` have
@@ -12,9 +13,6 @@ and ``MASTER_ADDR``/``MASTER_PORT``, a *second* store, served by node 0's agent 
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` has worker 0 open it instead, which also avoids the
 gloo restart trap of lesson 09). With equal nodes ``RANK = GROUP_RANK x LOCAL_WORLD_SIZE +
 LOCAL_RANK``, checked here.
-
-Why it matters: past one machine there is no parent to fork from, no file system to be sure
-of, and no one to hand out ranks: the processes must discover each other over the network.
 
 Run it on two machines (the same command on each; port 29500 of ``node0`` must be reachable):
 
