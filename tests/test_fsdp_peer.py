@@ -154,6 +154,13 @@ def _probes(impl):
         for k in ref:
             torch.testing.assert_close(sd[k], ref[k], atol=1e-4, rtol=1e-3)
     probe("get_model_state_dict full", dcp_full)
+    def miniddp_full():
+        sd = miniddp.fsdp.full_state_dict(model) if impl == "miniddp" else {
+            k: full(v) for k, v in model.state_dict().items()}
+        ref = reference.state_dict()
+        for k in ref:
+            torch.testing.assert_close(sd[k], ref[k], atol=1e-4, rtol=1e-3)
+    probe("full_state_dict", miniddp_full)
     probe("optimizer state_dict", lambda: _equal(
         len(opt.state_dict()["state"]), len(ref_opt.state_dict()["state"])))
 
