@@ -23,7 +23,8 @@ def _at_rest(model: nn.Module) -> None:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The unsharded model's ``state_dict`` on every rank (a collective: every rank calls it)."""
     _at_rest(model)
-    sharded = {name: p for name, p in model.named_parameters() if isinstance(p, ShardedParameter)}
+    sharded = {name: p for name, p in model.named_parameters(remove_duplicate=False)
+               if isinstance(p, ShardedParameter)}  # a tied weight is in the state under each name
     state = model.state_dict()
     with torch.no_grad():
         for name, param in sharded.items():
