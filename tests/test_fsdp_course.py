@@ -18,7 +18,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import load_lesson
-from test_grade import SOLUTIONS, grade, grades_ahead, sections, solution_lines
+from test_grade import (
+    first_failure,
+    grade,
+    grades_ahead,
+    sections,
+    solution_lines,
+    solution_with_mistake,
+)
 from test_lesson_breakage import run_broken
 from test_lessons import last_line, run
 
@@ -148,11 +155,7 @@ MISTAKES = {
 
 def with_mistake(case: str, directory) -> list:
     right, wrong, _, _ = MISTAKES[case]
-    solution = next(SOLUTIONS.glob("17_*.py"))
-    text = solution.read_text()
-    assert right in text, f"{solution.name} no longer contains {right!r}"
-    (directory / solution.name).write_text(text.replace(right, wrong))
-    return ["17", "--dir", directory]
+    return solution_with_mistake("17", right, wrong, directory)
 
 
 @pytest.fixture(scope="module")
@@ -170,10 +173,7 @@ def test_exercise_wrong_solution_fails_naming_its_mistake(graded_ahead, request,
     _, _, check, words = MISTAKES[case]
     done = graded_ahead.result(request.node.nodeid)
     assert done.returncode == 1, done.stdout + done.stderr
-    lines = sections(done.stdout)["17"].splitlines()
-    failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
-    assert failed and check in lines[failed[0]], done.stdout
-    assert words in lines[failed[0] + 1], done.stdout
+    first_failure(sections(done.stdout)["17"], case, check, [words])
 
 
 # ----- the library broken from outside: the lesson must fail -----

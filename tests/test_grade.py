@@ -76,6 +76,16 @@ def first_failure(section: str, name: str, check: str, words) -> tuple[list[str]
     return lines, failed
 
 
+def solution_with_mistake(number: str, right: str, wrong: str, directory) -> list[str]:
+    """Write exercise ``number``'s reference solution with ``right`` replaced by ``wrong`` into
+    ``directory``; the grader's arguments to grade it."""
+    solution = next(SOLUTIONS.glob(f"{number}_*.py"))
+    text = solution.read_text()
+    assert right in text, f"{solution.name} no longer contains {right!r}"
+    (directory / solution.name).write_text(text.replace(right, wrong))
+    return [number, "--dir", directory]
+
+
 def solution_lines(number: str) -> list[str]:
     """The reference solution's lines of code that the exercise leaves out."""
     exercise = next((LESSONS_DIR / "exercises").glob(f"{number}_*.py")).read_text()

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import load_lesson
-from test_grade import SOLUTIONS, grade, grades_ahead, sections, solution_lines
+from test_grade import (
+    first_failure,
+    grade,
+    grades_ahead,
+    sections,
+    solution_lines,
+    solution_with_mistake,
+)
 from test_lesson_breakage import run_broken
 from test_lessons import last_line, run
 from torch import nn
@@ -225,11 +232,7 @@ MISTAKES = {
 
 def with_mistake(case: str, directory) -> list:
     right, wrong, _, _ = MISTAKES[case]
-    solution = next(SOLUTIONS.glob("15_*.py"))
-    text = solution.read_text()
-    assert right in text, f"{solution.name} no longer contains {right!r}"
-    (directory / solution.name).write_text(text.replace(right, wrong))
-    return ["15", "--dir", directory]
+    return solution_with_mistake("15", right, wrong, directory)
 
 
 @pytest.fixture(scope="module")
@@ -244,10 +247,7 @@ def graded_ahead(request, tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(MISTAKES))
 def test_exercise_wrong_solution_fails_naming_its_mistake(graded_ahead, request, case):
-    right, wrong, check, words = MISTAKES[case]
+    _, _, check, words = MISTAKES[case]
     done = graded_ahead.result(request.node.nodeid)
     assert done.returncode == 1, done.stdout + done.stderr
-    lines = sections(done.stdout)["15"].splitlines()
-    failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
-    assert failed and check in lines[failed[0]], done.stdout
-    assert words in lines[failed[0] + 1], done.stdout
+    first_failure(sections(done.stdout)["15"], case, check, [words])
