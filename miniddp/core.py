@@ -34,7 +34,8 @@ from torch.nn.utils.rnn import PackedSequence
 from miniddp import errors
 from miniddp.buckets import BucketInfo, bucket_limits
 from miniddp.reducer import Reducer
-from miniddp.sync import broadcast_from, broadcast_from_rank0, group_rank0, verify_same_shapes
+from miniddp.sync import (broadcast_from, broadcast_from_rank0, group_rank0, held,
+                          verify_same_shapes)
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 
 #: True while torch's compiler traces the code that asks (torch 2.3 on).
@@ -91,8 +92,7 @@ class CoreDDP(nn.Module):
             raise errors.no_process_group()
         bucket_limits(bucket_cap_mb)  # reject a bad cap before any collective runs
         self.module = module
-        # the group object itself, as torch keeps it (torch's utilities take it from here)
-        self.process_group = dist.group.WORLD if process_group is None else process_group
+        self._group = held(process_group)  # None for the default group (see held)
         self.bucket_cap_mb = bucket_cap_mb
         self.bucket_caps = bucket_caps
         self.forward_sync_buffers = forward_sync_buffers
@@ -122,12 +122,17 @@ class CoreDDP(nn.Module):
                 broadcast_from_rank0(buffers, process_group)
         self.reducer = self._make_reducer(views)
 
+    @property
+    def process_group(self):
+        """The group object itself, as torch's DDP keeps it (torch's utilities read it here)."""
+        return dist.group.WORLD if self._group is None else self._group
+
     def _make_reducer(self, views=None) -> Reducer:
         """The reducer for the trainable parameters DDP manages."""
         trainable = [(name, p) for name, p in self.module.named_parameters()
                      if p.requires_grad and name not in self.ignored]
         reducer = self.reducer_class(
-            [p for _, p in trainable], [name for name, _ in trainable], self.process_group,
+            [p for _, p in trainable], [name for name, _ in trainable], self._group,
             self.bucket_cap_mb, self.find_unused_parameters, views, self.overlap,
             bucket_caps=self.bucket_caps)
         self.bucket_bytes_cap = max(self.bucket_caps or reducer.bucket_limits[-1:])

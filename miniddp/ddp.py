@@ -141,7 +141,7 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
         if self.batched_grad_copy:
             reducer.batched_copy = BatchedGradCopy(reducer)
         if self.find_unused_parameters:
-            reducer.unused = UnusedParameters(reducer.params, self.process_group)
+            reducer.unused = UnusedParameters(reducer.params, reducer.group)
             reducer.unused.skip_unused_buckets = self.skip_all_reduce_unused_params
         if self.checks is not None:  # as TORCH_DISTRIBUTED_DEBUG asks
             self.checks.to_reducer(self, reducer)

@@ -63,6 +63,7 @@ from miniddp.buckets import (
     assign_buckets,
     bucket_limits,
 )
+from miniddp.sync import held
 
 #: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
 #: its last one (``Reducer.copy_buckets_at_end``).
@@ -130,9 +131,7 @@ class Reducer:
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  views=None, overlap: bool = True, bucket_caps: list[int] | None = None):
         self.params, self.names = params, names
-        self.group = process_group
-        # Launch through the group's own allreduce: dist.all_reduce's checks cost ~3 us a call.
-        self._process_group = dist.group.WORLD if process_group is None else process_group
+        self.group = held(process_group)  # None for the default group (see held)
         self.world_size = dist.get_world_size(process_group)
         self.divisor = self.world_size  # what gradients are divided by
         #: Byte limits of the buckets after the rebuild: the first bucket's, then the rest's
@@ -319,6 +318,12 @@ class Reducer:
             value = torch.tensor(value, dtype=dtype) if dtype == torch.float32 else value
             return self._reciprocals.setdefault((dtype, self.divisor), value)
 
+    @property
+    def process_group(self):
+        """The group the buckets' all_reduces run in. They launch through its own allreduce:
+        ``dist.all_reduce``'s checks cost about 3 us a call."""
+        return dist.group.WORLD if self.group is None else self.group
+
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             self._launch(self.buckets[self.next_bucket])
@@ -326,7 +331,7 @@ class Reducer:
 
     def _launch(self, bucket: Bucket) -> None:
         self._record("launch", bucket.index)
-        bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
+        bucket.work = self.process_group.allreduce([bucket.buffer])  # async, SUM
         self.allreduce_calls += 1
 
     def _finalize(self) -> None:

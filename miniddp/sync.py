@@ -92,6 +92,15 @@ def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None
             "memory format)." + torchs)
 
 
+def held(group):
+    """What miniddp keeps of a process group: ``None`` for the default group, looked up again
+    at each use. A gloo group still alive while Python shuts down can abort the process under
+    torch 2.13 ("terminate called without an active exception", one exit in three here), and
+    ``destroy_process_group()`` frees the group only if nothing else holds it. A model or an
+    optimizer usually lives until the script ends, so it must not be what holds the group."""
+    return None if group is None or group is dist.group.WORLD else group
+
+
 def group_rank0(group=None) -> int:
     """The global rank of ``group``'s rank 0, which is what ``dist.broadcast``'s ``src`` means."""
     if group is None or group is dist.group.WORLD:

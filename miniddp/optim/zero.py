@@ -34,6 +34,7 @@ from torch.optim import Optimizer
 from miniddp.optim import checks, state
 from miniddp.optim.overlap import Overlap
 from miniddp.optim.partition import flatten_into_views, greedy_by_size
+from miniddp.sync import held
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                  parameters_as_bucket_view: bool = False, overlap_with_ddp: bool = False,
                  **defaults: Any):
         params, self._all_params = checks.parameters(params)
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self._group = held(process_group)  # None for the default group (see held)
         self.world_size = dist.get_world_size(self.process_group)
         self.rank = dist.get_rank(self.process_group)
         self.global_rank = dist.get_global_rank(self.process_group, self.rank)
@@ -268,6 +269,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     @property
     def join_device(self) -> torch.device:
         return self._default_device
+
+    @property
+    def process_group(self):
+        """The group the optimizer state is sharded over, as torch's attribute."""
+        return dist.group.WORLD if self._group is None else self._group
 
     @property
     def join_process_group(self):

@@ -12,7 +12,6 @@ too): a restored copy could not know which group it belonged to.
 
 from __future__ import annotations
 
-import torch.distributed as dist
 from torch import nn
 
 from miniddp.options.arguments import is_default_group
@@ -30,7 +29,7 @@ def state_to_copy(ddp) -> dict:
             "its own DistributedDataParallel.")
     state = dict(ddp.__dict__)
     del state["reducer"]
-    del state["process_group"]  # the default group, wherever the copy is restored
+    state["_group"] = None  # the default group, wherever the copy is restored
     return state
 
 
@@ -38,7 +37,7 @@ def restore_copy(ddp, state: dict) -> None:
     """``ddp.__setstate__``: the state back, the default process group (as torch's copy takes
     it), and a new reducer for the copy's parameters, with a new logger (the copy's
     ``_get_ddp_logging_data()`` counts its own iterations from 0, as torch's copy does)."""
-    nn.Module.__setstate__(ddp, {**state, "process_group": dist.group.WORLD})
+    nn.Module.__setstate__(ddp, state)
     views = GradientsAsBucketViews() if ddp.gradient_as_bucket_view else None
     ddp.reducer = ddp._make_reducer(views)
     ddp._attach_options(ddp.reducer)

@@ -150,7 +150,7 @@ class SeamedSteps:
         if "launch" in self._listeners:
             self._record("launch", bucket.index)
         if self.comm_hook is None:
-            bucket.work = self._process_group.allreduce([bucket.buffer])  # async, SUM
+            bucket.work = self.process_group.allreduce([bucket.buffer])  # async, SUM
         else:  # the hook's future replaces the all_reduce
             bucket.work = self.comm_hook.launch(self, bucket)
         self.allreduce_calls += 1

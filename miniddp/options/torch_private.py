@@ -140,7 +140,7 @@ class TorchPrivateDDP:
             raise TypeError(f"_register_builtin_comm_hook takes a "
                             f"torch.distributed.BuiltinCommHookType (ALLREDUCE or "
                             f"FP16_COMPRESS), got {comm_hook_type!r}")
-        comm_hooks.register(self, self.process_group, builtin[comm_hook_type])
+        comm_hooks.register(self, self._group, builtin[comm_hook_type])
         self.reducer.comm_hook.name = str(comm_hook_type)
 
     def _remove_autograd_hooks(self) -> None:
