@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ddp_cases import MLP
 
 import miniddp
+from miniddp.launch import RankGroup
 
 PACKAGE = str(pathlib.Path(miniddp.__file__).resolve().parent)
 MAX_LINES = 110
@@ -91,8 +92,18 @@ def over_budget(measured: dict, max_lines: dict | int = MAX_LINES,
 
 
 @pytest.fixture(scope="module")
-def measured(ranks):
-    return ranks(2).run(measure_plain_steps)[0]
+def own_ranks():
+    """Two ranks of this module's own: the shared pool's processes keep what earlier tests on
+    this worker left in them (the environment they were forked with, patches, listeners), and
+    a count of the lines a step runs would count those too."""
+    group = RankGroup(2, pg_timeout=20.0)
+    yield group
+    group.close()
+
+
+@pytest.fixture(scope="module")
+def measured(own_ranks):
+    return own_ranks.run(measure_plain_steps)[0]
 
 
 def test_the_plain_step_stays_in_the_engine(measured):
@@ -114,10 +125,10 @@ def test_the_measure_sees_the_engine(measured):
         assert sum(len(lines) for lines in files.values()) > 40, files
 
 
-def test_the_budget_fails_on_a_step_that_grew(ranks):
+def test_the_budget_fails_on_a_step_that_grew(own_ranks):
     """Negative control: the same measure over a DDP whose forward runs 120 more lines in two
     more files is over budget."""
-    measured = ranks(2).run(measure_padded_steps)[0]
+    measured = own_ranks.run(measure_padded_steps)[0]
     wrong = over_budget(measured)
     assert len(wrong) == len(MEASURED_STEPS), wrong
     assert f"may run at most {MAX_LINES} lines in {MAX_FILES} files" in wrong[0]
