@@ -34,8 +34,7 @@ from torch.nn.utils.rnn import PackedSequence
 from miniddp import errors
 from miniddp.buckets import BucketInfo, bucket_limits
 from miniddp.reducer import Reducer
-from miniddp.sync import (broadcast_from, broadcast_from_rank0, group_rank0, held,
-                          verify_same_shapes)
+from miniddp.sync import broadcast_from, broadcast_from_rank0, group_rank0, held, verify_same_shapes
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 
 #: True while torch's compiler traces the code that asks (torch 2.3 on).
