@@ -52,7 +52,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
 from miniddp.launch import launch
-from miniddp.options.compiled import GRAPH_BREAKS
+from miniddp.compat.compiled import GRAPH_BREAKS
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.train.report import check, ok, print0
