@@ -21,9 +21,9 @@ bit against torch's DDP at every step, at 2 ranks and at 3 (where the layout dec
 The library's ``miniddp.reducer.Reducer`` (with its ``Bucket``) is this small version plus
 DDP's options, each acting at the line where it changes a step: its steps are printed beside
 ``SmallReducer``'s (checked to be the ones a backward runs), then the lines where options act,
-read from its source. With ``bucket_cap_mb=0.5`` its buckets hold one hidden layer each (checked), and one backward recorded
-with ``ddp.trace()`` must launch every bucket once, in order, and wait for each, in order,
-before the write-back.
+read from its source. With ``bucket_cap_mb=0.5`` its buckets hold one hidden layer each
+(checked), and one backward recorded with ``ddp.trace()`` must launch every bucket once, in
+order, and wait for each, in order, before the write-back.
 Part 2 (``06_overlap_timeline.py``) proves from the reducer's timeline that it overlaps.
 
 Run it:
@@ -51,9 +51,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from miniddp import DistributedDataParallel
-from miniddp.buckets import bucket_limits
+from miniddp.buckets import Bucket, bucket_limits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.buckets import Bucket
 from miniddp.reducer import Reducer
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset

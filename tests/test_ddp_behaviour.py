@@ -14,8 +14,8 @@ from torch import nn
 
 import miniddp
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
-from miniddp.launch import spawn
 from miniddp.compat.arguments import TORCH_DDP_SIGNATURE, device_ids_of
+from miniddp.launch import spawn
 
 
 def data(step=0, rank=None):
