@@ -18,12 +18,12 @@ issue the same collectives in the same order), and the callback
 (``Variable._execution_engine.queue_callback``) that waits and writes back; one bucket for the
 first step, then ``rebuilt_buckets`` in the order the gradients arrived. It is checked bit for
 bit against torch's DDP at every step, at 2 ranks and at 3 (where the layout decides the bits).
-The library's ``miniddp.reducer.Reducer`` is this small version plus named seams: its plain
-steps are printed beside ``SmallReducer``'s (checked to touch no seam); unused parameters,
-``gradient_as_bucket_view``, comm hooks take ``SeamedSteps`` when attached. With
-``bucket_cap_mb=0.5`` its buckets hold one hidden layer each (checked), and one backward recorded
-with ``ddp.trace()`` must launch every bucket once, in order, and wait for each, in order,
-before the write-back.
+The library's ``miniddp.reducer.Reducer`` (with its ``Bucket``) is this small version plus
+DDP's options, each acting at the line where it changes a step: its steps are printed beside
+``SmallReducer``'s (checked to be the ones a backward runs), then the lines where options act,
+read from its source. With ``bucket_cap_mb=0.5`` its buckets hold one hidden layer each
+(checked), and one backward recorded with ``ddp.trace()`` must launch every bucket once, in
+order, and wait for each, in order, before the write-back.
 Part 2 (``06_overlap_timeline.py``) proves from the reducer's timeline that it overlaps.
 
 Run it:
@@ -41,6 +41,7 @@ write-back); ``OK: ...``. About 10 s.
 import argparse
 import functools
 import inspect
+import sys
 import time
 
 import torch
@@ -50,10 +51,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from miniddp import DistributedDataParallel
-from miniddp.buckets import bucket_limits
+from miniddp.buckets import Bucket, bucket_limits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.options.seamed_steps import SeamedSteps
-from miniddp.reducer import SEAMS, Reducer
+from miniddp.reducer import Reducer
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.train.report import check, ok, print0
@@ -235,37 +235,50 @@ def check_layout(ddp) -> None:
           "in the first and the input layer alone in the last")
 
 
-#: Each step of ``SmallReducer`` and the library's plain step that does it.
+#: Each step of ``SmallReducer`` and the library's step that does it (the reducer's, or the
+#: bucket's own).
 SIDE_BY_SIDE = (
-    ("the hook: this parameter's gradient is final", "_on_ready", "_hook"),
-    ("grad * (1 / world_size) into its bucket", "_on_ready", "_mark_ready"),
-    ("launch the full buckets, strictly in order", "_on_ready", "_launch_ready_buckets"),
-    ("one bucket's all_reduce, async", "_on_ready", "_launch"),
-    ("end of backward: wait for each bucket", "_finish", "_finalize"),
-    ("a bucket's averages into .grad", "_finish", "_write_back_bucket"),
+    ("the hook: this parameter's gradient is final", "_on_ready", Reducer._hook),
+    ("grad * (1 / world_size) into its bucket", "_on_ready", Bucket.fill),
+    ("launch the full buckets, strictly in order", "_on_ready", Reducer._launch_ready_buckets),
+    ("one bucket's all_reduce, async", "_on_ready", Bucket.launch),
+    ("end of backward: wait for each bucket", "_finish", Reducer._finalize),
+    ("a bucket's averages into .grad", "_finish", Bucket.write_back),
 )
 
 
 def beside_the_library() -> list[str]:
-    """``SmallReducer``'s steps beside the library's plain ones, with their lengths in lines,
-    read from the sources; then what the library adds, and where it attaches."""
+    """``SmallReducer``'s steps beside the library's, with their lengths in lines, read from the
+    sources; then the lines of the reducer where an option changes a step."""
     def lines(function) -> int:
         return len(inspect.getsource(function).splitlines())
-    rows = [f"{'step':<52}{'SmallReducer':<24}miniddp Reducer (plain)"]
+    rows = [f"{'step':<50}{'SmallReducer':<22}miniddp"]
     for what, small, library in SIDE_BY_SIDE:
-        rows.append(f"{what:<52}{small + f' ({lines(getattr(SmallReducer, small))})':<24}"
-                    f"{library} ({lines(getattr(Reducer, library))})")
-    seamed = [name for name in vars(SeamedSteps) if not name.startswith("__")]
-    rows.append(f"the seams, None until an option attaches: {', '.join(SEAMS)}")
-    rows.append(f"then the steps through them (SeamedSteps):\n    {', '.join(seamed)}")
+        rows.append(f"{what:<50}{small + f' ({lines(getattr(SmallReducer, small))})':<22}"
+                    f"{library.__qualname__} ({lines(library)})")
+    options = [line.strip() for line in inspect.getsource(Reducer).splitlines()
+               if "# options/" in line]
+    rows.append(f"where DDP's options act ({len(options)} lines of the reducer, each None until "
+                "an option is attached):")
+    rows += [f"    {line}" for line in options]
     return rows
 
 
-def plain_steps_touching_seams() -> list[str]:
-    """The library's plain steps that mention a seam (none may: the plain path is the small
-    version, and every option attaches through ``SeamedSteps``)."""
-    return [f"Reducer.{library} mentions self.{seam}" for _, _, library in SIDE_BY_SIDE
-            for seam in SEAMS if f"self.{seam}" in inspect.getsource(getattr(Reducer, library))]
+def library_steps_not_run(ddp, x, y) -> list[str]:
+    """The library steps of ``SIDE_BY_SIDE`` that one synchronized step does not run (the
+    hooks run on this thread on a CPU; on a GPU, on autograd's device threads, unwatched)."""
+    ran = set()
+
+    def profile(frame, event, _arg):
+        if event == "call":
+            ran.add(frame.f_code)
+    sys.setprofile(profile)
+    try:
+        F.mse_loss(ddp(x), y).backward()
+    finally:
+        sys.setprofile(None)
+    return [library.__qualname__ for _, _, library in SIDE_BY_SIDE
+            if library.__code__ not in ran]
 
 
 def on_every_rank(show_the_trace: bool):
@@ -274,13 +287,17 @@ def on_every_rank(show_the_trace: bool):
     print0(f"SmallReducer ({buckets_by_hand} buckets after the rebuild) gave torch's DDP's "
            f"gradients bit for bit at every step on {dist.get_world_size()} ranks\n")
     print0("\n".join(beside_the_library()) + "\n")
-    touching = plain_steps_touching_seams()
-    check(not touching, f"the library's plain steps must touch no seam: {'; '.join(touching)}")
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(wide_student(device), device_ids=ids,
                                   bucket_cap_mb=BUCKET_CAP_MB)
     x, y = (t.to(device) for t in make_dataset(n=LOCAL_BATCH, seed=dist.get_rank()).tensors)
     F.mse_loss(ddp(x), y).backward()  # the buckets are rebuilt at the next forward
+    if device.type == "cpu":
+        missing = library_steps_not_run(ddp, x, y)
+        check(not missing, f"a synchronized step did not run the library steps {missing} "
+              "printed above: the table shows code that does not run")
+        print0("a synchronized step ran every library step in the table above")
+    ddp.zero_grad()
     traced_backward(ddp, x, y, show_the_trace)
     check_layout(ddp)
     return len(ddp.buckets)

@@ -51,8 +51,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from miniddp.compat.compiled import GRAPH_BREAKS
 from miniddp.launch import launch
-from miniddp.options.compiled import GRAPH_BREAKS
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from miniddp.train.report import check, ok, print0

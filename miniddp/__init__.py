@@ -1,18 +1,18 @@
 """miniddp: PyTorch's DistributedDataParallel rebuilt in readable Python, bit for bit.
 
-The engine is at the top of the package: ``core`` (the wrapper's plain path), ``reducer`` (one
-backward: hooks, buckets, all_reduce, write-back), ``buckets`` (torch's bucket rules),
-``sampler``, ``sync`` (broadcasts at wrap time) and ``errors`` (the reducer's messages). It
-imports nothing else of the package. ``ddp`` composes the public class from the engine's, with
-``options`` (DDP's optional features and torch's compatibility) attached to the engine's seams.
-Around them, each in a subpackage named for what it is: ``checks`` (consistency checks and
-traces, listening to the reducer's events), ``baselines`` (the naive versions), ``optim`` (the
-sharded optimizer, ZeRO-1), ``launch`` (starting ranks), ``run`` (miniddp in torch's place in
-other people's code: ``install()``, ``python -m miniddp.run script.py``) and ``train`` (the
-reference job).
+The engine is at the top of the package: ``core`` (the wrapper), ``reducer`` (one backward:
+hooks, readiness, launch order, the end of backward), ``buckets`` (torch's bucket rules, and
+each bucket's own step: fill, launch, wait, write back), ``events`` (who listens to the
+reducer's records), ``sampler``, ``sync`` (broadcasts at wrap time) and ``errors`` (the
+reducer's messages). It imports nothing else of the package. ``ddp`` composes the public class
+from the engine's, with ``options`` (DDP's options), ``compat`` (torch's private API and what
+makes the class look like torch's) and ``checks`` (consistency checks and traces) attached.
+Around them, each in a subpackage named for what it is: ``baselines`` (the naive versions),
+``optim`` (the sharded optimizer, ZeRO-1), ``fsdp`` (ZeRO-2 and -3), ``launch`` (starting
+ranks), ``run`` (miniddp in torch's place in other people's code: ``install()``, ``python -m
+miniddp.run script.py``) and ``train`` (the reference job).
 """
 
-from miniddp import checks as _checks  # noqa: F401  (attaches the checks to the engine)
 from miniddp.baselines.data_parallel import DataParallel
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward, AllReduceEachParameter
 from miniddp.ddp import DistributedDataParallel

@@ -27,6 +27,7 @@ parameters in it, once, with every rank adopting rank 0's grouping.
 
 from __future__ import annotations
 
+import itertools
 import sys
 from dataclasses import dataclass
 
@@ -116,19 +117,18 @@ def rebuilt_assignment(params: list[torch.Tensor], ready_order: list[int], limit
     Each rank computes a grouping from its own order, and the orders may differ across ranks
     (threads, unused parameters); the buckets must not, so every rank adopts rank 0's.
     """
-    mine = assign_buckets([params[i] for i in ready_order], limits, ready_order)
-    count = len(params)
-    sizes = [len(b) for b in mine] + [0] * (count - len(mine))
-    flat = torch.tensor([len(mine)] + sizes + [i for b in mine for i in b],
-                        dtype=torch.int64, device=params[0].device)  # a GPU for NCCL
-    dist.broadcast(flat, src=group_rank0(group), group=group)
-    values = flat.tolist()
-    buckets, sizes, indices = values[0], values[1:count + 1], values[count + 1:]
-    result, start = [], 0
-    for size in sizes[:buckets]:
-        result.append(indices[start:start + size])
-        start += size
-    return result
+    chosen = [assign_buckets([params[i] for i in ready_order], limits, ready_order)]
+    device = params[0].device if params[0].device.type != "cpu" else None  # a GPU for NCCL
+    dist.broadcast_object_list(chosen, src=group_rank0(group), group=group, device=device)
+    return chosen[0]
+
+
+def _view_of(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
+    """``param``'s slot in ``buffer`` at ``offset``: with its shape, and its strides if it is
+    dense (as torch's "gradient layout contract" asks), so each copy is element for element."""
+    if _is_dense(param):
+        return buffer.as_strided(param.shape, param.stride(), offset)
+    return buffer.narrow(0, offset, param.numel()).view(param.shape)
 
 
 def _is_dense(t: torch.Tensor) -> bool:
@@ -156,36 +156,108 @@ class BucketInfo:
     device: torch.device
 
 
+class AllReduceSum:
+    """How a bucket is reduced without a communication hook: its gradients, already scaled by
+    ``1 / world_size`` on the way in, summed across ranks by one asynchronous all_reduce (what
+    torch's reducer runs as its default hook). A comm hook replaces this object
+    (``miniddp.options.comm_hooks.CommHook``) and does its own averaging."""
+
+    averages = False  # the reducer scales gradients into the bucket; a comm hook does not
+
+    def __init__(self, group=None):
+        self.group = group  # None: the default group, looked up at each launch (sync.held)
+
+    def launch(self, bucket: Bucket, bucket_count: int):
+        """Start the sum. Through the group's own ``allreduce``: ``dist.all_reduce``'s checks
+        cost about 3 us a call."""
+        return (self.group or dist.group.WORLD).allreduce([bucket.buffer])  # async, SUM
+
+    def finish(self, bucket: Bucket) -> None:
+        """Nothing to do once it is waited for: the all_reduce summed the bucket in place."""
+
+
 class Bucket:
-    """One flat gradient buffer and a view into it per member parameter.
+    """One flat gradient buffer, a view into it per member parameter, and the bucket's own part
+    of every backward (the reducer decides when: readiness, the order of launches, the end of
+    backward):
+
+    1. :meth:`fill`: a member's gradient is ready. It is copied into its view at once, scaled
+       on the way (``copy_in``), or, in a bucket that ``waits``, kept for the last one;
+    2. :meth:`complete`: the last one is in. The kept gradients are copied in with one call,
+       and a bucket that ``defers`` its scaling is scaled whole, with one more;
+    3. :meth:`launch`: its reduction starts, asynchronously (an all_reduce, or a comm hook's);
+    4. :meth:`wait`, then :meth:`write_back`: the averages into ``.grad``;
+    5. :meth:`reset`: ready for the next backward.
 
     A view has its parameter's shape and strides (as torch's "gradient layout contract" asks),
     so copying a gradient in or out is an element-for-element copy.
     """
 
     def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor]):
-        self.index = index
-        self.param_indices = param_indices
-        members = [params[i] for i in param_indices]
-        self.numel = sum(p.numel() for p in members)
-        self.buffer = torch.empty(self.numel, dtype=members[0].dtype, device=members[0].device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in members:
-            if p.dtype != self.buffer.dtype or p.device != self.buffer.device:
-                raise ValueError("all parameters of a bucket must share dtype and device")
-            if _is_dense(p):
-                view = self.buffer.as_strided(p.shape, p.stride(), offset)
-            else:
-                view = self.buffer.narrow(0, offset, p.numel()).view(p.shape)
-            self.views.append(view)
-            offset += p.numel()
-        # What one backward does with it, reset by the reducer after each backward:
-        self.copy_at_end = False  # its gradients wait for its last one (the reducer decides)
-        self.pending = len(param_indices)  # gradients still to come
+        self.index, self.param_indices = index, param_indices
+        self.params = [params[i] for i in param_indices]  # (one dtype and device: assign_buckets)
+        self.numel = sum(p.numel() for p in self.params)
+        self.buffer = self.params[0].new_empty(self.numel)  # their dtype, on their device
+        offsets = itertools.accumulate((p.numel() for p in self.params), initial=0)
+        self.views = [_view_of(self.buffer, p, at) for p, at in zip(self.params, offsets)]
+        self.reset()
+
+    #: How its gradients come in (the reducer decides: ``Reducer.copy_buckets_at_end``): they
+    #: wait for the last one, to be copied in together; the bucket is scaled whole once complete.
+    waits = defers = False
+
+    def reset(self) -> None:
+        """What one backward does with the bucket, undone for the next."""
+        self.pending = len(self.params)  # gradients still to come
         self.waiting: list[tuple] = []  # (gradient, view) pairs, copied in with the last one
-        self.work = None  # the in-flight all_reduce, once launched
+        self.work = None  # the reduction in flight, once launched
         self.done = None  # with a "done" listener: the future of that record
+
+    def fill(self, slot: int, copy_in) -> bool:
+        """Member ``slot``'s gradient is ready: into its view now (``copy_in(param, view,
+        scale)``), or kept for the last one. True when it was the last."""
+        grad = self.params[slot].grad
+        if self.waits and grad is not None:  # (of a gradient that is part of a graph, its value)
+            self.waiting.append((grad.detach() if grad.requires_grad else grad, self.views[slot]))
+        else:  # (a bucket that defers is scaled whole, once complete)
+            copy_in(self.params[slot], self.views[slot], not self.defers)
+        self.pending -= 1
+        return self.pending == 0
+
+    def complete(self, scale) -> None:
+        """The last gradient is in: copy in those that waited with one call, and scale the
+        whole bucket (``scale(buffer)``) if it defers."""
+        if self.waiting:
+            torch._foreach_copy_([view for _, view in self.waiting], [g for g, _ in self.waiting])
+        if self.defers:
+            scale(self.buffer)
+
+    def launch(self, reduction, bucket_count: int) -> None:
+        """Start reducing the bucket across ranks (:class:`AllReduceSum`, or a comm hook)."""
+        self.work = reduction.launch(self, bucket_count)
+
+    def wait(self) -> None:
+        """Block until the reduction (and any record of its end) has finished."""
+        self.work.wait()
+        if self.done is not None:
+            self.done.wait()
+
+    def write_back(self, write_one, used: list[bool] | None = None) -> None:
+        """The averages into ``.grad``, with one call for all the plain ones, while later
+        buckets are still in flight. ``write_one(index, view)`` takes a ``.grad`` that is
+        missing or part of a graph; a parameter no rank used (``used``) keeps its ``.grad``."""
+        grads, averages = [], []
+        for i, param, view in zip(self.param_indices, self.params, self.views):
+            if used is not None and not used[i]:
+                continue
+            grad = param.grad
+            if grad is None or grad.requires_grad:
+                write_one(i, view)
+            else:
+                grads.append(grad)
+                averages.append(view)
+        if grads:  # one dispatch for all: a private op, present from torch 2.1 on
+            torch._foreach_copy_(grads, averages)
 
     def info(self, names: list[str]) -> BucketInfo:
         return BucketInfo(self.index, [names[i] for i in self.param_indices],

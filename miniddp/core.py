@@ -9,17 +9,18 @@ What happens where:
 * backward (``miniddp.reducer``): hooks fill buckets and launch asynchronous all_reduces;
 * bucket layout and its one rebuild (``miniddp.buckets``).
 
-This is the plain path. The public class, ``miniddp.ddp.DistributedDataParallel``, is this one
-with torch's compatibility and DDP's options composed onto it; they attach through the seams
-named below, each of which does nothing until something is attached:
+The public class, ``miniddp.ddp.DistributedDataParallel``, is this one with DDP's options and
+torch's compatibility composed onto it; they attach at the points named below, each of which
+does nothing until something is attached:
 
+* ``check_devices``: the devices and layers torch's DDP accepts (``miniddp.compat.arguments``);
 * ``before_forward``: callables run with the module at the start of every forward (the
   optimizers applied in backward, taken over at the first; ``join``'s notices);
 * ``traced_forward``: the forward as torch's compiler traces it (``torch.compile(ddp)``);
 * ``active_module_holder``: the class whose ``_active_ddp_module`` names the DDP module whose
   wrapped module is running (torch's compiler reads torch's DDP class there);
 * ``buffer_hook``: what synchronizes buffers instead of rank 0's broadcast;
-* the reducer's seams and its event stream (``miniddp.reducer``).
+* the reducer's options and its event stream (``miniddp.reducer``, ``miniddp.events``).
 """
 
 from __future__ import annotations
@@ -58,20 +59,11 @@ def move_to(obj, device):
 
 
 class CoreDDP(nn.Module):
-    """Data parallelism across processes: every rank trains a replica on its own data, and
-    gradients are averaged during backward, so every replica takes the same optimizer step.
-
-    The arguments are torch's, with torch's meanings (``miniddp.ddp`` binds torch's full
-    signature to these): ``device_ids=[gpu]`` for a module on one GPU, None on a CPU;
-    ``bucket_cap_mb`` (default: 1 MiB first bucket, then 25 MiB), ``bucket_caps`` (torch's
-    ``bucket_cap_mb_list``, in bytes); ``find_unused_parameters`` lays the buckets out for
-    parameters that may get no gradient; ``init_sync=False`` skips the construction-time check
-    and broadcast; ``sync_buffers_at_init``: broadcast rank 0's buffers at construction.
-
-    Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
-    layout) or ``overlap`` (launch during backward, or only after it); see
-    ``miniddp.baselines.naive``.
-    """
+    """The engine's wrapper: the public class (``miniddp.ddp.DistributedDataParallel``, whose
+    docstring says what each argument means) is this one with options and torch's
+    compatibility attached. Subclasses change how gradients are reduced by swapping
+    ``reducer_class`` (the bucket layout) or ``overlap`` (launch during backward, or only after
+    it); see ``miniddp.baselines.naive``."""
 
     reducer_class = Reducer
     overlap = True
@@ -81,11 +73,11 @@ class CoreDDP(nn.Module):
     buffer_hook = None
     explain_assertion = None  # (module, error): raise a clearer error for the module's, or not
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None,
+    def __init__(self, module: nn.Module, *, device_ids=None, output_device=None,
                  init_sync: bool = True, process_group=None, bucket_cap_mb: float | None = None,
-                 find_unused_parameters: bool = False, bucket_caps: list[int] | None = None,
+                 bucket_caps: list[int] | None = None, find_unused_parameters: bool = False,
                  forward_sync_buffers: bool = True, sync_buffers_at_init: bool = True,
-                 views=None):
+                 views=None, batched_copy: bool = False):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise errors.no_process_group()
@@ -96,7 +88,6 @@ class CoreDDP(nn.Module):
         self.bucket_caps = bucket_caps
         self.forward_sync_buffers = forward_sync_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.device_ids, self.output_device = device_ids, output_device
         self.before_forward: list = []
         self.buffer_source = group_rank0(process_group)  # the rank whose buffers all copy
         # torch's private opt-out list: these are neither broadcast nor averaged
@@ -113,27 +104,35 @@ class CoreDDP(nn.Module):
         if not trainable:
             raise errors.nothing_to_synchronize()
         self.device = trainable[0].device
+        self.device_ids, self.output_device = self.check_devices(
+            device_ids, output_device, {p.device for _, p in all_params})
         if init_sync:  # torch's opt-out, for models already identical on every rank
             verify_same_shapes(all_params, process_group)
             broadcast_from_rank0([p.detach() for _, p in all_params], process_group)
             buffers = self._buffers_to_sync()
             if sync_buffers_at_init and buffers:
                 broadcast_from_rank0(buffers, process_group)
-        self.reducer = self._make_reducer(views)
+        self.reducer = self._make_reducer(views, batched_copy)
+
+    def check_devices(self, device_ids, output_device, devices: set):
+        """``device_ids=[gpu]`` for a module on one GPU, None on a CPU; refuse what cannot be
+        wrapped (the public class says what torch's DDP refuses)."""
+        return device_ids, output_device
 
     @property
     def process_group(self):
         """The group object itself, as torch's DDP keeps it (torch's utilities read it here)."""
         return dist.group.WORLD if self._group is None else self._group
 
-    def _make_reducer(self, views=None) -> Reducer:
+    def _make_reducer(self, views=None, batched_copy: bool = False) -> Reducer:
         """The reducer for the trainable parameters DDP manages."""
         trainable = [(name, p) for name, p in self.module.named_parameters()
                      if p.requires_grad and name not in self.ignored]
         reducer = self.reducer_class(
             [p for _, p in trainable], [name for name, _ in trainable], self._group,
-            self.bucket_cap_mb, self.find_unused_parameters, views, self.overlap,
-            bucket_caps=self.bucket_caps)
+            bucket_cap_mb=self.bucket_cap_mb, bucket_caps=self.bucket_caps,
+            find_unused_parameters=self.find_unused_parameters, overlap=self.overlap,
+            views=views, batched_copy=batched_copy)
         self.bucket_bytes_cap = max(self.bucket_caps or reducer.bucket_limits[-1:])
         return reducer
 
@@ -165,8 +164,7 @@ class CoreDDP(nn.Module):
         a backward outside it does not synchronize. The first synced backward afterwards
         averages the whole accumulated gradient once.
         """
-        old = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
+        old, self.require_backward_grad_sync = self.require_backward_grad_sync, False
         try:
             yield
         finally:

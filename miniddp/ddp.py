@@ -4,42 +4,32 @@ Same constructor arguments, same meanings and the same bits as
 ``torch.nn.parallel.DistributedDataParallel``, so swapping the import in a working script
 changes nothing else.
 
-The class is composed here: the engine's :class:`~miniddp.core.CoreDDP` (the plain path:
-construction, forward, the reducer's backward), with torch's compatibility
-(:class:`~miniddp.options.torch_private.TorchPrivateDDP`: the private attributes and methods
-torch's own code reads; torch's argument binding, logging data, pickling, the compiler's hooks)
-and torch's ``Joinable`` interface mixed in, and DDP's options attached to the engine's seams
-at construction (``find_unused_parameters``, ``gradient_as_bucket_view``, ``static_graph``,
-``batched_grad_copy``, comm hooks, ``join``). The engine imports none of this.
+The class is composed here: the engine's :class:`~miniddp.core.CoreDDP` (construction,
+forward, the reducer's backward), with torch's compatibility (``miniddp.compat``: the private
+attributes and methods torch's own code reads, torch's argument binding, logging data,
+pickling, the compiler's hooks) and torch's ``Joinable`` interface mixed in; DDP's options
+(``miniddp.options``: ``find_unused_parameters``, ``gradient_as_bucket_view``,
+``static_graph``, comm hooks, ``join``) and the checks (``miniddp.checks``) attached to the
+reducer at construction. The engine imports none of this.
 """
 
 from __future__ import annotations
 
 import warnings
 
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable
 
-from miniddp import errors
-from miniddp.buckets import bucket_limits, bucket_limits_list
+from miniddp.buckets import bucket_limits_list
+from miniddp.checks import consistency
+from miniddp.checks.trace import trace_backward
+from miniddp.compat import arguments, compiled, logging_data, optimizer_in_backward, pickling
+from miniddp.compat.torch_private import TorchPrivateDDP, TorchReducer
 from miniddp.core import CoreDDP, move_to
-from miniddp.options import (
-    arguments,
-    comm_hooks,
-    compiled,
-    create_graph,
-    logging_data,
-    optimizer_in_backward,
-    pickling,
-    seamed_steps,  # noqa: F401  (attaches the reducer's steps through its seams)
-)
-from miniddp.options.batched_copy import BatchedGradCopy
+from miniddp.options import comm_hooks, create_graph
 from miniddp.options.gradient_views import GradientsAsBucketViews
 from miniddp.options.join import DDPJoinHook, join_context
-from miniddp.options.logging_data import DDPLogging
 from miniddp.options.static_graph import StaticGraph
-from miniddp.options.torch_private import TorchPrivateDDP, TorchReducer
 from miniddp.options.unused import UnusedParameters
 
 __all__ = ["DistributedDataParallel", "move_to"]
@@ -60,23 +50,20 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
     under reentrant checkpointing and finds unused parameters once
     (``miniddp.options.static_graph``).
     ``init_sync=False`` skips the construction-time check and broadcast. The arguments are
-    the installed torch's, in torch's order, with its defaults (``miniddp.options.arguments``; the
+    the installed torch's, in torch's order, with its defaults (``miniddp.compat.arguments``; the
     README's "torch's constructor arguments" says which work and which are refused).
     Parameters and buffers named by torch's
     ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)`` are
     neither broadcast nor averaged. ``copy.deepcopy`` and pickling work as torch's
-    (``miniddp.options.pickling``). torch's private attributes and methods that torch's tests,
+    (``miniddp.compat.pickling``). torch's private attributes and methods that torch's tests,
     compiler and libraries read (``_get_ddp_logging_data()``, buffer hooks, ...) come from
-    ``miniddp.options.torch_private``.
+    ``miniddp.compat.torch_private``.
 
     Subclasses change how gradients are reduced by swapping ``reducer_class`` (the bucket
     layout) or ``overlap`` (launch during backward, or only after it); see
     ``miniddp.baselines.naive``.
     """
 
-    #: The checks and traces attach here: ``miniddp.checks`` sets it when ``miniddp`` is
-    #: imported. None: no checks, no trace.
-    checks = None
     reducer_class = TorchReducer
     traced_forward = compiled.forward
     active_module_holder = compiled.torch_ddp_class()
@@ -102,49 +89,43 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
         arguments.refuse_unsupported(delay_all_reduce_named_params, param_to_hook_all_reduce,
                                      mixed_precision)
         arguments.warn_check_reduction(check_reduction)
-        if not dist.is_available() or not dist.is_initialized():
-            raise errors.no_process_group()
-        bucket_limits(bucket_cap_mb)  # reject a bad cap before any collective runs
-        bucket_caps = bucket_limits_list(bucket_cap_mb_list)
-        process_group = arguments.group_of(process_group, device_mesh)
         forward_sync, sync_at_init = arguments.buffer_sync_flags(broadcast_buffers,
                                                                  forward_sync_buffers)
-        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
-        params = [p for name, p in module.named_parameters() if name not in ignored]
-        if not any(p.requires_grad for p in params):
-            raise errors.nothing_to_synchronize()
-        devices = {p.device for p in params}
-        arguments.refuse_unsupported_layers(module, devices)  # sparse, SyncBatchNorm on a CPU
-        device_ids, output_device = arguments.device_ids_of(device_ids, output_device, devices)
-        super().__init__(module, device_ids, output_device, init_sync, process_group,
-                         bucket_cap_mb, find_unused_parameters, bucket_caps, forward_sync,
-                         sync_at_init, views=GradientsAsBucketViews() if gradient_as_bucket_view
-                         else None)
+        super().__init__(
+            module, device_ids=device_ids, output_device=output_device, init_sync=init_sync,
+            process_group=arguments.group_of(process_group, device_mesh),
+            bucket_cap_mb=bucket_cap_mb, bucket_caps=bucket_limits_list(bucket_cap_mb_list),
+            find_unused_parameters=find_unused_parameters, forward_sync_buffers=forward_sync,
+            sync_buffers_at_init=sync_at_init, batched_copy=batched_grad_copy,
+            views=GradientsAsBucketViews() if gradient_as_bucket_view else None)
         Joinable.__init__(self)  # outside a join context, join does nothing
         # dim (for single-process DataParallel) and check_reduction: accepted, unused, as torch
         self.dim, self._lazy_init_ran = dim, False  # (the first forward's set-up: not yet)
-        self.before_forward += [optimizer_in_backward.at_first_forward, logging_data.at_forward]
+        self.before_forward.append(optimizer_in_backward.at_first_forward)
         self.device_mesh = device_mesh
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = False
         self._attach_options(self.reducer)
-        self.logger = DDPLogging(self)
+        self.logger = logging_data.DDPLogging(self)
         if static_graph:
             self._set_static_graph(initial_buckets=True)
 
+    def check_devices(self, device_ids, output_device, devices: set):
+        """torch's rules for ``device_ids`` and the layers it refuses (sparse gradients,
+        SyncBatchNorm on a CPU): ``miniddp.compat.arguments``."""
+        arguments.refuse_unsupported_layers(self.module, devices)
+        return arguments.device_ids_of(device_ids, output_device, devices)
+
     def _attach_options(self, reducer) -> None:
-        """DDP's options and torch's compatibility onto a new reducer's seams (at construction,
-        and in a copy: ``miniddp.options.pickling``)."""
+        """DDP's options and the checks onto a new reducer (at construction, and in a copy:
+        ``miniddp.compat.pickling``)."""
         reducer.graph_gradients = create_graph
-        if self.batched_grad_copy:
-            reducer.batched_copy = BatchedGradCopy(reducer)
         if self.find_unused_parameters:
             reducer.unused = UnusedParameters(reducer.params, reducer.group)
             reducer.unused.skip_unused_buckets = self.skip_all_reduce_unused_params
-        if self.checks is not None:  # as TORCH_DISTRIBUTED_DEBUG asks
-            self.checks.to_reducer(self, reducer)
+        consistency.attach(self, reducer)  # the checks TORCH_DISTRIBUTED_DEBUG asks for
         if self.static_graph:  # a copy of a static-graph DDP
             StaticGraph.attach(reducer, initial_buckets=True)
 
@@ -191,7 +172,7 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
 
     def trace(self, all_ranks: bool = False):
         """Record the reducer's events inside a ``with`` block: see :mod:`miniddp.checks.trace`."""
-        return self._checks().trace(self, all_ranks)
+        return trace_backward(self, all_ranks)
 
     def register_comm_hook(self, state: object, hook) -> None:
         """Reduce each bucket with ``hook(state, bucket) -> torch.futures.Future`` instead of
@@ -205,13 +186,7 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
         rank when they differ (see ``miniddp.checks.consistency``). ``detail=True`` also compares
         each collective before it is launched. ``None`` switches the checks off. Call it at
         the same point on every rank."""
-        self._checks().check_every(self, steps, detail)
-
-    def _checks(self):
-        if self.checks is None:
-            raise RuntimeError("miniddp.checks is not loaded: import miniddp (the package) "
-                               "rather than loading miniddp/ddp.py on its own.")
-        return self.checks
+        consistency.check_every(self, steps, detail)
 
     # ----- uneven inputs: torch's Joinable interface -----
 

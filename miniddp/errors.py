@@ -1,5 +1,6 @@
 """The reducer's errors: what went wrong in a backward, and what to do about it (and the one
-error the wrapper and the sampler share: no process group).
+error the wrapper and the sampler share: no process group); and the warnings torch's C++
+reducer prints, printed as it prints them (:func:`print_warning`).
 
 Kept apart from ``miniddp.reducer`` so that the core path reads in one sitting; each function
 returns the exception for the reducer to raise.
@@ -7,7 +8,13 @@ returns the exception for the reducer to raise.
 
 from __future__ import annotations
 
+import os
+import sys
+
+import torch
 import torch.distributed as dist
+
+_printed: set[str] = set()  # the once-per-process warnings already printed
 
 
 class NoProcessGroupError(ValueError, RuntimeError):
@@ -102,3 +109,25 @@ def marked_ready_twice(index: int, name: str) -> RuntimeError:
         f"{name} has been marked as ready twice in one backward. Is it used outside forward, "
         "or in two reentrant backward passes (e.g. checkpointing the same layer twice)? For "
         "the latter, and if the graph is the same every iteration, pass static_graph=True.")
+
+
+def print_warning(message: str, once: bool = False) -> None:
+    """Print ``message`` to stderr as torch's C++ prints a warning. ``once``: only the first
+    time in this process, as ``TORCH_WARN_ONCE``, unless ``torch.set_warn_always(True)``.
+
+    Torch's reducer warns from code that runs with the GIL released (inside a backward, or a
+    forward's ``prepare_for_backward``), so its warnings bypass Python's ``warnings``: c10 writes
+    them to stderr. A ``warnings`` filter can neither hide them nor turn them into errors (``-W
+    error`` still trains), and ``TORCH_CPP_LOG_LEVEL=ERROR`` silences them. miniddp's
+    counterparts (``find_unused_parameters`` with nothing unused, ``backward(create_graph=True)``)
+    behave the same, with the rank in front as in torch's lines. Warnings torch gives from
+    Python stay Python warnings in miniddp.
+    """
+    if os.environ.get("TORCH_CPP_LOG_LEVEL", "").upper() in ("ERROR", "FATAL", "2", "3"):
+        return
+    if once and message in _printed and not torch.is_warn_always_enabled():
+        return
+    _printed.add(message)
+    rank = f"[rank{dist.get_rank()}]:" if dist.is_available() and dist.is_initialized() else ""
+    sys.stderr.write(f"{rank}[W miniddp reducer] Warning: {message}\n")
+    sys.stderr.flush()

@@ -3,50 +3,46 @@
 The life of one synchronized step:
 
 1. ``begin_forward`` (start of a forward with grad enabled): fail if the last synchronized
-   backward never completed; rebuild the buckets once, after the first synchronized step.
+   backward never completed; after the first synchronized backward, rebuild the buckets once,
+   in the order its gradients became ready.
 2. ``prepare_for_backward`` (end of a synchronized forward): expect one hook per parameter.
 3. A hook fires for each parameter once its gradient has been accumulated into ``.grad``. It
    is a post-hook on the parameter's AccumulateGrad node, as in torch's reducer, rather than
    ``Tensor.register_post_accumulate_grad_hook``: it runs after any such hook of the user's (so
    it reduces the gradient those hooks leave), and it also fires when the gradient that arrives
-   is undefined (how parameters behind outputs the loss ignored are found). It copies
-   ``grad * (1 / world_size)`` into the parameter's slot of its bucket (multiplying by the
-   reciprocal before a SUM is exactly what torch does, and what makes the bits match). In a
-   bucket of small gradients (on a GPU, in every bucket) they wait for the last one instead:
-   then one call copies them all in and one multiplies the bucket by the same reciprocal (the
-   same bits, and two calls per bucket instead of one per parameter: see ``copy_buckets_at_end``).
-   When a bucket's last slot is filled, its ``all_reduce(async_op=True)`` starts, buckets
-   strictly in order, so every rank issues the same collectives in the same order.
+   is undefined (how parameters behind outputs the loss ignored are found). The parameter's
+   bucket takes the gradient (``Bucket.fill``): ``grad * (1 / world_size)`` into its slot
+   (multiplying by the reciprocal before a SUM is exactly what torch does, and what makes the
+   bits match), or, in a bucket of small gradients (on a GPU, every bucket), kept until the
+   last one, then copied in with one call and the bucket scaled with one more: the same bits,
+   two calls per bucket instead of one per parameter (``copy_buckets_at_end``). When a bucket
+   is full its all_reduce starts, asynchronously, buckets strictly in order, so every rank
+   issues the same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
    the last gradient is computed and waits for each bucket in turn, writing its averages back
    into ``.grad`` while the later ones are still in flight. So when ``loss.backward()``
    returns, gradients are synchronized.
 
-That is the plain path, and all of it is in this file. Everything else attaches through a few
-seams, each ``None`` (the plain behaviour) until something is attached to it from outside the
-engine (this file imports none of it):
+This file is the whole of it, one copy of each step. DDP's options act at the line where each
+changes a step, and that line names the module the option comes from (``miniddp.options``;
+this file imports none of them): each is ``None`` here until ``miniddp.ddp`` attaches it.
 
-* how a gradient enters its bucket and how the average returns: ``views``
-  (``gradient_as_bucket_view``), ``batched_copy``, ``graph_gradients`` (``create_graph=True``);
-* what reduces a bucket: ``comm_hook`` instead of the all_reduce;
-* which parameters count as ready: ``unused`` (``find_unused_parameters``), ``static_graph``;
-* what happened, as one stream of ``(event, ident, time)`` records: ``subscribe``. The timeline,
-  traces, torch's logging timers, the consistency checks and the late-gradient watch listen there.
+* ``views`` (``gradient_views``): ``.grad`` aliases the bucket;
+* ``comm_hook`` (``comm_hooks``): a hook's reduction replaces the default all_reduce;
+* ``unused`` (``unused``): parameters no output reaches are ready too, with zeros;
+* ``static_graph`` (``static_graph``): a gradient may arrive in several pieces;
+* ``graph_gradients`` (``create_graph``): gradients that are part of a graph;
+* ``batched_copy`` (torch's ``batched_grad_copy``): every bucket waits, and is divided whole.
 
-``overlap=False`` waits for the end of backward before launching anything: the naive "reduce
-after backward" baselines share this code instead of copying it.
-
-The plain steps name no seam. While something needs more (a seam attached, a listener of an event
-they do not emit, the rebuild still to come, ``overlap=False``), the reducer's class is swapped
-for one with the steps through the seams, which are attached from outside (``seamed_steps``),
-and back once nothing does: the plain step stays the small version, and as fast.
+What happened is emitted as ``(event, ident, time)`` records (``miniddp.events``: the
+timeline, traces, torch's logging, the checks listen there). ``overlap=False`` launches only
+after backward: the naive "reduce after backward" baselines share this code.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
-import operator
 import threading
 import time
 import weakref
@@ -58,47 +54,23 @@ from torch.utils._pytree import tree_flatten
 from miniddp import errors
 from miniddp.buckets import (
     UNLIMITED_BYTES,
+    AllReduceSum,
     Bucket,
     BucketInfo,
     assign_buckets,
     bucket_limits,
+    rebuilt_assignment,
 )
+from miniddp.events import EventStream
 from miniddp.sync import held
 
 #: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
 #: its last one (``Reducer.copy_buckets_at_end``).
 COPY_AT_END_BYTES_CPU = 64 * 1024
 
-#: The events of the stream, in the order a step emits them; ``ident`` is a parameter index for
-#: ``ready`` and ``late_gradient``, a bucket index for ``launch``, ``done``, ``waited`` and
-#: ``wait_failed``, 1 or 0 (synchronized or not) for ``forward``, else -1;
-#: the error a ``wait_failed`` or ``error`` names is the reducer's ``error``.
-EVENTS = ("rebuild", "forward", "forward_end", "ready", "launch", "done",
-          "used_flags", "backward_end", "waited", "wait_failed", "finalized", "late_gradient",
-          "buffers", "error")
-
-
-#: What the timeline records: a backward's events, and any other a caller records (None).
-TIMELINE_EVENTS = ("ready", "launch", "done", "backward_end", "waited", "finalized", None)
-
-
-#: The events the plain steps emit; a listener of any other takes the seamed steps.
-PLAIN_EVENTS = ("forward_end", "ready", "launch", "backward_end", "finalized", "wait_failed",
-                "late_gradient", "error")
-
-#: The seams: each None (the plain behaviour) until an option attaches to it.
-SEAMS = ("views", "batched_copy", "comm_hook", "unused", "static_graph")
-
-
-def _seam(name: str, doc: str) -> property:
-    """A seam's attribute: read at C speed, and attaching to it (or detaching) chooses the
-    reducer's steps (``Reducer._route``)."""
-    private = "_" + name
-
-    def attach(reducer, value) -> None:
-        setattr(reducer, private, value)
-        reducer._route()
-    return property(operator.attrgetter(private), attach, doc=doc)
+#: torch's reducer times the first ten synchronized iterations, then one in this many
+#: (``_set_ddp_runtime_logging_sample_rate``): those emit a ``sampled`` record.
+DEFAULT_SAMPLE_RATE = 100
 
 
 class Step(enum.Enum):
@@ -111,25 +83,17 @@ class Step(enum.Enum):
     SECOND_BACKWARD = "a backward reached this forward's outputs again after the reduction"
 
 
-class Reducer:
+class Reducer(EventStream):
     """Owns the buckets and the hooks of one DDP module. See the module docstring."""
 
-    views = _seam("views", "gradient_as_bucket_view: .grad aliases the bucket")
-    batched_copy = _seam("batched_copy",
-                         "batched_grad_copy: a bucket's gradients copied in once it is full")
-    comm_hook = _seam("comm_hook", "a bucket reduced by a hook instead of the all_reduce")
-    unused = _seam("unused",
-                   "find_unused_parameters: parameters no output reaches are ready too")
-    static_graph = _seam("static_graph", "static_graph: firings counted in the first backward")
-    graph_gradients = None  # backward(create_graph=True): gradients that require grad
-    _views = _batched_copy = _comm_hook = _unused = _static_graph = None
-    #: The steps through the seams, attached from outside the engine
-    #: (``miniddp.options.seamed_steps``); a reducer takes them while it needs them (``_route``).
-    seamed_steps = None
+    views = unused = static_graph = graph_gradients = None  # options, attached from outside
+    batched_copy = False
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 views=None, overlap: bool = True, bucket_caps: list[int] | None = None):
+                 overlap: bool = True, bucket_caps: list[int] | None = None, views=None,
+                 batched_copy: bool = False):
+        super().__init__()
         self.params, self.names = params, names
         self.group = held(process_group)  # None for the default group (see held)
         self.world_size = dist.get_world_size(process_group)
@@ -138,12 +102,12 @@ class Reducer:
         #: (the last repeats); ``bucket_caps`` (torch's ``bucket_cap_mb_list``) when given.
         self.bucket_limits = bucket_caps or list(bucket_limits(bucket_cap_mb))
         self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
-        self.overlap = overlap
-        self.find_unused = find_unused_parameters
-        self._listeners: dict[str | None, list] = {}  # event (None: any other) -> callables
-        self.views = views
+        self.overlap, self.find_unused = overlap, find_unused_parameters
+        self.views, self.batched_copy = views, batched_copy
+        self.comm_hook = AllReduceSum(self.group)  # what reduces a bucket
         self.state = Step.IDLE
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
+        self.iterations, self.sample_rate = 0, DEFAULT_SAMPLE_RATE  # torch's num_iterations_
         self.ready: set[int] = set()
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
@@ -164,8 +128,6 @@ class Reducer:
         self._hooks = [node.register_hook(functools.partial(_call_hook, me, i))
                        for i, node in enumerate(self._accumulators)]
         self._init_buckets(self.initial_assignment())
-        self._plain_class = type(self)  # its steps are swapped for the seamed ones and back
-        self._route()
 
     # ----- bucket layout (torch's rules: miniddp.buckets) -----
 
@@ -184,10 +146,8 @@ class Reducer:
         # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
         self.buckets, self.slot_of = [], {}
         self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(assignment)]
-        for bucket in self.buckets:
-            for slot, i in enumerate(bucket.param_indices):
-                self.slot_of[i] = (bucket, slot)
-        if self.views is not None:
+        self.slot_of = {i: (b, k) for b in self.buckets for k, i in enumerate(b.param_indices)}
+        if self.views is not None:  # options/gradient_views.py: .grad moves with its bucket
             self.views.move_into(self.buckets, self.params)
         self.copy_buckets_at_end(self.copy_at_end_bytes)
 
@@ -196,20 +156,20 @@ class Reducer:
         last one: then one call copies them all in, and one scales the whole bucket.
 
         Every element is multiplied by the same operand as it would be on the way in, so the
-        bits are the same (dividing the bucket, as torch's ``batched_grad_copy`` does, is
-        another operation and gives other bits). The slots of parameters without a gradient
-        were zeroed, and stay zero.
-
-        Each copy on the way in is one call from this thread (on a GPU, one more kernel launched
-        by the thread that launches the backward's). Waiting trades those calls for one more
-        pass over the bucket, which pays on a CPU only for small gradients (measured in
-        benchmarks/README.md). ``float("inf")``: every bucket (a GPU's); -1: none.
+        bits are the same. Each copy on the way in is one call from this thread (on a GPU, one
+        more kernel launched by the thread that launches the backward's); waiting trades those
+        calls for one more pass over the bucket, which pays on a CPU only for small gradients
+        (measured in benchmarks/README.md). ``float("inf")``: every bucket (a GPU's); -1: none.
+        With ``batched_copy`` (torch's ``batched_grad_copy``) every bucket waits and is
+        *divided* whole, as torch's does: other bits than the multiply at 3 ranks and more.
         """
         self.copy_at_end_bytes = max_bytes
         for bucket in self.buckets:
-            bucket.copy_at_end = len(bucket.views) > 1 and self.views is None and all(
-                view.numel() * view.element_size() <= max_bytes for view in bucket.views)
-            self._reset(bucket)
+            small = len(bucket.views) > 1 and max(v.nbytes for v in bucket.views) <= max_bytes
+            bucket.defers = self.batched_copy or (small and self.views is None)
+            # (options/gradient_views.py: a .grad that is its view has nothing to wait for)
+            bucket.waits = bucket.defers and self.views is None
+            bucket.reset()
 
     def bucket_info(self) -> list[BucketInfo]:
         return [bucket.info(self.names) for bucket in self.buckets]
@@ -218,7 +178,7 @@ class Reducer:
 
     def begin_forward(self, sync: bool = True) -> None:
         """At a forward with grad enabled (``sync``: not inside ``no_sync``): fail on an
-        unfinished reduction (the seamed steps also rebuild the buckets once).
+        unfinished reduction; rebuild the buckets once, after the first synchronized backward.
 
         An unfinished reduction raises at once, naming the parameters, as torch does: waiting
         for the launched buckets could hang, since a rank missing a different parameter never
@@ -227,18 +187,32 @@ class Reducer:
             raise errors.logged(self, errors.unfinished_reduction(self))
         self.forwards, self.allreduce_calls = self.forwards + 1, 0
         self.state = Step.EXPECTING if self.state is Step.EXPECTING else Step.IDLE
+        if sync:  # torch's rule for the iterations its logger times (compat/logging_data.py)
+            self.iterations += 1
+            if self.iterations <= 10 or self.iterations % self.sample_rate == 0:
+                self._record("sampled", self.iterations)
+        if self.ready_order and self.should_rebuild:
+            self._record("rebuild", -1)
+            self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
+                                                  self.bucket_limits, self.group))
+            self.has_rebuilt, self.ready_order = True, []
+        self._record("forward", int(sync))
 
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
         if self.ready:  # the last synced forward's backward never reached the reducer
             for bucket in self.buckets:
-                self._reset(bucket)
+                bucket.reset()
             self.ready.clear()
-        self.state, self.next_bucket, self.synced_forwards = (Step.EXPECTING, 0,
-                                                              self.synced_forwards + 1)
+        self.state, self.next_bucket = Step.EXPECTING, 0
+        self.synced_forwards += 1
         self._record("forward_end", -1)
-        self.output_nodes = [t.grad_fn for t in tree_flatten(outputs)[0]
-                             if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if self.unused is not None:  # options/unused.py: find what no output reaches
+            outputs = self.unused.prepare(outputs)
+        if self.static_graph is not None:  # options/static_graph.py: the first backward waits
+            outputs = self.static_graph.prepare(outputs)
+        leaves = tree_flatten(outputs)[0]
+        self.output_nodes = [t.grad_fn for t in leaves if getattr(t, "grad_fn", None) is not None]
         return outputs
 
     def outputs_of_unsynced_forward(self, outputs):
@@ -253,15 +227,32 @@ class Reducer:
         """
         if self.unused is None:
             return outputs
-        return self.unused.watch(outputs)
+        return self.unused.watch(outputs)  # options/unused.py
 
     def _hook(self, index: int) -> None:
         with self._lock:
-            if self.state is Step.EXPECTING or self.state is Step.REDUCING:
-                self._record("ready", index)
-                self._mark_ready(index)
+            awaited = self.state is Step.EXPECTING or self.state is Step.REDUCING
+            if self.static_graph is not None and not self.static_graph.final_firing(index, awaited):
+                return  # options/static_graph.py: not yet this parameter's last firing
+            if awaited:
+                self._gradient_ready(index)
             elif self.state is Step.SECOND_BACKWARD:  # through a reduced forward: warn, or raise
                 self._record("late_gradient", index)
+            elif self.unused is not None:  # options/unused.py: no_sync, or a forward through
+                self.unused.note_use(index)  # ddp.module: the gradient just accumulates
+
+    def _gradient_ready(self, index: int) -> None:
+        self._record("ready", index)
+        if self.unused is not None:  # options/unused.py: the unreached are ready, with zeros
+            self.unused.note_use(index)
+            for unreached in self.unused.take_unreached():
+                self._mark_ready(unreached)
+        if self.static_graph is not None:  # options/static_graph.py: unused in the first
+            for unused in self.static_graph.take_unused():  # backward: ready, with zeros
+                self._mark_ready(unused)
+        if self.should_rebuild:
+            self.ready_order.append(index)
+        self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
         if index in self.ready:
@@ -269,44 +260,49 @@ class Reducer:
         self.ready.add(index)
         self.state = Step.REDUCING
         bucket, slot = self.slot_of[index]
-        grad = self.params[index].grad
-        if bucket.copy_at_end and grad is not None:
-            if grad.requires_grad:  # backward(create_graph=True): its value is averaged
-                grad = self.graph_gradients.value(grad) if self.graph_gradients else grad.detach()
-            bucket.waiting.append((grad, bucket.views[slot]))  # copied with the bucket's last
-        else:
-            self._copy_into_bucket(self.params[index], bucket.views[slot])
-        bucket.pending -= 1
-        if bucket.pending == 0:
-            self._bucket_full(bucket)
+        if bucket.fill(slot, self._copy_into_bucket):
+            bucket.complete(self._scale_bucket)
+            if self.overlap:
+                self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
+            if self.unused is not None:  # options/unused.py: which were used, on which rank
+                self._record("used_flags", -1)
+                self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
 
-    def _copy_into_bucket(self, param: torch.Tensor, view: torch.Tensor) -> None:
-        """``view = grad * (1 / world_size)``, or zeros for a parameter without a gradient."""
+    def _copy_into_bucket(self, param: torch.Tensor, view: torch.Tensor,
+                          scale: bool = True) -> None:
+        """``view = grad * (1 / world_size)`` (unscaled: ``scale=False``, or a comm hook that
+        averages itself), or zeros for a parameter without a gradient."""
+        scale = scale and not self.comm_hook.averages
         try:
-            if param.grad is None:  # unused here: contribute zeros
+            if self.views is not None:  # options/gradient_views.py: .grad becomes the view
+                self.views.copy_in(param, view, self.divisor, scale)
+            elif param.grad is None:  # unused here: contribute zeros
                 view.zero_()
-            else:
+            elif scale:
                 self._scale(param.grad, view)
-        except RuntimeError as error:  # a gradient that requires grad (create_graph=True)?
+            else:
+                view.copy_(param.grad)
+        except RuntimeError as error:  # options/create_graph.py: a gradient that requires grad?
             if self.graph_gradients is None:
                 raise
             self.graph_gradients.copy_value(self, param, view, error)
-
-    def _bucket_full(self, bucket: Bucket) -> None:
-        """The bucket's last gradient is in: copy in those that waited, then launch it and any
-        full ones waiting behind it."""
-        if bucket.waiting:  # one call copies them all in, one scales the bucket
-            grads, views = zip(*bucket.waiting)
-            torch._foreach_copy_(list(views), list(grads))
-            self._scale(bucket.buffer, bucket.buffer)
-        self._launch_ready_buckets()
 
     def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
         place once its gradients are copied in (see ``copy_buckets_at_end``)."""
         torch.mul(source, self._reciprocal(out.dtype), out=out)
+
+    def _scale_bucket(self, buffer: torch.Tensor) -> None:
+        """A complete bucket that defers its scaling: multiplied (divided, as torch's
+        ``batched_grad_copy``), unless a comm hook does its own averaging."""
+        if self.comm_hook.averages:
+            return
+        if self.batched_copy:
+            buffer.div_(self.divisor)
+        else:
+            self._scale(buffer, buffer)
 
     def _reciprocal(self, dtype: torch.dtype):
         """``1 / divisor`` as torch's reducer multiplies by it; for float32 a 0-dim float32
@@ -318,30 +314,40 @@ class Reducer:
             value = torch.tensor(value, dtype=dtype) if dtype == torch.float32 else value
             return self._reciprocals.setdefault((dtype, self.divisor), value)
 
-    @property
-    def process_group(self):
-        """The group the buckets' all_reduces run in. They launch through its own allreduce:
-        ``dist.all_reduce``'s checks cost about 3 us a call."""
-        return dist.group.WORLD if self.group is None else self.group
-
     def _launch_ready_buckets(self) -> None:
         while self.next_bucket < len(self.buckets) and self.buckets[self.next_bucket].pending == 0:
             self._launch(self.buckets[self.next_bucket])
             self.next_bucket += 1
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.unused is not None and self.unused.skips(bucket):
+            return  # options/unused.py: skip_all_reduce_unused_params
         self._record("launch", bucket.index)
-        bucket.work = self.process_group.allreduce([bucket.buffer])  # async, SUM
+        bucket.launch(self.comm_hook, len(self.buckets))
         self.allreduce_calls += 1
+        if "done" in self._listeners:
+            # A chained future, waited for with the bucket: the callback runs on a
+            # communication thread, and must not still be running when the process exits.
+            bucket.done = bucket.work.get_future().then(
+                lambda _future, b=bucket.index: self._record("done", b))
 
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
         self._record("backward_end", -1)
         self.state = Step.REDUCED
+        self._launch_ready_buckets()  # (overlap=False launches every bucket here)
+        # Which parameters some rank used (None: all of them): options/unused.py finds them at
+        # each step, options/static_graph.py in the first backward.
+        option = self.unused or self.static_graph
+        used = option.used_on_some_rank() if option is not None else None
         for bucket in self.buckets:
-            self._wait(bucket)
-            self._write_back_bucket(bucket)
-            self._reset(bucket)  # for the next backward, while it is at hand
+            if bucket.work is not None:  # (None: skipped, skip_all_reduce_unused_params)
+                self._wait(bucket)
+                if self.views is not None:  # options/gradient_views.py: .grad is the bucket
+                    self.views.write_back(bucket, self.names, used)
+                else:
+                    bucket.write_back(self._write_back, used)
+            bucket.reset()  # for the next backward, while it is at hand
         self.ready.clear()
         for node in self.output_nodes:  # a backward reaching them again is a second one
             node.register_prehook(functools.partial(_call_reached_again, weakref.ref(self)))
@@ -350,92 +356,32 @@ class Reducer:
 
     def _wait(self, bucket: Bucket) -> None:
         try:
-            bucket.work.wait()
+            bucket.wait()
         except RuntimeError as error:  # the listeners may say where every rank was
             self.error = error
             self._record("wait_failed", bucket.index)
             raise
-
-    def _write_back_bucket(self, bucket: Bucket) -> None:
-        """The bucket's averages into ``.grad``: one call for the plain ones, while later
-        buckets are still in flight."""
-        grads, averages = [], []
-        for i, view in zip(bucket.param_indices, bucket.views):
-            grad = self.params[i].grad
-            if grad is None or grad.requires_grad:
-                self._write_back(i, view)
-            else:
-                grads.append(grad)
-                averages.append(view)
-        if grads:  # one dispatch for all: a private op, present from torch 2.1 on
-            torch._foreach_copy_(grads, averages)
+        self.comm_hook.finish(bucket)  # options/comm_hooks.py: a hook's result into the bucket
+        self._record("waited", bucket.index)
 
     def _write_back(self, index: int, view: torch.Tensor) -> None:
-        """The average into a ``.grad`` that is missing, a bucket view, or part of a graph."""
+        """The average into a ``.grad`` that is missing, or part of a graph."""
         param = self.params[index]
-        if self.views is not None:
-            self.views.write_back(param, self.names[index], view)
-        elif param.grad is None:
+        if param.grad is None:
             param.grad = view.clone(memory_format=torch.preserve_format)
-        else:
+        else:  # options/create_graph.py: copied into the graph's gradient in place
             self.graph_gradients.write_back(self.names[index], param.grad, view)
-
-    @staticmethod
-    def _reset(bucket: Bucket) -> None:
-        bucket.pending, bucket.work, bucket.done = len(bucket.param_indices), None, None
-        bucket.waiting.clear()
 
     def _reached_again(self) -> None:
         if self.state is Step.REDUCED:
             self.state = Step.SECOND_BACKWARD
 
-    # ----- the event stream, clean-up -----
-
-    def subscribe(self, listener, events=None) -> None:
-        """Call ``listener((event, ident, time.perf_counter()))`` at each of ``events`` (every
-        event when None; see :data:`EVENTS`)."""
-        for event in (*EVENTS, None) if events is None else events:
-            self._listeners.setdefault(event, []).append(listener)
-        if events is None or not set(events) <= set(PLAIN_EVENTS):
-            self._route()
-
-    def unsubscribe(self, listener) -> None:
-        kept = {event: [f for f in fs if f != listener]
-                for event, fs in self._listeners.items()}
-        self._listeners = {event: fs for event, fs in kept.items() if fs}
-        if type(self) is not self._plain_class:  # perhaps plain again
-            self._route()
-
-    def _route(self) -> None:
-        """Take the plain steps while nothing needs the seamed ones: no seam attached, the
-        buckets rebuilt (or never to be), launches overlapping backward, and no listener of an
-        event the plain steps do not emit."""
-        if "_plain_class" not in self.__dict__:
-            return  # still in __init__
-        seamed = (self.should_rebuild or not self.overlap
-                  or any(getattr(self, seam) is not None for seam in SEAMS)
-                  or not set(self._listeners) <= set(PLAIN_EVENTS))
-        self.__class__ = _seamed_class(self._plain_class) if seamed else self._plain_class
-
     def _record(self, event: str, ident: int) -> None:
+        """Emit ``(event, ident, now)`` to its listeners (``miniddp.events``)."""
         for listener in self._listeners.get(event, self._listeners.get(None, ())):
             listener((event, ident, time.perf_counter()))
 
-    @property
-    def timeline(self) -> list[tuple] | None:
-        """A backward's events as ``(event, ident, time)`` (:data:`TIMELINE_EVENTS`), when set
-        to a list (lessons, traces)."""
-        return self.__dict__.get("_timeline")
-
-    @timeline.setter
-    def timeline(self, records: list[tuple] | None) -> None:
-        old = self.__dict__.get("_timeline")
-        if old is not None:
-            self.unsubscribe(self._timeline_append)
-        self._timeline = records
-        if records is not None:
-            self._timeline_append = records.append
-            self.subscribe(self._timeline_append, TIMELINE_EVENTS)
+    # ----- clean-up -----
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -445,22 +391,6 @@ class Reducer:
     def __del__(self):
         if hasattr(self, "_hooks"):  # not when __init__ failed before registering them
             self.remove_hooks()
-
-
-
-
-@functools.cache
-def _seamed_class(plain: type) -> type:
-    """``plain`` with the seamed steps' methods (``Reducer.seamed_steps``): the same name, and
-    every ``isinstance``."""
-    steps = Reducer.seamed_steps
-    if steps is None:
-        raise RuntimeError("a seam, a listener or the bucket rebuild needs the reducer's seamed "
-                           "steps: import miniddp.options.seamed_steps (import miniddp does)")
-    methods = {name: value for name, value in vars(steps).items()
-               if callable(value) and not name.startswith("__")}
-    return type(plain.__name__, (plain,), {**methods, "__qualname__": plain.__qualname__,
-                                           "__module__": plain.__module__})
 
 
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:

@@ -101,8 +101,8 @@ def compare_hook(hook, steps=4, micro_batches=1, model_name="mlp", register_at_s
         theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(module), **ddp_kwargs)
     if sabotage == "scale_twice":
         scale = 1.0 / dist.get_world_size()
-        ours.reducer._copy_into_bucket = lambda param, view: torch.mul(param.grad, scale,
-                                                                       out=view)
+        ours.reducer._copy_into_bucket = (
+            lambda param, view, _scale=True: torch.mul(param.grad, scale, out=view))
         ours.reducer.copy_buckets_at_end(-1)  # every gradient through the copy above
     (our_state, our_hook), (their_state, their_hook) = hooks_for(hook)
     both = [(ours, cases.make_optimizer("sgd", ours.parameters())),
@@ -113,7 +113,7 @@ def compare_hook(hook, steps=4, micro_batches=1, model_name="mlp", register_at_s
             ours.register_comm_hook(our_state, our_hook)
             theirs.register_comm_hook(their_state, their_hook)
             if sabotage == "ignore_result":
-                ours.reducer.comm_hook.take_result = lambda bucket: None
+                ours.reducer.comm_hook.finish = lambda bucket: None
         for _, opt in both:
             opt.zero_grad(set_to_none=set_to_none)
         for micro in range(micro_batches):

@@ -6,7 +6,7 @@ still computes; the gradients' ready order (hence the rebuilt buckets, hence at 
 bits) follows those pieces. These tests train the same model with torch's compiled DDP and
 miniddp's, in both orders (``DDP(torch.compile(m))`` and ``torch.compile(DDP(m))``), and check
 the bits, the number of graphs and graph breaks, and that all_reduces start before backward's
-computation ends (miniddp.options.compiled). The negative control switches the recognition off
+computation ends (miniddp.compat.compiled). The negative control switches the recognition off
 on miniddp's side only (``optimize_ddp=False``) and shows the comparison then fails.
 """
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
-from miniddp.options.compiled import GRAPH_BREAKS
+from miniddp.compat.compiled import GRAPH_BREAKS
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
 
 needs_is_compiling = pytest.mark.skipif(

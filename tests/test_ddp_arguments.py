@@ -18,8 +18,8 @@ from ddp_cases import compare_with_torch
 from torch import nn
 
 import miniddp
-from miniddp.options import arguments
-from miniddp.options.batched_copy import BatchedGradCopy
+from miniddp.compat import arguments
+from miniddp.reducer import Reducer
 
 HAS = arguments.TORCH_DDP_SIGNATURE.parameters  # the installed torch's arguments
 
@@ -273,16 +273,14 @@ def test_batched_grad_copy_with_unused_parameters_and_no_sync_matches_torch(rank
 
 
 def batched_with_reciprocal():
-    """A subtly wrong batched copy: it scales by the reciprocal, as the default path does."""
-    def flush(self, bucket):
-        for slot in self.noted.pop(bucket.index, []):
-            bucket.views[slot].copy_(self.reducer.params[bucket.param_indices[slot]].grad)
-        bucket.buffer.mul_(1.0 / self.reducer.divisor)
-    original, BatchedGradCopy.flush = BatchedGradCopy.flush, flush
+    """A subtly wrong batched copy: it scales the bucket by the reciprocal, as the default path
+    does."""
+    original, Reducer.batched_copy = Reducer.batched_copy, property(lambda self: False,
+                                                                    lambda self, value: None)
     try:
         return compare_with_torch("mlp", steps=2, bucket_cap_mb=0.002, batched_grad_copy=True)
     finally:
-        BatchedGradCopy.flush = original
+        Reducer.batched_copy = original
 
 
 @needs("batched_grad_copy")

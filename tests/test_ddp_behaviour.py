@@ -14,8 +14,8 @@ from torch import nn
 
 import miniddp
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
+from miniddp.compat.arguments import TORCH_DDP_SIGNATURE, device_ids_of
 from miniddp.launch import spawn
-from miniddp.options.arguments import TORCH_DDP_SIGNATURE, device_ids_of
 
 
 def data(step=0, rank=None):
@@ -461,7 +461,8 @@ def nothing_unused_warnings(cls, warn_always: bool):
     synchronized steps (two whose outputs reach every parameter, then one that skips the
     branch), with Python warnings made errors: torch's reducer prints from C++, untouched by
     them, and so must miniddp."""
-    from miniddp.options import cpp_warnings, unused
+    from miniddp import errors as cpp_warnings
+    from miniddp.options import unused
     from miniddp.train.report import cpp_stderr
     cpp_warnings._printed.discard(unused.NOTHING_UNUSED)  # ranks live on across tests: start afresh
     before = torch.is_warn_always_enabled()
@@ -499,7 +500,7 @@ def test_find_unused_parameters_with_nothing_unused_warns_as_torch(ranks):
 def test_printed_warnings_follow_torchs_cpp_switches(monkeypatch, capsys):
     """``print_warning`` as torch's C++ warnings: once per process where asked, every time under
     ``torch.set_warn_always(True)``, nothing under ``TORCH_CPP_LOG_LEVEL=ERROR``."""
-    from miniddp.options import cpp_warnings
+    from miniddp import errors as cpp_warnings
     message = "a warning of this test's own"
     cpp_warnings._printed.discard(message)
     before = torch.is_warn_always_enabled()
@@ -833,7 +834,7 @@ def positional_like_torch():
 
 
 def test_arguments_are_torchs_in_torchs_order(ranks):
-    """The installed torch's signature, names and order (miniddp.options.arguments), on every
+    """The installed torch's signature, names and order (miniddp.compat.arguments), on every
     release."""
     ours, theirs = ranks(2).run(positional_like_torch)[0]
     assert ours == theirs

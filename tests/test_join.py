@@ -141,14 +141,16 @@ def sabotaged(name: str | None):
 
 
 class Fp16HookForTest:
-    """torch's ``fp16_compress_hook`` at the core's comm-hook attach point
-    (``reducer.comm_hook``: ``launch`` returns a future, ``take_result`` writes it back)."""
+    """torch's ``fp16_compress_hook`` in place of the reducer's default reduction
+    (``reducer.comm_hook``: ``launch`` returns a future, ``finish`` writes its value back)."""
 
-    def launch(self, reducer, bucket):
-        compressed = bucket.buffer.to(torch.float16).div_(reducer.world_size)
-        return dist.all_reduce(compressed, group=reducer.group, async_op=True).get_future()
+    averages = True  # gradients enter the bucket unscaled
 
-    def take_result(self, bucket):
+    def launch(self, bucket, _bucket_count):
+        compressed = bucket.buffer.to(torch.float16).div_(dist.get_world_size())
+        return dist.all_reduce(compressed, async_op=True).get_future()
+
+    def finish(self, bucket):
         bucket.buffer.copy_(bucket.work.value()[0])
 
 

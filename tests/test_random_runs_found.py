@@ -53,7 +53,7 @@ def test_bucket_cap_zero_trains_bit_identical_to_torch(ranks, world_size, case):
 
 
 def test_bucket_cap_list_with_zero_trains_bit_identical_to_torch(ranks):
-    if "bucket_cap_mb_list" not in miniddp.options.arguments.TORCH_DDP_SIGNATURE.parameters:
+    if "bucket_cap_mb_list" not in miniddp.compat.arguments.TORCH_DDP_SIGNATURE.parameters:
         pytest.skip("this torch has no bucket_cap_mb_list (2.13)")
     for result in ranks(3).run(compare_with_torch, steps=3, bucket_cap_mb_list=[0, 0.002]):
         assert result["problems"] == [] and result["layouts"][-1] == result["torch_layout"]

@@ -6,32 +6,7 @@
   collective compared before it runs; ``out_of_step``: the messages;
 * ``trace``: ``ddp.trace()``, the reducer's events on a timeline.
 
-The engine imports none of this. The checks attach to it at named points: ``attach`` below is
-registered on ``DistributedDataParallel.checks`` when ``miniddp`` is imported, and each new
-reducer gets its ``watch`` (and, when switched on, its ``consistency``) from there.
+The engine imports none of this. The checks attach to a reducer's events: ``miniddp.ddp`` gives
+each new reducer its ``watch`` (and, when switched on, its ``consistency``) through
+``consistency.attach``, and ``ddp.check_every`` and ``ddp.trace`` call in here.
 """
-
-from __future__ import annotations
-
-from miniddp.checks import consistency
-from miniddp.checks.trace import trace_backward
-from miniddp.ddp import DistributedDataParallel
-
-
-class Attach:
-    """What the engine calls: the checks of a new reducer, ``check_every``, ``trace``."""
-
-    @staticmethod
-    def to_reducer(ddp, reducer) -> None:
-        consistency.attach(ddp, reducer)
-
-    @staticmethod
-    def check_every(ddp, steps: int | None, detail: bool) -> None:
-        consistency.check_every(ddp, steps, detail)
-
-    @staticmethod
-    def trace(ddp, all_ranks: bool):
-        return trace_backward(ddp, all_ranks)
-
-
-DistributedDataParallel.checks = Attach

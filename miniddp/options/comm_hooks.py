@@ -100,25 +100,24 @@ class HookFuture:
                 f"the future of communication hook {self.hook_name} for bucket "
                 f"{self.bucket_index} failed: {type(error).__name__}: {error}") from error
 
-    def value(self):
-        return self.future.value()
-
-    def then(self, callback):
-        return self.future.then(callback)
+    def get_future(self):
+        return self.future
 
 
 class CommHook:
-    """What the reducer holds as ``reducer.comm_hook``: starts a bucket's reduction through the
-    user's hook, and puts the hook's result back into the bucket at the end of backward."""
+    """What the reducer holds as ``reducer.comm_hook`` in place of its default all_reduce
+    (``miniddp.buckets.AllReduceSum``): starts a bucket's reduction through the user's hook,
+    and puts the hook's result back into the bucket at the end of backward."""
+
+    averages = True  # the bucket holds the gradients unscaled: averaging is the hook's job
 
     def __init__(self, state, hook):
         self.state, self.hook = state, hook
         self.name = getattr(hook, "__qualname__", repr(hook))
 
-    def launch(self, reducer, bucket) -> HookFuture:
-        params = [reducer.params[i] for i in bucket.param_indices]
-        future = self.hook(self.state, GradBucket(bucket.index, len(reducer.buckets),
-                                                  bucket.buffer, params))
+    def launch(self, bucket, bucket_count: int) -> HookFuture:
+        future = self.hook(self.state, GradBucket(bucket.index, bucket_count, bucket.buffer,
+                                                  list(bucket.params)))
         if not isinstance(future, torch._C.Future):  # what Work.get_future() gives, too
             got = type(future).__qualname__
             raise RuntimeError(
@@ -130,14 +129,14 @@ class CommHook:
                 f"but got {got}.)")
         return HookFuture(future, self.name, bucket.index)
 
-    def take_result(self, bucket) -> None:
+    def finish(self, bucket) -> None:
         """Copy the (waited-for) future's tensor into the bucket unless it already is it.
 
         Going through the bucket keeps ``.grad`` in the parameter's dtype when the result is
         fp16 (torch makes a missing ``.grad`` from the fp16 result itself: an fp16 ``.grad`` on
         an fp32 parameter, which miniddp does not copy).
         """
-        value = bucket.work.value()
+        value = bucket.work.future.value()
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]  # as Work.get_future() gives; torch 2.13's DDP fails on it
         if not isinstance(value, torch.Tensor) or value.numel() != bucket.numel:
@@ -157,7 +156,7 @@ def register(ddp, state, hook) -> None:
     reducer = ddp.reducer
     try:
         check_hook(hook)
-        if reducer.comm_hook is not None:
+        if isinstance(reducer.comm_hook, CommHook):
             raise RuntimeError(
                 "register_comm_hook or register_builtin_comm_hook can only be called once. This "
                 f"DDP model already has the hook {reducer.comm_hook.name}; to combine two, "

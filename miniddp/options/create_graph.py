@@ -8,8 +8,10 @@ attached. miniddp does the same, in the three places where a gradient meets a bu
 
 * copied in one by one: ``torch.mul(grad, r, out=view)`` refuses a gradient that requires
   grad while grad mode is on, so the reducer's copy calls :func:`copy_value` when it fails;
-* copied in with the rest of a complete bucket: :func:`value` detaches each first;
-* written back at the end of backward: :func:`write_back`, an in-place copy into the graph.
+* copied in with the rest of a complete bucket: the bucket keeps its value, detached
+  (``Bucket.fill``);
+* written back at the end of backward: :func:`write_back`, an in-place copy into the graph,
+  with torch's warning.
 
 The reducer pays nothing for this on a plain backward: the first path costs a ``try``, the
 second a flag read per gradient in a bucket copied at once, the third the flag it reads anyway.
@@ -19,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from miniddp.options.cpp_warnings import print_warning
+from miniddp.errors import print_warning
 
 
 def warn() -> None:
     """torch's warning, opening in torch's words, printed at every such backward as torch's
-    reducer prints it (``miniddp.options.cpp_warnings``: stderr, not a Python warning)."""
+    reducer prints it (``miniddp.errors``: stderr, not a Python warning)."""
     print_warning(
         "Using DistributedDataParallel with create_graph=True is not well-supported. The "
         "higher-order gradient will not be synchronized across ranks, and backpropagation "
@@ -39,19 +41,14 @@ def copy_value(reducer, param: torch.Tensor, view: torch.Tensor, error: RuntimeE
     if (param.grad is None or not param.grad.requires_grad or reducer.views is not None
             or not torch.is_grad_enabled()):
         raise error
-    warn()
     with torch.no_grad():
         reducer._copy_into_bucket(param, view)
 
 
-def value(grad: torch.Tensor) -> torch.Tensor:
-    """A gradient that requires grad, to copy into a bucket with others: its value, detached."""
-    warn()
-    return grad.detach()
-
-
 def write_back(name: str, grad: torch.Tensor, average: torch.Tensor) -> None:
-    """Copy the average into a gradient that requires grad, in place, as torch does."""
+    """Copy the average into a gradient that requires grad, in place, as torch does, and warn
+    as torch does for each such gradient."""
+    warn()
     try:
         grad.copy_(average)
     except RuntimeError as error:

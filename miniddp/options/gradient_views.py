@@ -44,14 +44,20 @@ class GradientsAsBucketViews:
                 view.copy_(grad)
             param.grad = view
 
-    def write_back(self, param: torch.Tensor, name: str, view: torch.Tensor) -> None:
-        if param.grad is None:
-            param.grad = view
-        elif not same_storage(param.grad, view):
-            raise RuntimeError(
-                f"the .grad of {name!r} is no longer a view of its bucket; with "
-                "gradient_as_bucket_view=True, don't replace .grad (zero it in place, or set it "
-                "to None)")
+    def write_back(self, bucket, names: list[str], used: list[bool] | None = None) -> None:
+        """End of backward: the averages are in ``.grad`` already (each is its view); a missing
+        ``.grad`` becomes its view, and one the user replaced is an error. A parameter no rank
+        used (``used``) keeps its ``.grad``."""
+        for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
+            if used is not None and not used[i]:
+                continue
+            if param.grad is None:
+                param.grad = view
+            elif not same_storage(param.grad, view):
+                raise RuntimeError(
+                    f"the .grad of {names[i]!r} is no longer a view of its bucket; with "
+                    "gradient_as_bucket_view=True, don't replace .grad (zero it in place, or set "
+                    "it to None)")
 
     @staticmethod
     def move_into(buckets, params: list[torch.Tensor]) -> None:

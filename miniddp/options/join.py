@@ -26,7 +26,7 @@ the used-parameter flags (``find_unused_parameters``)  its last flags, summed in
 
 Gradients are divided by the initial world size (``divide_by_initial_world_size=True``: every
 sample weighs the same) or by the number of ranks still training, which the first all_reduce
-counts. The left column runs in the engine's ``before_forward`` seam (:func:`before_forward`,
+counts. The left column runs in the engine's ``before_forward`` list (:func:`before_forward`,
 attached when ``ddp`` is first given to a join context), the rest in the engine's forward and
 backward. When every rank has joined, the rank that joined last (the highest one if several)
 broadcasts its parameters and buffers, so every replica ends equal. With
@@ -168,16 +168,13 @@ def _synced_buffers(ddp) -> list[torch.Tensor]:
 
 
 def _shadow_buckets(reducer) -> None:
-    """One all_reduce of zeros per bucket, in bucket order; through the comm hook if any."""
+    """One reduction of zeros per bucket, in bucket order, by the reducer's own reduction (a
+    comm hook may send something else than the bucket: fp16, say)."""
     works = []
     for bucket in reducer.buckets:
-        if reducer.comm_hook is None:
-            zeros = torch.zeros_like(bucket.buffer)
-            works.append(dist.all_reduce(zeros, group=reducer.group, async_op=True))
-        else:  # a hook may all_reduce something else than the bucket (fp16, say): run it
-            zeros = Bucket(bucket.index, bucket.param_indices, reducer.params)
-            zeros.buffer.zero_()
-            works.append(reducer.comm_hook.launch(reducer, zeros))
+        zeros = Bucket(bucket.index, bucket.param_indices, reducer.params)
+        zeros.buffer.zero_()
+        works.append(reducer.comm_hook.launch(zeros, len(reducer.buckets)))
     for work in works:
         work.wait()
 

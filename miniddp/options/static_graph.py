@@ -30,7 +30,8 @@ happens at the start of the third synchronized forward.
 :class:`StaticGraph` is what the reducer holds as ``reducer.static_graph``. It attaches at four
 points the core names: the hook (:meth:`~StaticGraph.final_firing`), the end of a synchronized
 forward (:meth:`~StaticGraph.prepare`), the first ready gradient
-(:meth:`~StaticGraph.take_unused`) and the end of backward (:meth:`~StaticGraph.end_backward`).
+(:meth:`~StaticGraph.take_unused`) and the end of backward
+(:meth:`~StaticGraph.used_on_some_rank`).
 A graph that changes after the first iteration is an error, with a message saying so.
 """
 
@@ -100,7 +101,7 @@ class StaticGraph:
         reducer.static_graph = cls(reducer)
         return reducer.static_graph
 
-    # ----- the reducer's seam -----
+    # ----- where the reducer calls it -----
 
     def prepare(self, outputs):
         """End of a synchronized forward: expect this backward's firings; return the outputs.
@@ -156,7 +157,7 @@ class StaticGraph:
         unmarked, self._unmarked = self._unmarked, []
         return unmarked
 
-    def end_backward(self) -> list[bool]:
+    def used_on_some_rank(self) -> list[bool]:
         """End of a synchronized backward: which parameters some rank used in the first one.
 
         After the second backward, the unused parameters join the recorded ready order last,

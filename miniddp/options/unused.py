@@ -30,14 +30,14 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from miniddp.options.cpp_warnings import print_warning
+from miniddp.errors import print_warning
 
 #: Whether a profiler is recording (torch's private check; assumed on where a torch lacks it).
 _profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
 
 #: Printed at a synchronized forward whose outputs reach every parameter, once per process (every
 #: time under ``torch.set_warn_always(True)``), to stderr, as torch's reducer does
-#: (``miniddp.options.cpp_warnings``); it opens with torch's sentence, the words users search for.
+#: (``miniddp.errors``); it opens with torch's sentence, the words users search for.
 NOTHING_UNUSED = (
     "find_unused_parameters=True was specified in DDP constructor, but did not find any unused "
     "parameters in the forward pass. Every parameter was reached from this forward's outputs, "
@@ -143,8 +143,7 @@ def watch_outputs(outputs, clone: bool = True):
     containers it does not know, such as dataclasses, are left as they are.
     """
     leaves, spec = tree_flatten(outputs)
-    tracked = [k for k, t in enumerate(leaves)
-               if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    tracked = [k for k, t in enumerate(leaves) if getattr(t, "grad_fn", None) is not None]
     if not tracked:
         return outputs
     watched = _WatchOutputs.apply(clone, *(leaves[k] for k in tracked))

@@ -108,7 +108,7 @@ def bucket_cap_ignored(module):
 
 def averages_not_written_back(module):
     """Lesson 12: the reducer all_reduces the buckets but never writes the averages to .grad."""
-    _patch(module.Reducer, "_write_back_bucket", lambda original: lambda self, *args: None)
+    _patch(module.Bucket, "write_back", lambda original: lambda self, *args: None)
 
 
 def comm_hook_ignored(module):
@@ -236,10 +236,8 @@ def write_back_before_wait(module):
                         param.grad.copy_(flat.view_as(param.grad))
                     offset += param.numel()
         return write_early
-    # the plain steps and the seamed ones (a trace or timeline switches the reducer to those)
-    for steps in (module.Reducer, module.SeamedSteps):
-        _patch(steps, "_launch", launch)
-        _patch(steps, "_finalize", finalize)
+    _patch(module.Reducer, "_launch", launch)
+    _patch(module.Reducer, "_finalize", finalize)
 
 
 def compiled_ddp_unrecognised(module):
@@ -343,7 +341,7 @@ def buckets_never_rebuilt(module):
 
 
 def rebuilt_in_model_order(module):
-    """Lesson 05: the rebuild (a seamed step: it runs once) cuts the buckets in model order
+    """Lesson 05: the rebuild (it runs once) cuts the buckets in model order
     instead of the order in which the gradients became ready in the first backward."""
     _patch(module, "rebuilt_assignment", lambda original: lambda params, order, *args, **kwargs:
            original(params, sorted(order), *args, **kwargs))
@@ -373,7 +371,7 @@ BREAKAGES = {
     "trace_drops_launches": ("miniddp.checks.trace", trace_drops_launches),
     "trace_waits_reversed": ("miniddp.checks.trace", trace_waits_reversed),
     "reducer_records_no_waits": ("miniddp.reducer", reducer_records_no_waits),
-    "write_back_before_wait": ("miniddp.options.seamed_steps", write_back_before_wait),
+    "write_back_before_wait": ("miniddp.reducer", write_back_before_wait),
     "compiled_ddp_unrecognised": ("miniddp.ddp", compiled_ddp_unrecognised),
     "buckets_launched_after_backward": ("miniddp.reducer", buckets_launched_after_backward),
     "no_sync_exits_to_true": ("miniddp.ddp", no_sync_exits_to_true),
@@ -385,7 +383,7 @@ BREAKAGES = {
     "static_graph_ready_at_first_arrival": ("miniddp.options.static_graph",
                                             static_graph_ready_at_first_arrival),
     "buckets_never_rebuilt": ("miniddp.reducer", buckets_never_rebuilt),
-    "rebuilt_in_model_order": ("miniddp.options.seamed_steps", rebuilt_in_model_order),
+    "rebuilt_in_model_order": ("miniddp.reducer", rebuilt_in_model_order),
 }
 
 

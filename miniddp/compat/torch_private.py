@@ -21,7 +21,7 @@ Each has the meaning it has in torch, in miniddp's terms:
   error, before wrapping the module again);
 * ``_set_ddp_sink_clone(False)``: outputs pass through DDP's identity function without a copy;
 * ``_get_ddp_logging_data()`` and ``_set_ddp_runtime_logging_sample_rate(n)``
-  (:mod:`miniddp.options.logging_data`);
+  (:mod:`miniddp.compat.logging_data`);
 * on the reducer, ``_get_local_used_map()``: per parameter, how many ranks used it in the last
   synchronized backward (with ``find_unused_parameters`` or ``static_graph``), and
   ``_ddp_graph_static()``: whether the unused parameters have been the same every step.
@@ -158,7 +158,7 @@ class TorchPrivateDDP:
         return self.logger.snapshot(self)
 
     def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
-        self.logger.set_sample_rate(sample_rate)
+        self.logger.set_sample_rate(sample_rate, self.reducer)
 
 
 class BufferHook:

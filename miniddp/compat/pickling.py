@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from miniddp.options.arguments import is_default_group
+from miniddp.compat.arguments import is_default_group
+from miniddp.compat.logging_data import DDPLogging
 from miniddp.options.gradient_views import GradientsAsBucketViews
-from miniddp.options.logging_data import DDPLogging
 
 
 def state_to_copy(ddp) -> dict:
@@ -28,7 +28,7 @@ def state_to_copy(ddp) -> dict:
             f"{ddp.process_group!r}. Copy or save ddp.module instead, and wrap the copy in "
             "its own DistributedDataParallel.")
     state = dict(ddp.__dict__)
-    del state["reducer"]
+    del state["reducer"], state["logger"]  # (the copy gets its own: see restore_copy)
     state["_group"] = None  # the default group, wherever the copy is restored
     return state
 
@@ -39,7 +39,7 @@ def restore_copy(ddp, state: dict) -> None:
     ``_get_ddp_logging_data()`` counts its own iterations from 0, as torch's copy does)."""
     nn.Module.__setstate__(ddp, state)
     views = GradientsAsBucketViews() if ddp.gradient_as_bucket_view else None
-    ddp.reducer = ddp._make_reducer(views)
+    ddp.reducer = ddp._make_reducer(views, ddp.batched_grad_copy)
     ddp._attach_options(ddp.reducer)
     ddp.logger = DDPLogging(ddp)
     if ddp.static_graph:

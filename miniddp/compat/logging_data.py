@@ -15,9 +15,10 @@ work unchanged:
 * ``has_error`` / ``error``: the last error DDP raised (``miniddp.errors.logged``);
 * runtime statistics, in nanoseconds, as torch samples them: the first ten synchronized
   iterations, then one in every ``sample_rate`` (``_set_ddp_runtime_logging_sample_rate``,
-  default 100). At the start of each synchronized forward the previous iteration's times are
-  taken, if that iteration was sampled, and ``iteration`` becomes its number. The times are host
-  clock readings at five points of a step (:class:`StepTimer`): forward start, the end of forward
+  default 100; the reducer applies torch's rule and emits a ``sampled`` record at the start of
+  each such iteration). At the start of the next synchronized forward the sampled iteration's
+  times are taken, and ``iteration`` becomes its number. The times are host clock readings at
+  five points of a step: forward start, the end of forward
   (backward compute start), the first bucket launched (comm start), every gradient ready
   (compute end) and every bucket waited for (comm end); ``backward_compute_comm_overlap_time`` is
   how long communication ran while gradients were still being computed. ``avg_*`` are running
@@ -26,7 +27,8 @@ work unchanged:
   rebuilt, ``has_rebuilt_buckets``, ``rebuilt_bucket_sizes`` and
   ``rebuilt_per_bucket_param_indices``.
 
-The reducer pays nothing on iterations that are not sampled: nothing listens to their events.
+The reducer pays nothing on iterations that are not sampled: nothing of this module listens to
+their events.
 """
 
 from __future__ import annotations
@@ -38,8 +40,7 @@ import time
 import torch
 import torch.distributed as dist
 
-#: torch's default: after the first ten iterations, sample one in this many.
-DEFAULT_SAMPLE_RATE = 100
+from miniddp.options.comm_hooks import CommHook
 
 #: The names torch's C++ logger gives dtypes (caffe2's TypeMeta names).
 _DTYPE_NAMES = {torch.float32: "float", torch.float64: "double", torch.float16: "c10::Half",
@@ -67,24 +68,24 @@ MAX_WAITING = 10
 class DDPLogging:
     """What ``ddp.logger`` holds: the dictionary ``_get_ddp_logging_data()`` returns.
 
-    :func:`at_forward` runs in the engine's ``before_forward`` seam, counting synchronized
-    iterations; the logger listens to the reducer's ``error`` events, and in a sampled
-    iteration to the events it times, with a list's own ``append`` as its listener: a sampled
-    step runs none of this module's code but at its forward. The records become statistics
-    when the data is read."""
+    It listens to the reducer's ``error`` and ``sampled`` events. While iterations are sampled
+    it also listens to the events it times, with one list's own ``append`` (so a sampled step
+    runs little of this module), and to each forward, where a sampled iteration's records are
+    kept for later: they become statistics when the data is read."""
 
     def __init__(self, ddp):
         self.data: dict[str, object] = {}
-        self.sample_rate = DEFAULT_SAMPLE_RATE
-        self.iterations = 0  # synchronized forwards begun, torch's num_iterations_
         self.sampled = 0  # iterations whose statistics were taken
-        self.next_sampled = 1  # the next iteration to record
-        self.records: list[tuple] | None = None  # this iteration's events, when it is sampled
+        self.recording = 0  # the sampled iteration being recorded (0: none)
+        self.records: list[tuple] = []  # its events (one list, subscribed while sampling)
         self.waiting: list[tuple] = []  # (iteration, records, unused bytes, rebuilt) to take
         #: The host clock (ns) minus the reducer's clock (``time.perf_counter``, in ns).
         self.clock_offset = time.time_ns() - int(time.perf_counter() * 1e9)
         self._construction(ddp)
-        ddp.reducer.subscribe(functools.partial(self.at_error, ddp.reducer), ("error",))
+        reducer = ddp.reducer
+        reducer.subscribe(functools.partial(self.at_error, reducer), ("error",))
+        reducer.subscribe(functools.partial(self.at_sampled, reducer), ("sampled",))
+        self._at_forward = functools.partial(self.at_forward, reducer)
 
     def _construction(self, ddp) -> None:
         group = ddp.process_group
@@ -122,35 +123,37 @@ class DDPLogging:
     def set_static_graph(self) -> None:
         self.data["static_graph"] = 1
 
-    def set_sample_rate(self, sample_rate: int) -> None:
+    def set_sample_rate(self, sample_rate: int, reducer) -> None:
         if sample_rate < 1:
             raise ValueError("DDP runtime logging sample rate should be equal or greater than 1")
-        self.sample_rate = sample_rate
-        self.next_sampled = self.sampled_after(self.iterations)
+        reducer.sample_rate = sample_rate
 
-    def sampled_after(self, iteration: int) -> int:
-        """The first sampled iteration after ``iteration``; torch's rule: the first ten, then
-        one in every ``sample_rate``."""
-        if iteration < 10:
-            return iteration + 1
-        return (iteration // self.sample_rate + 1) * self.sample_rate
-
-    def sample(self, reducer) -> None:
-        """At a synchronized forward that a sampled iteration ends or begins: keep the last
-        iteration's records if it was sampled, and start recording this one if it is."""
-        if self.records is not None:  # one list, subscribed while iterations are sampled
-            unused = getattr(reducer.unused or reducer.static_graph, "unreached_this_step", ())
-            self.waiting.append((self.iterations - 1, self.records[:], unused, reducer.has_rebuilt))
-            self.records.clear()
-        if self.iterations != self.next_sampled:
-            reducer.unsubscribe(self.records.append)
-            self.records = None
+    def at_sampled(self, reducer, record: tuple) -> None:
+        """A sampled iteration begins: keep the last one's records if it was sampled too, or
+        start listening (to the events it times, and to forwards, where a run of sampled
+        iterations ends)."""
+        if self.recording:
+            self._keep(reducer)
         else:
-            if self.records is None:
-                self.records = []
-                reducer.subscribe(self.records.append, TIMED_EVENTS)
-            self.records.append(("forward_start", -1, time.perf_counter()))
-            self.next_sampled = self.sampled_after(self.iterations)
+            reducer.subscribe(self.records.append, TIMED_EVENTS)
+            reducer.subscribe(self._at_forward, ("forward",))
+        self.recording = record[1]
+        self.records.append(("forward_start", -1, record[2]))
+
+    def at_forward(self, reducer, _record: tuple) -> None:
+        """A forward while listening: if it begins an iteration that is not sampled, the
+        sampled ones are over."""
+        if reducer.iterations != self.recording:
+            self._keep(reducer)
+            reducer.unsubscribe(self.records.append)
+            reducer.unsubscribe(self._at_forward)
+            self.recording = 0
+
+    def _keep(self, reducer) -> None:
+        """The recorded iteration's events, kept to become statistics."""
+        unused = getattr(reducer.unused or reducer.static_graph, "unreached_this_step", ())
+        self.waiting.append((self.recording, self.records[:], unused, reducer.has_rebuilt))
+        self.records.clear()
         if len(self.waiting) >= MAX_WAITING:
             self._take_stats(reducer)
 
@@ -209,7 +212,7 @@ class DDPLogging:
         self._take_stats(ddp.reducer)
         data = dict(self.data)
         hook = ddp.reducer.comm_hook
-        if hook is not None:
+        if isinstance(hook, CommHook):
             data["comm_hook"] = hook.name
         return data
 
@@ -219,16 +222,6 @@ _TIMES = {"forward_start": "forward_compute_time_start",
           "forward_end": "backward_compute_time_start",
           "launch": "backward_comm_time_start", "backward_end": "backward_compute_time_end",
           "finalized": "backward_comm_time_end"}
-
-
-def at_forward(ddp) -> None:
-    """The engine's ``before_forward``: count a synchronized iteration; at one that a sampled
-    iteration ends or begins, :meth:`DDPLogging.sample`."""
-    if torch.is_grad_enabled() and ddp.require_backward_grad_sync:
-        logger = ddp.logger
-        logger.iterations += 1
-        if logger.records is not None or logger.iterations == logger.next_sampled:
-            logger.sample(ddp.reducer)
 
 
 def _gloo_threads(group) -> int:
