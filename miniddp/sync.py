@@ -11,9 +11,10 @@ A job whose ranks built different DDP classes (a launcher that started some rank
 miniddp in torch's place) must stop here too, not at a timeout: torch's first collective at
 construction is an all-gather of one int64, its number of parameters, and miniddp's first is the
 same all-gather carrying :data:`MINIDDP_SAYS`, a negative count no torch rank sends. So every
-miniddp rank learns which ranks are torch's and raises :class:`MixedDDPClasses`, naming the mix and
-the fix, while every torch rank stops at once on its own count check ("... while rank 0 has
-inconsistent -999999999 params").
+miniddp rank learns which ranks are torch's and raises :class:`MixedDDPClasses`, naming the mix,
+its likely cause (a child started with an environment of its own) and the fix, while every torch
+rank stops at once on its own count check ("... while rank 0 has inconsistent -999999999
+params").
 """
 
 from __future__ import annotations
@@ -57,11 +58,16 @@ def refuse_torchs_ddp_on_other_ranks(device: torch.device, group=None) -> None:
     if torchs:
         raise MixedDDPClasses(
             f"rank(s) {torchs} of this job built torch's DistributedDataParallel and the others "
-            "miniddp's: every rank must build the same class. A launcher or a multiprocessing "
-            "start method started those ranks without miniddp in torch's place. Start the job "
-            "with `python -m miniddp.run script.py` (it reaches every Python process the script "
-            "starts), call miniddp.install() before any worker starts, or build "
-            "miniddp.DistributedDataParallel explicitly in the code every rank runs.")
+            "miniddp's: every rank must build the same class, and those ranks started without "
+            "miniddp in torch's place. The likely cause, under `python -m miniddp.run` or "
+            "miniddp.install() too: their process was started with an environment of its own "
+            "(subprocess.Popen(..., env=...), os.execve, a launcher that builds its own) "
+            "without miniddp's MINIDDP_IN_TORCHS_PLACE and PYTHONPATH entries. Fix: call "
+            "miniddp.install() in the child's code, or pass os.environ on "
+            "(env={**os.environ, ...}), or build miniddp.DistributedDataParallel explicitly in "
+            "the code every rank runs. A job started without miniddp in torch's place: start it "
+            "with `python -m miniddp.run script.py`, which reaches every Python process the "
+            "script starts.")
 
 
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:
