@@ -2,8 +2,9 @@
 
 The engine is at the top of the package: ``core`` (the wrapper's plain path), ``reducer`` (one
 backward: hooks, buckets, all_reduce, write-back), ``buckets`` (torch's bucket rules),
-``sampler``, ``sync`` (broadcasts at wrap time) and ``errors`` (the reducer's messages). It
-imports nothing else of the package. ``ddp`` composes the public class from the engine's, with
+``sampler``, ``sync`` (broadcasts at wrap time), ``errors`` (the reducer's messages) and
+``profiling`` (named spans while torch.profiler records). It imports nothing else of the
+package. ``ddp`` composes the public class from the engine's, with
 ``options`` (DDP's optional features and torch's compatibility) attached to the engine's seams.
 Around them, each in a subpackage named for what it is: ``checks`` (consistency checks and
 traces, listening to the reducer's events), ``baselines`` (the naive versions), ``optim`` (the

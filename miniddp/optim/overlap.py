@@ -49,6 +49,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from miniddp import profiling
 from miniddp.optim.partition import (
     BucketShare,
     assign_ddp_buckets,
@@ -79,6 +80,7 @@ class Overlap:
         self.waiting: dict[int, tuple] = {}  # this backward: bucket index -> (bucket, future)
         self.seen: list[int] = []
         self.sending: list = []  # this backward's broadcasts not yet waited for
+        self.profiled = False  # whether a profiler records this backward (asked at bucket 0)
 
     @property
     def ready(self) -> bool:
@@ -154,6 +156,8 @@ class Overlap:
         """Note bucket ``index`` as seen: the steps and broadcasts rely on buckets 0, 1, ...
         coming in that order on every rank."""
         expected = self.seen[-1] + 1 if self.seen else 0
+        if index == 0:
+            self.profiled = profiling.recording()
         if index != expected:
             raise AssertionError(f"DDP launched bucket {index} where bucket {expected} was "
                                  "expected: buckets must come in order, starting at 0")
@@ -161,8 +165,10 @@ class Overlap:
 
     def end_of_backward(self) -> None:
         """Every parameter is sent before the next forward reads it."""
-        for handle in self.sending:
-            handle.wait()
+        with profiling.span(self.profiled and f"miniddp.zero.wait {len(self.sending)} "
+                            "broadcasts"):
+            for handle in self.sending:
+                handle.wait()
         self.sending.clear()
         self.seen.clear()
         self.waiting.clear()
@@ -175,15 +181,20 @@ class Overlap:
         mine = bucket.gradients()[share.offset:share.offset + len(share.parameters)]
         for i, gradient in enumerate(mine):
             gradients[self.offsets[index] + i] = gradient
-        self.zero._local_step(gradients)
+        with profiling.span(self.profiled and f"miniddp.zero.local_step rank {self.zero.rank} "
+                            f"bucket {index}"):
+            self.zero._local_step(gradients)
 
     def broadcast(self, index: int) -> list:
         """Each owner of bucket ``index`` (in rank order) sends its share's flat tensor."""
-        zero = self.zero
-        return [dist.broadcast(self.shares[rank][index].tensor,
-                               src=dist.get_global_rank(zero.process_group, rank),
-                               group=zero.process_group, async_op=True)
-                for rank in sorted(self.owners[index])]
+        zero, handles = self.zero, []
+        for rank in sorted(self.owners[index]):
+            tensor = self.shares[rank][index].tensor
+            with profiling.span(self.profiled and f"miniddp.zero.broadcast rank {rank} bucket "
+                                f"{index} ({tensor.numel() * tensor.element_size()} bytes)"):
+                handles.append(dist.broadcast(tensor, group=zero.process_group, async_op=True,
+                                              src=dist.get_global_rank(zero.process_group, rank)))
+        return handles
 
 
 def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):
