@@ -2,11 +2,13 @@
 
 A ZeRO step profiled on 2 ranks, exported with torch's own ``export_chrome_trace`` and read
 back as a user's tools read it: the local step, each rank's broadcasts (named with the rank,
-the tensor and its bytes, each holding torch's own broadcast op) and the wait, in that order.
+the tensor and its bytes, each holding torch's own broadcast op) and the wait, in that order;
+with ``overlap_with_ddp``, bucket by bucket inside DDP's backward.
 Without a profiler: one check per step, and no span made.
 """
 
 import json
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from miniddp import profiling
-from miniddp.optim import ZeroRedundancyOptimizer
+from miniddp import DistributedDataParallel, profiling
+from miniddp.optim import ZeroRedundancyOptimizer, hook_with_zero_step_interleaved
+from miniddp.options import comm_hooks
 
 
 def zero_after_backward(bucket_view: bool) -> ZeroRedundancyOptimizer:
@@ -41,16 +44,25 @@ def expected_spans(zero: ZeroRedundancyOptimizer) -> list[str]:
              f"miniddp.zero.wait {len(broadcasts)} broadcasts"])
 
 
+def zero_spans(events: list[dict]) -> list[dict]:
+    return sorted((e for e in events if e["name"].startswith("miniddp.zero.")),
+                  key=lambda e: e["ts"])
+
+
+def exported_spans(prof, out_dir: str) -> list[dict]:
+    """The complete events ('X') of torch's own Chrome trace of ``prof``, read back."""
+    path = f"{out_dir}/zero-rank{dist.get_rank()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as f:
+        return [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+
+
 def profiled_step(bucket_view: bool, out_dir: str) -> dict:
     zero = zero_after_backward(bucket_view)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         zero.step()
-    path = f"{out_dir}/zero-rank{dist.get_rank()}.json"
-    prof.export_chrome_trace(path)
-    with open(path) as f:
-        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
-    ours = sorted((e for e in events if e["name"].startswith("miniddp.")),
-                  key=lambda e: e["ts"])
+    events = exported_spans(prof, out_dir)
+    ours = zero_spans(events)
     torchs_broadcasts = [e for e in events if e["name"] == "c10d::broadcast_"]
     holding = [any(s["ts"] <= b["ts"] and b["ts"] + b["dur"] <= s["ts"] + s["dur"]
                    for b in torchs_broadcasts)
@@ -65,6 +77,39 @@ def test_a_profiled_zero_step_shows_its_local_step_broadcasts_and_wait_in_order(
     for rank, seen in enumerate(ranks(2).run(profiled_step, bucket_view, str(tmp_path))):
         assert seen["spans"] == seen["expected"], f"rank {rank}"
         assert len(seen["spans"]) > 3 and all(seen["holding_torchs_broadcast"]), (rank, seen)
+
+
+def profiled_overlapped_backward(out_dir: str) -> dict:
+    """ZeRO stepping inside DDP's backward, bucket by bucket (interleaved): the fourth
+    backward profiled (the first three set it up)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                           nn.Linear(16, 4))
+    ddp = DistributedDataParallel(module, bucket_cap_mb=0.0001)  # a bucket per layer
+    zero = ZeroRedundancyOptimizer(ddp.parameters(), torch.optim.SGD, lr=0.1,
+                                   overlap_with_ddp=True)
+    ddp.register_comm_hook(None, hook_with_zero_step_interleaved(comm_hooks.allreduce, ddp, zero))
+    for step in range(4):
+        with profile(activities=[ProfilerActivity.CPU]) if step == 3 else nullcontext() as prof:
+            ddp(torch.randn(5, 8)).sum().backward()
+    overlap, rank, expected = zero._overlap, zero.rank, []
+    for index, owners in enumerate(overlap.owners):
+        expected += [f"miniddp.zero.local_step rank {rank} bucket {index}"] * (rank in owners)
+        for owner in sorted(owners):
+            t = overlap.shares[owner][index].tensor
+            expected.append(f"miniddp.zero.broadcast rank {owner} bucket {index} "
+                            f"({t.numel() * t.element_size()} bytes)")
+    expected.append(f"miniddp.zero.wait {len(overlap.owners)} broadcasts")
+    return {"spans": [e["name"] for e in zero_spans(exported_spans(prof, out_dir))],
+            "expected": expected}
+
+
+def test_zero_overlapped_with_ddp_shows_each_buckets_step_and_broadcast_in_order(ranks,
+                                                                                  tmp_path):
+    for rank, seen in enumerate(ranks(2).run(profiled_overlapped_backward, str(tmp_path))):
+        local_steps = (2, 1)[rank]  # 3 buckets: rank 0 owns 0 and 2, rank 1 owns 1
+        assert len(seen["expected"]) == local_steps + 3 + 1, seen["expected"]
+        assert seen["spans"] == seen["expected"], f"rank {rank}"
 
 
 def unprofiled_step() -> dict:

@@ -14,7 +14,9 @@ communication hook does the step, in one of torch's two orders; ``zero.step()`` 
   is fast beside computation.
 
 Both do the same steps (one local step per owned bucket, each from that bucket's gradients), so
-the parameters come out bit for bit the same; only when each step runs differs.
+the parameters come out bit for bit the same; only when each step runs differs. While
+torch.profiler records (asked once per backward, at bucket 0), each bucket's local step and
+broadcasts, and the final wait, are named spans in its trace.
 
 A rank owns whole DDP buckets (bucket ``i``: rank ``i % world_size``; or slices of buckets with
 ``shard_buckets=True``), so it must know DDP's final buckets first, as torch's version does:
