@@ -197,6 +197,17 @@ def test_made_up_records_give_a_valid_trace_in_their_order():
     assert starts == {0: 0.0, 1: 200.0}, "microseconds from the earliest event"
 
 
+def test_a_launch_never_done_and_an_event_of_its_own_are_marks():
+    """A wait that failed leaves a launch without its done; a caller's own record is a mark."""
+    records = [*STEP[:6], ("backward_end", -1, 1.0), ("done", 0, 1.2), ("my_event", 7, 1.3)]
+    trace = trace_of([(0, [(e, i, 1e-3 * t) for e, i, t in records], BUCKETS)])
+    assert format_problems(trace) == []
+    marks = [e["name"] for e in trace["traceEvents"] if e["ph"] == "i"]
+    assert "launch bucket 1, never done" in marks and "my_event 7" in marks
+    assert [e["name"] for e in trace["traceEvents"] if e["ph"] == "X"] == [
+        "gradients arriving", "all_reduce bucket 0"]
+
+
 # ----- a broken exporter fails the checks -----
 
 

@@ -76,16 +76,13 @@ def trace_of(ranks: list[Sent]) -> dict:
     origin = min(times, default=0.0)
     events = []
     for rank, records, buckets in ranks:
-        us = [(e, i, round(1e6 * (t - origin), 3)) for e, i, t in sorted(records, key=_time)]
+        us = [(e, i, round(1e6 * (t - origin), 3))
+              for e, i, t in sorted(records, key=lambda record: record[2])]
         events += _rank_events(rank, us, buckets)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             "otherData": {"source": "miniddp.checks.chrome_trace",
                           "clocks": "ranks aligned at a barrier; microseconds from the "
                                     "earliest event"}}
-
-
-def _time(record) -> float:
-    return record[2]
 
 
 def _rank_events(rank: int, records: list, buckets: list) -> list[dict]:
@@ -103,14 +100,17 @@ def _rank_events(rank: int, records: list, buckets: list) -> list[dict]:
 
 def _all_reduce_spans(records: list, buckets: list, rank: int) -> tuple[list[dict], int]:
     """A span per bucket from launch to done; taken in launch order, each on the first lane
-    whose spans have all ended by its launch."""
-    launched, found = {}, []
+    whose spans have all ended by its launch. A launch never done is a mark."""
+    launched, found, spans = {}, [], []
     for event, ident, t in records:
         if event == "launch":
+            if ident in launched:  # the last one never done
+                spans.append(_mark(rank, f"launch bucket {ident}, never done", launched[ident]))
             launched[ident] = t
         elif event == "done" and ident in launched:
             found.append((launched.pop(ident), t, ident))
-    spans, lane_ends = [], []  # the end of each lane's last span
+    spans += [_mark(rank, f"launch bucket {i}, never done", t) for i, t in launched.items()]
+    lane_ends = []  # the end of each lane's last span
     for start, end, ident in sorted(found):
         lane = next((k for k, last in enumerate(lane_ends) if last <= start), len(lane_ends))
         lane_ends[lane:lane + 1] = [end]  # (a new lane when every one is busy)
@@ -123,8 +123,6 @@ def _backward_track(records: list, buckets: list, rank: int) -> list[dict]:
     """Marks for the gradients, the end of backward and the waits; a span for the gradients
     arriving and one for the callback, step by step."""
     names = {i: (name, b.index) for b in buckets for i, name in zip(b.param_indices, b.names)}
-    unfinished = {i for event, i, _ in records if event == "launch"} - {
-        i for event, i, _ in records if event == "done"}
     events, first_ready, ended = [], None, None
     for event, ident, t in records:
         if event == "ready":
@@ -144,7 +142,7 @@ def _backward_track(records: list, buckets: list, rank: int) -> list[dict]:
                 events.append(_span(rank, 0, "end of backward: wait, write back", ended, t))
             events.append(_mark(rank, "finalized", t))
             ended = None
-        elif event not in ("launch", "done") or (event == "launch" and ident in unfinished):
+        elif event not in ("launch", "done"):  # (those are the all_reduce tracks')
             events.append(_mark(rank, f"{event} {ident}", t, ident=ident))
     return events
 
