@@ -208,6 +208,11 @@ def test_a_launch_never_done_and_an_event_of_its_own_are_marks():
         "gradients arriving", "all_reduce bucket 0"]
 
 
+def test_a_timeline_never_set_says_how_to_record_one():
+    with pytest.raises(ValueError, match=r"set ddp.reducer.timeline = \[\] before the step"):
+        chrome_trace.chrome_trace(None)
+
+
 # ----- a broken exporter fails the checks -----
 
 

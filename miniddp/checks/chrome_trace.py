@@ -48,6 +48,8 @@ def chrome_trace(events, buckets=(), group=None) -> dict:
     """Every rank's ``events`` as one Chrome trace, returned on every rank of ``group`` (a
     collective). ``events``: the records of ``ddp.reducer.timeline``, or a ``ddp.trace()``
     (which brings its buckets); ``buckets``: ``ddp.buckets``, which names the parameters."""
+    if events is None:  # (on every rank alike, as the timeline is set on every rank)
+        raise ValueError("no events: set ddp.reducer.timeline = [] before the step to record it")
     records = list(events) if not isinstance(events, BackwardTrace) else [
         (e, i, events.start + t) for e, i, t in events.events]  # a trace's: since its start
     buckets = buckets or getattr(events, "buckets", ())
