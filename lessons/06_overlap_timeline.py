@@ -31,6 +31,13 @@ What you should see: the loss falling with each run's milliseconds per step; how
 gradients became ready while an all_reduce was in flight, in the timed and in the staggered
 steps; median step times and exposed communication; ``runs/06_overlap.png`` (per bucket: its
 gradients arriving, its all_reduce in flight); ``OK: ...``. About 15 s.
+
+Every rank in one picture: ``runs/06_overlap.json``, beside the PNG, is the last staggered step
+of every rank as a Chrome trace (``miniddp.checks.chrome_trace``). Open it at
+https://ui.perfetto.dev ("Open trace file") or in Chrome at chrome://tracing ("Load"): a process
+per rank, each with a ``backward`` track (a mark per gradient ready, the end of backward, each
+bucket waited for) and ``all_reduce`` tracks (each bucket from launch to done). Rank 0's first
+all_reduce lasts until the late ranks join it.
 """
 
 import argparse
@@ -43,9 +50,10 @@ import torch.nn.functional as F
 from course_tools import load_lesson
 
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
+from miniddp.checks.chrome_trace import save_chrome_trace
 from miniddp.launch import launch, rank_device
 from miniddp.train.data import make_dataset
-from miniddp.train.report import check, mean_over_ranks, ok, print0, save_figure
+from miniddp.train.report import check, mean_over_ranks, ok, print0, runs_dir, save_figure
 
 part1 = load_lesson("06_overlap")
 wide_student, BUCKET_CAP_MB, LOCAL_BATCH, LR = (part1.wide_student, part1.BUCKET_CAP_MB,
@@ -202,6 +210,15 @@ def on_every_rank():
     print0(f"{STAGGERED_STEPS} steps with the other ranks starting backward {STAGGER_S:g} s "
            f"late: gradients ready on rank 0 while its all_reduce was in flight: "
            + ", ".join(f"{name} {counts}" for name, counts in staggered.items()))
+    trace = runs_dir() / "06_overlap.json"  # the overlap run's last staggered step, every rank
+    chrome = save_chrome_trace(trace, models["overlap"].reducer.timeline, buckets)
+    print0(f"saved {trace}: every rank's last staggered step as a Chrome trace; open it at "
+           "https://ui.perfetto.dev or chrome://tracing")
+    first = next(e for e in chrome["traceEvents"]
+                 if e["pid"] == 0 and e["name"] == "all_reduce bucket 0")
+    check(first["dur"] > 0.5e6 * STAGGER_S, f"the Chrome trace shows rank 0's first all_reduce "
+          f"lasting {first['dur'] / 1e3:.1f} ms; it cannot end before the ranks that start "
+          f"backward {STAGGER_S:g} s late join it")
     check(any(staggered["overlap"]), "with overlap, rank 0's gradients must become ready while "
           "an all_reduce is in flight when the other ranks start backward late (its first "
           "all_reduce cannot finish before they join); none did in "

@@ -3,8 +3,9 @@
 The engine is at the top of the package: ``core`` (the wrapper), ``reducer`` (one backward:
 hooks, readiness, launch order, the end of backward), ``buckets`` (torch's bucket rules, and
 each bucket's own step: fill, launch, wait, write back), ``events`` (who listens to the
-reducer's records), ``sampler``, ``sync`` (broadcasts at wrap time) and ``errors`` (the
-reducer's messages). It imports nothing else of the package. ``ddp`` composes the public class
+reducer's records), ``sampler``, ``sync`` (broadcasts at wrap time), ``errors`` (the
+reducer's messages) and ``profiling`` (named spans while torch.profiler records). It imports
+nothing else of the package. ``ddp`` composes the public class
 from the engine's, with ``options`` (DDP's options), ``compat`` (torch's private API and what
 makes the class look like torch's) and ``checks`` (consistency checks and traces) attached.
 Around them, each in a subpackage named for what it is: ``baselines`` (the naive versions),

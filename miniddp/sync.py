@@ -7,13 +7,11 @@ same error (naming the parameter, its shape on each rank, and the ranks) before 
 Strides are compared too: a bucket view copies its parameter's memory layout, so a
 ``channels_last`` parameter on one rank only would have the ranks sum mismatched elements.
 
-A job whose ranks built different DDP classes (a launcher that started some ranks without
-miniddp in torch's place) must stop here too, not at a timeout: torch's first collective at
-construction is an all-gather of one int64, its number of parameters, and miniddp's first is the
-same all-gather carrying :data:`MINIDDP_SAYS`, a negative count no torch rank sends. So every
-miniddp rank learns which ranks are torch's and raises :class:`MixedDDPClasses`, naming the mix and
-the fix, while every torch rank stops at once on its own count check ("... while rank 0 has
-inconsistent -999999999 params").
+A job whose ranks built different DDP classes (a process started without miniddp in torch's
+place) must stop here, not at a timeout: torch's first collective at construction all-gathers
+its number of parameters, and miniddp's carries :data:`MINIDDP_SAYS` there, a negative count no
+torch rank sends. Every miniddp rank raises :class:`MixedDDPClasses` (the mix, its likely cause
+and the fix); every torch rank stops at once ("... inconsistent -999999999 params").
 """
 
 from __future__ import annotations
@@ -56,12 +54,12 @@ def refuse_torchs_ddp_on_other_ranks(device: torch.device, group=None) -> None:
     torchs = [rank for rank, s in enumerate(everyone) if s.item() != MINIDDP_SAYS]
     if torchs:
         raise MixedDDPClasses(
-            f"rank(s) {torchs} of this job built torch's DistributedDataParallel and the others "
-            "miniddp's: every rank must build the same class. A launcher or a multiprocessing "
-            "start method started those ranks without miniddp in torch's place. Start the job "
-            "with `python -m miniddp.run script.py` (it reaches every Python process the script "
-            "starts), call miniddp.install() before any worker starts, or build "
-            "miniddp.DistributedDataParallel explicitly in the code every rank runs.")
+            f"rank(s) {torchs} of this job built torch's DistributedDataParallel, the others "
+            "miniddp's. Likely cause, also under `python -m miniddp.run`: those ranks were "
+            "started with an environment of its own (Popen(..., env=...), os.execve) lacking "
+            "MINIDDP_IN_TORCHS_PLACE and PYTHONPATH. Fix: call miniddp.install() in the child's "
+            "code, or pass os.environ on (env={**os.environ, ...}), or build miniddp's DDP "
+            "explicitly. A job started without it: `python -m miniddp.run script.py`.")
 
 
 def verify_same_shapes(named_tensors: list[tuple[str, torch.Tensor]], group=None) -> None:

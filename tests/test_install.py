@@ -351,6 +351,10 @@ def test_a_job_mixing_torchs_ddp_and_miniddps_stops_at_construction_naming_the_m
     assert f"rank(s) [{torchs}] of this job built torch's DistributedDataParallel" in (
         ours["message"])
     assert "python -m miniddp.run" in ours["message"]
+    # the likely cause under miniddp.run, and its two fixes
+    assert "started with an environment of its own" in ours["message"]
+    assert "call miniddp.install() in the child's code" in ours["message"]
+    assert "pass os.environ on (env={**os.environ, ...})" in ours["message"]
     # torch's rank stops at once, on its own parameter-count check, on miniddp's number
     assert theirs["raised"] == "RuntimeError", theirs
     assert "DDP expects same model across all ranks" in theirs["message"]
@@ -415,6 +419,36 @@ def test_run_without_a_script_says_how_to_use_it(tmp_path):
     assert done.returncode == 2 and "usage: python -m miniddp.run script.py" in done.stdout
     missing = run_python(["-m", "miniddp.run", "nowhere.py"], tmp_path)
     assert missing.returncode != 0 and "no such script: nowhere.py" in missing.stderr
+
+
+WHERE = """
+import os, sys
+here = os.path.dirname(__file__)
+os.chdir(os.sep)
+os.environ["MINIDDP_TEST_WHERE"] = f"{__file__} {os.path.exists(os.path.join(here, 'where.py'))}"
+print(os.environ["MINIDDP_TEST_WHERE"])
+"""
+
+
+@pytest.mark.parametrize("how", ["script", "module"])
+def test_the_script_gets_the_file_name_plain_python_gives_it(tmp_path, monkeypatch, how):
+    """``__file__`` is absolute, as ``python where.py`` / ``python -m where`` make it, so that
+    ``os.path.dirname(__file__)`` names the script's directory after a ``chdir``."""
+    from miniddp.run.__main__ import main
+
+    (tmp_path / "where.py").write_text(WHERE)
+    args = ["where.py"] if how == "script" else ["-m", "where"]
+    plain = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=60, env=jobs.clean_env())
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])  # as python -m puts the cwd
+    monkeypatch.delenv("MINIDDP_TEST_WHERE", raising=False)
+    main(args)
+    ours = os.environ.pop("MINIDDP_TEST_WHERE")
+    assert ours == plain.stdout.strip() and ours.endswith("where.py True"), (ours, plain.stdout)
+    assert os.path.isabs(ours.split()[0])
 
 
 @pytest.mark.slow
@@ -485,6 +519,43 @@ def test_install_warns_where_it_can_tell_that_workers_will_not_see_it(monkeypatc
             pass
 
 
+SHOW_MARKS = ("import os; print(os.environ.get('MINIDDP_IN_TORCHS_PLACE'), "
+              "os.environ.get('PYTHONPATH'))")
+
+
+def marks_a_child_sees(env) -> list[str]:
+    done = subprocess.run([sys.executable, "-c", SHOW_MARKS], env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.split()
+
+
+def test_a_child_given_an_environment_of_its_own_is_reached():
+    """``Popen(..., env={...})`` inherits nothing: the install adds its two entries to the
+    dict as the child starts (an audit hook); an environment already pointing elsewhere keeps
+    its entries after miniddp's."""
+    own = {"PATH": os.environ.get("PATH", "")}
+    assert marks_a_child_sees(dict(own)) == ["None", "None"]  # the environment alone
+    with miniddp.installed():
+        assert marks_a_child_sees(dict(own)) == [children.ROOT, children.STARTUP]
+        elsewhere = {**own, "PYTHONPATH": "/elsewhere"}
+        assert marks_a_child_sees(elsewhere) == [
+            children.ROOT, os.pathsep.join([children.STARTUP, "/elsewhere"])]
+    assert marks_a_child_sees(dict(own)) == ["None", "None"]  # uninstalled: left alone
+
+
+def test_an_environment_miniddp_cannot_change_warns_once(monkeypatch):
+    monkeypatch.setattr(children, "_warned", False)
+    frozen = types.MappingProxyType({"PATH": os.environ.get("PATH", "")})
+    with miniddp.installed(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        seen = [marks_a_child_sees(frozen) for _ in range(2)]
+    assert seen == [["None", "None"]] * 2
+    said = [str(w.message) for w in caught if w.category is run.WorkersMissTheInstall]
+    assert len(said) == 1 and "environment of its own (a mappingproxy" in said[0], said
+    assert "pass os.environ on" in said[0].lower() and "miniddp.install() in the child" in said[0]
+
+
 HIDDEN_SITECUSTOMIZE = "import os\nos.environ['HIDDEN_SITECUSTOMIZE_RAN'] = '1'\n"
 
 CHILD = """
@@ -551,8 +622,12 @@ if __name__ == "__main__":
     how, init = sys.argv[1:]
     if how == "spawn":  # the seeds' multigpu.py, Lightning's ddp_spawn
         mp.spawn(train, args=(2, init), nprocs=2)
-    elif how == "run_again":  # Lightning's ddp: the other rank runs this script again
-        other = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0]), "rank1", init])
+    elif how in ("run_again", "own_env"):  # Lightning's ddp: the other rank runs this again
+        env = None if how == "run_again" else {  # own_env: an environment made by hand
+            k: os.environ[k] for k in ("PATH", "OMP_NUM_THREADS", "GLOO_SOCKET_IFNAME")
+            if k in os.environ}
+        other = subprocess.Popen([sys.executable, os.path.abspath(sys.argv[0]), "rank1", init],
+                                 env=env)
         train(0, 2, init)
         other.wait()
     else:
@@ -562,13 +637,16 @@ if __name__ == "__main__":
 #: ``python -m miniddp.run`` with its children left unreached: the negative control.
 UNREACHED = ("import sys; from miniddp.run import children; children.reach = lambda: None; "
              "from miniddp.run.__main__ import main; main(sys.argv[1:])")
+#: ``python -m miniddp.run`` reaching children that inherit its environment, but not the ones
+#: given an environment of their own.
+UNWATCHED = UNREACHED.replace("children.reach", "children.watch")
 
 
-def start_workers(tmp_path, how: str, reach: bool) -> str:
+def start_workers(tmp_path, how: str, reach: bool, unreached: str = UNREACHED) -> str:
     script = tmp_path / "workers.py"
     script.write_text(WORKERS)
     init = f"file://{tmp_path / f'{how}-{reach}.store'}"
-    runner = ["-m", "miniddp.run"] if reach else ["-c", UNREACHED]
+    runner = ["-m", "miniddp.run"] if reach else ["-c", unreached]
     code, output = jobs.run([sys.executable, *runner, str(script), how, init],
                             tmp_path / f"{how}-{reach}.log", timeout=240, cwd=tmp_path,
                             env=jobs.clean_env(PYTHONPATH=REPO))
@@ -605,3 +683,15 @@ def test_run_reaches_a_script_run_again_for_the_other_rank(tmp_path):
     assert "rank 0: MixedDDPClasses: rank(s) [1] of this job built torch's" in unreached, (
         unreached[-4000:])
     assert "rank 1: RuntimeError: DDP expects same model" in unreached, unreached[-4000:]
+
+
+@pytest.mark.slow
+def test_run_reaches_a_rank_started_with_an_environment_of_its_own(tmp_path):
+    """``Popen(..., env={...})`` without miniddp's entries: reached all the same; unwatched (the
+    negative control), that rank builds torch's and the message names the likely cause."""
+    output = start_workers(tmp_path, "own_env", reach=True)
+    assert [reported(output, rank)[0] for rank in range(2)] == ["miniddp.ddp"] * 2
+    unwatched = start_workers(tmp_path, "own_env", reach=False, unreached=UNWATCHED)
+    assert "rank 0: MixedDDPClasses: rank(s) [1] of this job built torch's" in unwatched, (
+        unwatched[-4000:])
+    assert "started with an environment of its own" in unwatched, unwatched[-4000:]

@@ -136,8 +136,8 @@ def keep_my_share(zero) -> None:
             p.data.copy_(value)
         return loss
 
-    def send_old_keep_new():
-        send()
+    def send_old_keep_new(*args):
+        send(*args)
         for p, value in zip(mine, kept):
             p.data.copy_(value)
 

@@ -4,7 +4,8 @@
   explained, late gradients (``TORCH_DISTRIBUTED_DEBUG``, ``ddp.check_every(n)``);
 * ``ledger``: the store where ranks write what they are doing; ``fingerprints``: every
   collective compared before it runs; ``out_of_step``: the messages;
-* ``trace``: ``ddp.trace()``, the reducer's events on a timeline.
+* ``trace``: ``ddp.trace()``, the reducer's events on a timeline; ``chrome_trace``: every rank's
+  events as one Chrome trace (the JSON Perfetto and chrome://tracing open).
 
 The engine imports none of this. The checks attach to a reducer's events: ``miniddp.ddp`` gives
 each new reducer its ``watch`` (and, when switched on, its ``consistency``) through

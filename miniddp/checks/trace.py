@@ -35,13 +35,15 @@ MIB = 2**20
 
 @dataclass
 class BackwardTrace:
-    """One rank's events (times in seconds since the trace began) and the buckets they used."""
+    """One rank's events (times in seconds since the trace began, at ``start`` on this
+    process's ``time.perf_counter()``) and the buckets they used."""
 
     rank: int = 0
     names: list[str] = field(default_factory=list)
     buckets: list[BucketInfo] = field(default_factory=list)
     events: list[tuple[str, int, float]] = field(default_factory=list)
     others: list[BackwardTrace] = field(default_factory=list)  # every rank's, with all_ranks
+    start: float = 0.0
 
     def lines(self) -> list[str]:
         """The events in the order they were recorded, one readable line each."""
@@ -104,7 +106,7 @@ def trace_backward(ddp, all_ranks: bool = False):
     reducer = ddp.reducer
     trace = BackwardTrace(rank=dist.get_rank(), names=list(reducer.names))
     before, reducer.timeline = reducer.timeline, []
-    start = time.perf_counter()
+    start = trace.start = time.perf_counter()
     try:
         yield trace
     finally:
@@ -114,5 +116,5 @@ def trace_backward(ddp, all_ranks: bool = False):
     if all_ranks:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, BackwardTrace(trace.rank, trace.names, trace.buckets,
-                                                       trace.events))
+                                                       trace.events, start=trace.start))
         trace.others = gathered

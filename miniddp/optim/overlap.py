@@ -14,7 +14,9 @@ communication hook does the step, in one of torch's two orders; ``zero.step()`` 
   is fast beside computation.
 
 Both do the same steps (one local step per owned bucket, each from that bucket's gradients), so
-the parameters come out bit for bit the same; only when each step runs differs.
+the parameters come out bit for bit the same; only when each step runs differs. While
+torch.profiler records (asked once per backward, at bucket 0), each bucket's local step and
+broadcasts, and the final wait, are named spans in its trace.
 
 A rank owns whole DDP buckets (bucket ``i``: rank ``i % world_size``; or slices of buckets with
 ``shard_buckets=True``), so it must know DDP's final buckets first, as torch's version does:
@@ -49,6 +51,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from miniddp import profiling
 from miniddp.optim.partition import (
     BucketShare,
     assign_ddp_buckets,
@@ -79,6 +82,7 @@ class Overlap:
         self.waiting: dict[int, tuple] = {}  # this backward: bucket index -> (bucket, future)
         self.seen: list[int] = []
         self.sending: list = []  # this backward's broadcasts not yet waited for
+        self.profiled = False  # whether a profiler records this backward (asked at bucket 0)
 
     @property
     def ready(self) -> bool:
@@ -154,6 +158,8 @@ class Overlap:
         """Note bucket ``index`` as seen: the steps and broadcasts rely on buckets 0, 1, ...
         coming in that order on every rank."""
         expected = self.seen[-1] + 1 if self.seen else 0
+        if index == 0:
+            self.profiled = profiling.recording()
         if index != expected:
             raise AssertionError(f"DDP launched bucket {index} where bucket {expected} was "
                                  "expected: buckets must come in order, starting at 0")
@@ -161,8 +167,10 @@ class Overlap:
 
     def end_of_backward(self) -> None:
         """Every parameter is sent before the next forward reads it."""
-        for handle in self.sending:
-            handle.wait()
+        with profiling.span(self.profiled and f"miniddp.zero.wait {len(self.sending)} "
+                            "broadcasts"):
+            for handle in self.sending:
+                handle.wait()
         self.sending.clear()
         self.seen.clear()
         self.waiting.clear()
@@ -175,15 +183,20 @@ class Overlap:
         mine = bucket.gradients()[share.offset:share.offset + len(share.parameters)]
         for i, gradient in enumerate(mine):
             gradients[self.offsets[index] + i] = gradient
-        self.zero._local_step(gradients)
+        with profiling.span(self.profiled and f"miniddp.zero.local_step rank {self.zero.rank} "
+                            f"bucket {index}"):
+            self.zero._local_step(gradients)
 
     def broadcast(self, index: int) -> list:
         """Each owner of bucket ``index`` (in rank order) sends its share's flat tensor."""
-        zero = self.zero
-        return [dist.broadcast(self.shares[rank][index].tensor,
-                               src=dist.get_global_rank(zero.process_group, rank),
-                               group=zero.process_group, async_op=True)
-                for rank in sorted(self.owners[index])]
+        zero, handles = self.zero, []
+        for rank in sorted(self.owners[index]):
+            tensor = self.shares[rank][index].tensor
+            with profiling.span(self.profiled and f"miniddp.zero.broadcast rank {rank} bucket "
+                                f"{index} ({tensor.numel() * tensor.element_size()} bytes)"):
+                handles.append(dist.broadcast(tensor, group=zero.process_group, async_op=True,
+                                              src=dist.get_global_rank(zero.process_group, rank)))
+        return handles
 
 
 def hook_with_zero_step(hook, ddp, zero, shard_buckets: bool = False):

@@ -14,7 +14,9 @@ parameters, and send the result to the others. One step:
 
 The optimizer state per rank shrinks to about 1/world_size; the parameters and gradients do not
 (that is ZeRO stages 2 and 3). With ``overlap_with_ddp=True`` the step runs inside DDP's
-backward instead, one gradient bucket at a time (``miniddp.optim.overlap``).
+backward instead, one gradient bucket at a time (``miniddp.optim.overlap``). While
+torch.profiler records, the trace shows each step's ``miniddp.zero.local_step``, every
+``miniddp.zero.broadcast`` (whose share, how many bytes) and the ``miniddp.zero.wait``.
 ``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict``: ``miniddp.optim.state``.
 """
 
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from miniddp import profiling
 from miniddp.optim import checks, state
 from miniddp.optim.overlap import Overlap
 from miniddp.optim.partition import flatten_into_views, greedy_by_size
@@ -125,8 +128,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             logger.warning("`step()` should not be included in the training loop when "
                            "`overlap_with_ddp=True`")
             return None
-        loss = self._local_step(closure=closure, **kwargs)
-        self._sync_params()
+        on = profiling.recording()  # spans in the profiler's trace, if one records
+        with profiling.span(on and f"miniddp.zero.local_step rank {self.rank}"):
+            loss = self._local_step(closure=closure, **kwargs)
+        self._sync_params(on)
         return loss
 
     def _local_step(self, gradients=None, closure=None, **kwargs):
@@ -152,11 +157,13 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         _copy_hyperparameters(self.optim.param_groups, self.param_groups)
         return loss
 
-    def _sync_params(self) -> None:
+    def _sync_params(self, profiled: bool = False) -> None:
         """Every rank broadcasts its share (rank 0's first), all at once, then waits. The
         broadcasts only copy, so neither their order nor their grouping changes a bit; torch's
         are kept all the same: rank by rank, parameter by parameter (or one flat bucket per
-        device with ``parameters_as_bucket_view``)."""
+        device with ``parameters_as_bucket_view``). ``profiled``: a span for each broadcast (its
+tensor ``k``: the ``k``-th parameter of that rank's share, or its bucket on the ``k``-th
+device), and one for the waits."""
         handles = []
         for rank in range(self.world_size):
             src = dist.get_global_rank(self.process_group, rank)
@@ -164,10 +171,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 tensors = [per_rank[rank] for per_rank in self._buckets]
             else:
                 tensors = [p.data for g in self._partition_parameters()[rank] for p in g["params"]]
-            handles += [dist.broadcast(t, src=src, group=self.process_group, async_op=True)
-                        for t in tensors]
-        for handle in handles:
-            handle.wait()
+            for k, t in enumerate(tensors):
+                with profiling.span(profiled and f"miniddp.zero.broadcast rank {rank} tensor "
+                                    f"{k} ({t.numel() * t.element_size()} bytes)"):
+                    handles.append(dist.broadcast(t, src=src, group=self.process_group,
+                                                  async_op=True))
+        with profiling.span(profiled and f"miniddp.zero.wait {len(handles)} broadcasts"):
+            for handle in handles:
+                handle.wait()
 
     def _build_param_buckets(self) -> None:
         """``parameters_as_bucket_view``: one flat tensor per device and rank holding that

@@ -1,8 +1,10 @@
 """``python -m miniddp.run script.py [args]``: run a training script with miniddp's DDP in
 torch's place (``miniddp.run.torch_names``), installed before the script's first line.
 
-The script runs as ``__main__`` with ``sys.argv`` and ``sys.path[0]`` as ``python script.py``
-would set them; ``-m package.module`` runs a module instead, as ``python -m`` would.
+The script runs as ``__main__`` with ``sys.argv``, ``sys.path[0]`` and ``__file__`` as
+``python script.py`` would set them (``__file__`` absolute: the current directory joined to the
+path as typed, so ``os.path.dirname(__file__)`` still names the script's directory after a
+``chdir``); ``-m package.module`` runs a module instead, as ``python -m`` would.
 
 Every Python process the script starts installs miniddp too, as soon as it imports torch
 (``miniddp.run.children``): ``torch.multiprocessing.spawn`` and the spawn and forkserver start
@@ -37,9 +39,9 @@ def main(argv: list[str]) -> None:
             sys.argv = [argv[1], *argv[2:]]  # runpy puts the module's path in argv[0]
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
         else:
-            sys.argv = list(argv)
-            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))  # as python script.py
-            runpy.run_path(argv[0], run_name="__main__")
+            sys.argv = list(argv)  # as typed, as python script.py leaves it
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(os.path.join(os.getcwd(), argv[0]), run_name="__main__")
     finally:
         uninstall()
 

@@ -19,10 +19,12 @@ nothing (the ranks keep different gradients), ``unwrap_model`` returns the wrapp
 
 It also reaches the Python processes started after it (``miniddp.run.children``): spawn and
 forkserver workers, a script that a launcher runs again for the other ranks, torchrun's workers
-and any Python run by ``subprocess`` install miniddp as soon as they import torch. So call it
-anywhere before the workers start, under ``if __name__ == "__main__":`` too; it warns where it
-can tell that some will not see it (a Python run with ``-E``, ``-I`` or ``-S``, a forkserver
-already running). Processes started before it (a worker pool, a forkserver) run torch's class.
+and any Python run by ``subprocess`` install miniddp as soon as they import torch, also one
+given an environment of its own (``Popen(..., env={...})``: the dict gets miniddp's two
+entries). So call it anywhere before the workers start, under ``if __name__ == "__main__":``
+too; it warns where it can tell that some will not see it (a Python run with ``-E``, ``-I`` or
+``-S``, a forkserver already running, an environment it cannot add its entries to). Processes
+started before it (a worker pool, a forkserver) run torch's class.
 
 What it cannot reach: torch's class kept anywhere else before the install (a local variable, a
 closure, a default argument, a class attribute, a list or dict), and ``type(m) is`` checks
@@ -79,8 +81,7 @@ def is_installed() -> bool:
     return _changes is not None
 
 
-class WorkersMissTheInstall(RuntimeWarning):
-    """Some processes this one starts will run torch's DDP despite :func:`install`."""
+WorkersMissTheInstall = children.WorkersMissTheInstall
 
 
 def install() -> None:
@@ -91,6 +92,7 @@ def install() -> None:
         if _changes is not None:
             return
         children.reach()
+        children.watch()
         why = children.unreachable()
         if why is not None:
             warnings.warn(f"miniddp.install(): {why}. Their ranks will build torch's "
