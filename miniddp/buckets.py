@@ -124,23 +124,13 @@ def rebuilt_assignment(params: list[torch.Tensor], ready_order: list[int], limit
 
 
 def _view_of(buffer: torch.Tensor, param: torch.Tensor, offset: int) -> torch.Tensor:
-    """``param``'s slot in ``buffer`` at ``offset``: with its shape, and its strides if it is
-    dense (as torch's "gradient layout contract" asks), so each copy is element for element."""
-    if _is_dense(param):
+    """``param``'s slot in ``buffer`` at ``offset``: with its shape, and its strides if it covers
+    its memory without gaps or overlaps in some order of its dimensions (as torch's "gradient
+    layout contract" asks: then ``empty_like`` keeps them), so each copy is element for
+    element."""
+    if param.stride() == torch.empty_like(param, device="meta").stride():
         return buffer.as_strided(param.shape, param.stride(), offset)
     return buffer.narrow(0, offset, param.numel()).view(param.shape)
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """True when ``t`` covers its memory without gaps or overlaps (any dimension order)."""
-    expected = 1
-    for d in sorted(range(t.dim()), key=t.stride):
-        if t.size(d) == 1:
-            continue
-        if t.stride(d) != expected:
-            return False
-        expected *= t.size(d)
-    return True
 
 
 @dataclass
@@ -205,13 +195,13 @@ class Bucket:
     #: How its gradients come in (the reducer decides: ``Reducer.copy_buckets_at_end``): they
     #: wait for the last one, to be copied in together; the bucket is scaled whole once complete.
     waits = defers = False
+    done = None  # with a "done" listener: the future of that record, until waited for
 
     def reset(self) -> None:
         """What one backward does with the bucket, undone for the next."""
         self.pending = len(self.params)  # gradients still to come
         self.waiting: list[tuple] = []  # (gradient, view) pairs, copied in with the last one
         self.work = None  # the reduction in flight, once launched
-        self.done = None  # with a "done" listener: the future of that record
 
     def fill(self, slot: int, copy_in) -> bool:
         """Member ``slot``'s gradient is ready: into its view now (``copy_in(param, view,
@@ -241,6 +231,7 @@ class Bucket:
         self.work.wait()
         if self.done is not None:
             self.done.wait()
+            self.done = None
 
     def write_back(self, write_one, used: list[bool] | None = None) -> None:
         """The averages into ``.grad``, with one call for all the plain ones, while later

@@ -32,8 +32,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils.rnn import PackedSequence
 
-from miniddp import errors
+from miniddp import errors, profiling
 from miniddp.buckets import BucketInfo, bucket_limits
+from miniddp.profiling import NO_SPAN
 from miniddp.reducer import Reducer
 from miniddp.sync import broadcast_from, broadcast_from_rank0, group_rank0, held, verify_same_shapes
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
@@ -173,8 +174,9 @@ class CoreDDP(nn.Module):
     def forward(self, *inputs, **kwargs):
         if _is_compiling() and self.traced_forward is not None:  # torch.compile(ddp)
             return self.traced_forward(inputs, kwargs)
-        inputs, kwargs = self._pre_forward(*inputs, **kwargs)
-        return self._post_forward(self._run_module(inputs, kwargs))
+        with profiling.span("miniddp.ddp.forward") if profiling.recording() else NO_SPAN:
+            inputs, kwargs = self._pre_forward(*inputs, **kwargs)
+            return self._post_forward(self._run_module(inputs, kwargs))
 
     def _pre_forward(self, *inputs, **kwargs):
         """Before the module runs: the bucket rebuild, the buffer broadcast; returns the inputs,

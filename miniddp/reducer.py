@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
-from miniddp import errors
+from miniddp import errors, profiling
 from miniddp.buckets import (
     UNLIMITED_BYTES,
     AllReduceSum,
@@ -62,6 +62,7 @@ from miniddp.buckets import (
     rebuilt_assignment,
 )
 from miniddp.events import EventStream
+from miniddp.profiling import NO_SPAN
 from miniddp.sync import held
 
 #: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
@@ -108,6 +109,7 @@ class Reducer(EventStream):
         self.state = Step.IDLE
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.iterations, self.sample_rate = 0, DEFAULT_SAMPLE_RATE  # torch's num_iterations_
+        self.profiling = False  # whether torch.profiler records this step (see _span)
         self.ready: set[int] = set()
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
@@ -187,14 +189,15 @@ class Reducer(EventStream):
             raise errors.logged(self, errors.unfinished_reduction(self))
         self.forwards, self.allreduce_calls = self.forwards + 1, 0
         self.state = Step.EXPECTING if self.state is Step.EXPECTING else Step.IDLE
-        if sync:  # torch's rule for the iterations its logger times (compat/logging_data.py)
-            self.iterations += 1
-            if self.iterations <= 10 or self.iterations % self.sample_rate == 0:
-                self._record("sampled", self.iterations)
+        self.profiling = profiling.recording()  # asked once a step
+        self.iterations += sync  # torch's num_iterations_; compat/logging_data.py times some:
+        if sync and (self.iterations <= 10 or self.iterations % self.sample_rate == 0):
+            self._record("sampled", self.iterations)
         if self.ready_order and self.should_rebuild:
             self._record("rebuild", -1)
-            self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
-                                                  self.bucket_limits, self.group))
+            with self._span("rebuild") if self.profiling else NO_SPAN:
+                self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
+                                                      self.bucket_limits, self.group))
             self.has_rebuilt, self.ready_order = True, []
         self._record("forward", int(sync))
 
@@ -261,9 +264,10 @@ class Reducer(EventStream):
         self.state = Step.REDUCING
         bucket, slot = self.slot_of[index]
         if bucket.fill(slot, self._copy_into_bucket):
-            bucket.complete(self._scale_bucket)
-            if self.overlap:
-                self._launch_ready_buckets()
+            with self._span("copy_in", bucket) if self.profiling else NO_SPAN:
+                bucket.complete(self._scale_bucket)
+        if self.overlap or len(self.ready) == len(self.params):  # (overlap=False: all at once)
+            self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:  # options/unused.py: which were used, on which rank
                 self._record("used_flags", -1)
@@ -323,7 +327,8 @@ class Reducer(EventStream):
         if self.unused is not None and self.unused.skips(bucket):
             return  # options/unused.py: skip_all_reduce_unused_params
         self._record("launch", bucket.index)
-        bucket.launch(self.comm_hook, len(self.buckets))
+        with self._span("launch", bucket) if self.profiling else NO_SPAN:
+            bucket.launch(self.comm_hook, len(self.buckets))
         self.allreduce_calls += 1
         if "done" in self._listeners:
             # A chained future, waited for with the bucket: the callback runs on a
@@ -335,19 +340,20 @@ class Reducer(EventStream):
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
         self._record("backward_end", -1)
         self.state = Step.REDUCED
-        self._launch_ready_buckets()  # (overlap=False launches every bucket here)
-        # Which parameters some rank used (None: all of them): options/unused.py finds them at
-        # each step, options/static_graph.py in the first backward.
-        option = self.unused or self.static_graph
-        used = option.used_on_some_rank() if option is not None else None
-        for bucket in self.buckets:
-            if bucket.work is not None:  # (None: skipped, skip_all_reduce_unused_params)
-                self._wait(bucket)
-                if self.views is not None:  # options/gradient_views.py: .grad is the bucket
-                    self.views.write_back(bucket, self.names, used)
-                else:
-                    bucket.write_back(self._write_back, used)
-            bucket.reset()  # for the next backward, while it is at hand
+        with self._span("end_of_backward") if self.profiling else NO_SPAN:
+            # Which parameters some rank used (None: all of them): options/unused.py finds them
+            # at each step, options/static_graph.py in the first backward.
+            option = self.unused or self.static_graph
+            used = option.used_on_some_rank() if option is not None else None
+            for bucket in self.buckets:
+                if bucket.work is not None:  # (None: skipped, skip_all_reduce_unused_params)
+                    self._wait(bucket)
+                    with self._span("write_back", bucket) if self.profiling else NO_SPAN:
+                        if self.views is not None:  # options/gradient_views.py: .grad is it
+                            self.views.write_back(bucket, self.names, used)
+                        else:
+                            bucket.write_back(self._write_back, used)
+                bucket.reset()  # for the next backward, while it is at hand
         self.ready.clear()
         for node in self.output_nodes:  # a backward reaching them again is a second one
             node.register_prehook(functools.partial(_call_reached_again, weakref.ref(self)))
@@ -356,7 +362,8 @@ class Reducer(EventStream):
 
     def _wait(self, bucket: Bucket) -> None:
         try:
-            bucket.wait()
+            with self._span("wait", bucket) if self.profiling else NO_SPAN:
+                bucket.wait()
         except RuntimeError as error:  # the listeners may say where every rank was
             self.error = error
             self._record("wait_failed", bucket.index)
@@ -375,6 +382,14 @@ class Reducer(EventStream):
     def _reached_again(self) -> None:
         if self.state is Step.REDUCED:
             self.state = Step.SECOND_BACKWARD
+
+    def _span(self, step: str, bucket: Bucket | None = None):
+        """``step`` as a span named for it (and the bucket, its tensors and bytes) in
+        torch.profiler's trace; the steps ask ``self.profiling`` first, so a step without a
+        profiler calls nothing here."""
+        where = "" if bucket is None else (f" bucket {bucket.index} ({len(bucket.params)} "
+                                           f"tensors, {bucket.buffer.nbytes} bytes)")
+        return profiling.span(f"miniddp.ddp.{step}{where}")
 
     def _record(self, event: str, ident: int) -> None:
         """Emit ``(event, ident, now)`` to its listeners (``miniddp.events``)."""

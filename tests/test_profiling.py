@@ -136,3 +136,77 @@ def test_span_is_record_function_only_when_named():
     assert not profiling.recording()
     with profile(activities=[ProfilerActivity.CPU]):
         assert profiling.recording()
+
+
+# ----- DDP: the reducer's steps as spans -----
+
+def ddp_spans(events: list[dict]) -> list[dict]:
+    return sorted((e for e in events if e["name"].startswith("miniddp.ddp.")),
+                  key=lambda e: e["ts"])
+
+
+def inside(inner: dict, outer: dict) -> bool:
+    return outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]
+
+
+def profiled_ddp_steps(out_dir: str) -> dict:
+    """A DDP of three buckets: the second step (the one that rebuilds the buckets) and the
+    third profiled, each exported with torch's ``export_chrome_trace``."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                           nn.Linear(16, 4))
+    ddp = DistributedDataParallel(module, bucket_cap_mb=0.0001)  # a bucket per layer
+    seen = {}
+    for step in range(3):
+        with profile(activities=[ProfilerActivity.CPU]) if step else nullcontext() as prof:
+            ddp(torch.randn(5, 8)).sum().backward()
+        if step:
+            events = exported_spans(prof, out_dir)
+            seen[step] = {"spans": ddp_spans(events),
+                          "allreduces": [e for e in events if e["name"] == "c10d::allreduce_"]}
+    buckets = [f" bucket {b.index} ({len(b.param_indices)} tensors, {b.nbytes} bytes)"
+               for b in ddp.buckets]
+    return {"seen": seen, "buckets": buckets}
+
+
+def test_a_profiled_ddp_step_shows_each_buckets_copy_launch_wait_and_write_back(ranks, tmp_path):
+    for rank, result in enumerate(ranks(2).run(profiled_ddp_steps, str(tmp_path))):
+        buckets, step = result["buckets"], result["seen"][2]
+        assert len(buckets) == 3
+        names = [s["name"] for s in step["spans"]]
+        assert names[0] == "miniddp.ddp.forward", (rank, names)
+        for kind in ("copy_in", "launch", "wait", "write_back"):  # every bucket, in order
+            assert [n for n in names if n.startswith(f"miniddp.ddp.{kind} ")] == [
+                f"miniddp.ddp.{kind}{b}" for b in buckets], (rank, kind, names)
+        spans = {s["name"]: s for s in step["spans"]}
+        end = spans["miniddp.ddp.end_of_backward"]
+        for b in buckets:
+            launch, wait = spans[f"miniddp.ddp.launch{b}"], spans[f"miniddp.ddp.wait{b}"]
+            assert spans[f"miniddp.ddp.copy_in{b}"]["ts"] <= launch["ts"] < end["ts"]
+            assert inside(wait, end) and inside(spans[f"miniddp.ddp.write_back{b}"], end)
+            assert wait["ts"] < spans[f"miniddp.ddp.write_back{b}"]["ts"]
+            assert any(inside(a, launch) for a in step["allreduces"]), (rank, b)
+        rebuilt = [s["name"] for s in result["seen"][1]["spans"]]
+        assert "miniddp.ddp.rebuild" in rebuilt and "miniddp.ddp.rebuild" not in names
+
+
+def unprofiled_ddp_steps() -> dict:
+    """Questions asked and spans made over three steps of a 40-parameter DDP, no profiler."""
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)]),
+                                  bucket_cap_mb=0)  # a bucket per parameter
+    asked, made = [], []
+    recording, record_function = profiling.recording, profiling.record_function
+    profiling.recording = lambda: asked.append(1) or recording()
+    profiling.record_function = lambda name: made.append(name) or record_function(name)
+    try:
+        for _ in range(3):
+            ddp(torch.randn(2, 4)).sum().backward()
+    finally:
+        profiling.recording, profiling.record_function = recording, record_function
+    return {"asked": len(asked), "made": made}
+
+
+def test_without_a_profiler_a_ddp_step_asks_twice_whatever_its_size(ranks):
+    """At the forward, and once for the reducer's step: not per gradient or bucket."""
+    assert ranks(2).run(unprofiled_ddp_steps) == [{"asked": 6, "made": []}] * 2

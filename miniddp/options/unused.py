@@ -30,10 +30,9 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from miniddp import profiling
 from miniddp.errors import print_warning
-
-#: Whether a profiler is recording (torch's private check; assumed on where a torch lacks it).
-_profiler_enabled = getattr(torch.autograd, "_profiler_enabled", lambda: True)
+from miniddp.profiling import NO_SPAN
 
 #: Printed at a synchronized forward whose outputs reach every parameter, once per process (every
 #: time under ``torch.set_warn_always(True)``), to stderr, as torch's reducer does
@@ -62,10 +61,7 @@ class UnusedParameters:
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
-        if _profiler_enabled():  # torch's label, for the profiler to show
-            with torch.autograd.profiler.record_function("search_unused_parameters"):
-                self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
-        else:  # (a record_function costs ~20 us even with no profiler running)
+        with profiling.span("search_unused_parameters") if profiling.recording() else NO_SPAN:
             self.unreached = unreached_parameters(self.params, output_grad_fns(outputs))
         self.unreached_this_step = set(self.unreached)
         if not self.unreached:
