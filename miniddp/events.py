@@ -26,18 +26,22 @@ class EventStream:
     """Who listens to which of a reducer's events (the reducer emits them: ``Reducer._record``)."""
 
     def __init__(self):
-        self._listeners: dict[str | None, list] = {}  # event (None: any other) -> callables
+        self._listeners: dict[str, list] = {}  # event -> callables
+        self._others: tuple = ()  # the listeners of every event, for any not in EVENTS
 
     def subscribe(self, listener, events=None) -> None:
         """Call ``listener((event, ident, time.perf_counter()))`` at each of ``events`` (every
         event when None; see :data:`EVENTS`)."""
-        for event in (*EVENTS, None) if events is None else events:
+        for event in EVENTS if events is None else events:
             self._listeners.setdefault(event, []).append(listener)
+        if events is None or None in events:
+            self._others += (listener,)
 
     def unsubscribe(self, listener) -> None:
         kept = {event: [f for f in fs if f != listener]
                 for event, fs in self._listeners.items()}
         self._listeners = {event: fs for event, fs in kept.items() if fs}
+        self._others = tuple(f for f in self._others if f != listener)
 
     @property
     def timeline(self) -> list[tuple] | None:
