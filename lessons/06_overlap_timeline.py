@@ -40,8 +40,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import load_lesson
 
+from course.tools import load_lesson
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
 from miniddp.launch import launch, rank_device
 from miniddp.train.data import make_dataset

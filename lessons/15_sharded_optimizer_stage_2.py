@@ -37,11 +37,11 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import load_lesson
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
+from course.tools import load_lesson
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.train.data import make_dataset, make_model, shard
 from miniddp.train.report import check, ok, print0

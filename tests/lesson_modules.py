@@ -43,11 +43,11 @@ def runnable_here(stem: str):
 def load_lesson(number: str):
     """The module of ``lessons/<number>_*.py`` (the first in sorted order: a lesson in two
     parts is ``15`` for part 1), or of ``lessons/<number>.py`` when given a whole stem; loaded
-    once. The lessons' directory goes on ``sys.path``: lessons import ``course_tools``."""
-    if str(LESSONS_DIR) not in sys.path:
-        sys.path.append(str(LESSONS_DIR))
+    once. The repository goes on ``sys.path``: lessons import ``course.tools``."""
+    if str(LESSONS_DIR.parent) not in sys.path:
+        sys.path.append(str(LESSONS_DIR.parent))
     whole_stem = "_" in number
-    name = f"lesson_{number}"  # as lessons/course_tools.py names a whole stem
+    name = f"lesson_{number}"  # as course/tools.py names a whole stem
     if name not in sys.modules:
         path = (LESSONS_DIR / f"{number}.py" if whole_stem
                 else sorted(LESSONS_DIR.glob(f"{number}_*.py"))[0])

@@ -10,7 +10,6 @@ test_lesson_mechanisms.py, beside the mechanism it breaks.
 """
 
 import functools
-import importlib.util
 import os
 import re
 import subprocess
@@ -22,6 +21,8 @@ import torch
 from lesson_modules import CANNOT_RUN_HERE, runnable_here
 from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
+
+from course import runner
 
 REPO = Path(__file__).resolve().parents[1]
 BREAKAGE_DIR = Path(__file__).resolve().parent / "breakage"
@@ -196,15 +197,8 @@ miniddp.train.report.CheckFailed: the epoch read 64 samples, 60 distinct
 without reporting: exit code -9 (SIGKILL))"""
 
 
-def course_runner():
-    spec = importlib.util.spec_from_file_location("run_course", REPO / "lessons" / "run_course.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_course_summary_shows_the_first_line_of_every_ranks_failure():
-    why = course_runner().why_it_failed(FORKED_FAILURE.splitlines()).splitlines()
+    why = runner.why_it_failed(FORKED_FAILURE.splitlines()).splitlines()
     assert why == ["rank 0 of 3: CheckFailed: the epoch read 64 samples, 60 distinct",
                    "rank 1 of 3: CheckFailed: the buckets differ; a; b",
                    "rank 2 of 3: died without reporting: exit code -9 (SIGKILL)"]
@@ -215,6 +209,6 @@ def test_course_summary_shows_every_torchrun_workers_failure():
              "[agent 1] miniddp.train.report.CheckFailed: the workers differ",
              "[agent 0] rank 0 of 2 raised:", "[agent 0] RuntimeError: Connection closed by peer",
              "[agent 1] torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
-    assert course_runner().why_it_failed(lines).splitlines() == [
+    assert runner.why_it_failed(lines).splitlines() == [
         "rank 1 of 2: CheckFailed: the workers differ",
         "rank 0 of 2: RuntimeError: Connection closed by peer"]

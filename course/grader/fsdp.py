@@ -13,10 +13,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import NotWritten, on_ranks
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.grader.checks import NotWritten, on_ranks
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 
 try:  # FSDP2: public from torch 2.6, under _composable before

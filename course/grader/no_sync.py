@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.grader.checks import on_ranks
 from miniddp.train.data import make_dataset, make_model
 
 K, STEPS, WORLDS = 4, 3, (2, 3)
