@@ -7,7 +7,7 @@ DistributedDataParallel or DistributedSampler, and says which check failed and w
 expected. Where torch's bits cannot be expected, the check says why and what it asks instead.
 
     python lessons/grade.py                # grade your exercises as they stand
-    python lessons/grade.py 06             # grade one (03 04 05 06 07 15 17)
+    python lessons/grade.py 06             # grade one (03 04 05 06 07 15 17 17b)
     python lessons/grade.py --hint 06      # if you are stuck: the idea behind one
     python lessons/grade.py --hint 06 --step 2   # then the shape of its code; --step 3 the lines
     python lessons/grade.py --dir D        # grade the files NN_*.py of directory D
@@ -34,6 +34,7 @@ import torch  # noqa: E402
 from course.grader import checks, hints  # noqa: E402
 from course.grader.buckets import grade_05  # noqa: E402
 from course.grader.fsdp import HINT_17, fully_shard, grade_17  # noqa: E402
+from course.grader.fsdp_unit import HINT_17B, grade_17b  # noqa: E402
 from course.grader.no_sync import grade_07  # noqa: E402
 from course.grader.reducer import grade_06  # noqa: E402
 from course.grader.sampler import grade_04  # noqa: E402
@@ -44,10 +45,10 @@ EXERCISES = Path(__file__).resolve().parents[2] / "lessons" / "exercises"
 GRADERS = {"03": checks.grade_03, "04": grade_04, "05": grade_05, "06": grade_06,
            "07": grade_07, "15": grade_15}
 if fully_shard is not None:  # exercise 17 is graded against torch's FSDP2 (torch >= 2.4)
-    GRADERS["17"] = grade_17
+    GRADERS.update({"17": grade_17, "17b": grade_17b})
 
 # Each exercise's hint in steps: the idea, the shape of the code, its lines (hints.py)
-HINTS = dict(hints.HINTS, **{"17": HINT_17})
+HINTS = dict(hints.HINTS, **{"17": HINT_17, "17b": HINT_17B})
 STEPS = ("the idea", "the shape of the code", "the lines of code")
 
 
@@ -60,6 +61,12 @@ def say(label: str, text: str) -> None:
     """Print ``text`` after ``label`` (its indent and tag), wrapped with a hanging indent."""
     print(textwrap.fill(text, WIDTH, initial_indent=label, subsequent_indent=" " * HANG,
                         break_long_words=False, break_on_hyphens=False), flush=True)
+
+
+def number_of(path: Path) -> str:
+    """The exercise a file named ``NN_*.py`` or ``NNx_*.py`` is for (``17b_fsdp_unit.py``)."""
+    found = re.match(r"(\d\d[a-z]?)_", path.name)
+    return found.group(1) if found else path.name[:2]
 
 
 def exercise_path(number: str, directory: Path) -> Path | None:
@@ -158,7 +165,7 @@ def grade_all(chosen: list[tuple[str, Path]]) -> list[bool]:
 
 def grade_files(parser, files: list[Path]) -> None:
     """Grade each file as the exercise its name starts with; exit 0 when all pass."""
-    chosen = [(f.name[:2], f) for f in files]
+    chosen = [(number_of(f), f) for f in files]
     wrong = [str(f) for (n, f) in chosen if n not in GRADERS or not f.is_file()]
     if wrong:
         parser.error(f"not a file named NN_*.py for an exercise ({' '.join(GRADERS)}): "
