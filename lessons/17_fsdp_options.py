@@ -196,24 +196,30 @@ def one_path(name: str, rank: int, world: int) -> dict:
 
 # ----- the lesson -----
 
-def on_every_rank():
+def prove_path(name: str) -> dict:
+    """One path beside torch's, shown and checked on every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    row = one_path(name, rank, world)
+    held = " and ".join(row["after forward"][-1]) or "none"
+    print0(f"  {name:<52} {held:<26} {row['all-gathers']:>7} {row['reductions']:>10} "
+           f"{row['differ']:>6} {row['loss']:>7.4f}")
+    check(not row["unlike"], f"rank {rank}, {name}: miniddp.fully_shard differs from torch's "
+          f"in what it gathers and reduces: {sorted(set(row['unlike']))}, seen last as {held} "
+          f"gathered after forward, {row['all-gathers']} all-gathers and {row['reductions']} "
+          "reductions per step")
+    check(row["differ"] == 0, f"rank {rank}, {name}: miniddp.fully_shard differs from torch's "
+          f"fully_shard in {row['differ']} gradient or parameter elements over {STEPS} steps")
+    return row
+
+
+def on_every_rank():
+    world = dist.get_world_size()
     print0(f"{world} ranks, gloo on the CPU: miniddp.fully_shard beside torch's, {STEPS} Adam "
            "steps per path,\nunits: layers 2 and 4, and the root (layers 0 and 6)\n")
     print0(f"  {'path':<52} {'gathered after forward':<26} {'gathers':>7} {'reductions':>10}"
            f" {'differ':>6} {'loss':>7}")
     for name in PATHS:
-        row = one_path(name, rank, world)
-        held = " and ".join(row["after forward"][-1]) or "none"
-        print0(f"  {name:<52} {held:<26} {row['all-gathers']:>7} {row['reductions']:>10} "
-               f"{row['differ']:>6} {row['loss']:>7.4f}")
-        check(not row["unlike"], f"rank {rank}, {name}: miniddp.fully_shard differs from "
-              f"torch's in what it gathers and reduces: {sorted(set(row['unlike']))}, seen "
-              f"last as {held} gathered after forward, {row['all-gathers']} all-gathers and "
-              f"{row['reductions']} reductions per step")
-        check(row["differ"] == 0, f"rank {rank}, {name}: miniddp.fully_shard differs from "
-              f"torch's fully_shard in {row['differ']} gradient or parameter elements over "
-              f"{STEPS} steps")
+        prove_path(name)
     print0("\n  After forward the root keeps its parameters (its layers are the first the "
            "backward needs);\n  ZeRO-2 keeps every unit's, one all-gather per unit and step "
            "fewer. Without sync, a backward\n  makes no reduction: the full gradient waits for "

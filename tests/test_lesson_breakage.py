@@ -10,6 +10,7 @@ test_lesson_mechanisms.py, beside the mechanism it breaks.
 """
 
 import functools
+import importlib
 import os
 import re
 import subprocess
@@ -23,6 +24,7 @@ from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
 
 from course import runner
+from miniddp.launch import RankError
 
 REPO = Path(__file__).resolve().parents[1]
 BREAKAGE_DIR = Path(__file__).resolve().parent / "breakage"
@@ -171,6 +173,34 @@ def test_lesson_fails_when_its_mechanism_is_broken(lesson, breakage, message, ru
     said = [line for line in output.splitlines() if "CheckFailed:" in line]
     for words in NOT_SAID.get(breakage, []):
         assert not any(words in line for line in said), f"{lesson} guessed a cause: {said}"
+
+
+# ----- a part of a lesson, run in a pool of ranks with the library broken -----
+
+def broken_part(breakage: str, function, *args):
+    """In a rank: ``function(*args)`` (a part of a lesson) with ``breakage`` applied, then
+    mended (the pool's processes serve the next case)."""
+    if str(BREAKAGE_DIR) not in sys.path:
+        sys.path.insert(0, str(BREAKAGE_DIR))
+    import breakages
+
+    importlib.import_module(breakages.BREAKAGES[breakage][0])  # so it is patched now
+    breakages.apply(breakage)
+    try:
+        return function(*args)
+    finally:
+        breakages.undo()
+
+
+def failure_with_the_library_broken(ranks, world: int, breakage: str, function, *args) -> str:
+    """What ``function(*args)``, a part of a lesson that must fail with ``breakage``, raised
+    on the first rank that raised; the test fails if none did. Cheaper than the whole lesson
+    (``run_broken``): no process starts, and only the part that proves the mechanism runs."""
+    try:
+        ranks(world).run(broken_part, breakage, function, *args)
+    except RankError as error:
+        return error.details
+    pytest.fail(f"{function.__module__}.{function.__name__} passed with {breakage}")
 
 
 def test_a_breakage_whose_target_is_gone_fails_loudly(tmp_path):

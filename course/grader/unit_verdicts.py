@@ -64,7 +64,7 @@ def held_problem(report: dict) -> str | None:
             said = f"in {where(seen)}, after forward {name} "
             if name == "the root":
                 return said + ("had freed its parameters; torch keeps the root's gathered from "
-                               "forward to backward, whose first need they are: after_forward "
+                               "forward to backward, which needs them first: after_forward "
                                "frees nothing on the root (self.is_root)")
             if torchs:
                 return said + ("had freed its parameters; with reshard_after_forward False "
@@ -135,8 +135,8 @@ def gradient_problem(seen: dict, since: list[dict], before: list[dict], i: int, 
     calls = seen["reduced"].get(unit, [])
     if calls:
         given, out = calls[-1][0][position], calls[-1][1][position]
-        wrong_input = input_problem(given, [s["own"][i] for s in since],
-                                    [s["own"][i] for s in before])
+        wrong_input = since[0]["own"] and input_problem(
+            given, [s["own"][i] for s in since], [s["own"][i] for s in before if s["own"]])
         if wrong_input:
             return f"{what}: {wrong_input}"
         earlier = [s["grads"][i] for s in since[:-1] if s["sync"]]
