@@ -123,10 +123,10 @@ class Spy:
                      else argument(args, kwargs, 1, "input", "input_list"))
             output = given if in_place else argument(args, kwargs, 0, "output")
             op = argument(args, kwargs, 1 if in_place else 2, "op") or dist.ReduceOp.SUM
-            record = {"name": name, "given": flat(given), "op": str(op)}
+            record = {"name": name, "given": flat(given), "op": str(op), "out": None}
+            self.calls.append(record)  # before the call: a collective that raises was made too
             done = original(*args, **kwargs)
             record["out"] = flat(output)
-            self.calls.append(record)
             return done
         return call
 
