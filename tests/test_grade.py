@@ -772,7 +772,7 @@ CLASSES = {
     "15 balanced by bytes": (
         "15", [("load[result[i]] += params[i].numel()",
                 "load[result[i]] += params[i].numel() * params[i].element_size()")],
-        OWNERS_15, ["counted each rank's load in bytes", "whatever the dtype"], []),
+        OWNERS_15, ["counted each rank's load in bytes", "whatever the shape and dtype"], []),
     "15 sorted and balanced by bytes": (
         "15", [("load[result[i]] += params[i].numel()",
                 "load[result[i]] += params[i].numel() * params[i].element_size()"),

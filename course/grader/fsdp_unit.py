@@ -32,12 +32,14 @@ from course.grader.unit_verdicts import (
     held_problem,
     optimizer_problem,
 )
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from course.tools import load_lesson
+from miniddp.train.data import make_dataset
 
 __all__ = ["HINT_17B", "grade_17b"]
 
-WORLDS, STEPS, HIDDEN, ADAM = (2, 3), 2, 40, {"lr": 0.01}
-INNER, ROOT_LAYERS = (2, 4), (0, 6)  # the model's layers that are inner units; the root's
+OPTIONS = load_lesson("17_fsdp_options")
+WORLDS, STEPS, ADAM = (2, 3), 2, {"lr": 0.01}
+INNER, ROOT_LAYERS = OPTIONS.INNER, OPTIONS.ROOT  # the layers that are inner units; the root's
 #: In this order: the first runs show most mistakes, and with two backwards per step the
 #: gradients of each are kept to name a lost or a left-over one
 RUNS = {"two backwards per step": {"micro": 2},
@@ -54,14 +56,8 @@ class Unfed(Exception):
 
 
 def make_model(frozen: bool) -> nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(IN_FEATURES, HIDDEN), nn.Tanh(),
-                              nn.Linear(HIDDEN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
-                              nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
-    if frozen:
-        model[INNER[0]].bias.requires_grad_(False)
-    return model
+    """Lesson 17, part 2's model: two inner units and the root's first and last layers."""
+    return OPTIONS.make_model(frozen)
 
 
 class Driven:
@@ -184,7 +180,7 @@ def unit_task(run: str) -> dict:
     driven = Driven(mine, exercise().Unit, zero2)
     shards = shards_in_model_order(mine, driven)
     report = {"run": run, "optimizer": None, "backwards": [], "unfed": None,
-              "params_differ": None}
+              "params_differ": None, "names": [name for name, _ in mine.named_parameters()]}
     optimizer = None  # made after the first backward: the methods' instructions come first
     reference = torch.optim.Adam(theirs.parameters(), **ADAM)
     x_all, y_all = make_dataset(n=8 * micro * STEPS, seed=rank).tensors

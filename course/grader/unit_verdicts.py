@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import torch
 
-NAMES = ["0.weight", "0.bias", "2.weight", "2.bias", "4.weight", "4.bias", "6.weight", "6.bias"]
-
 HINT_17B = (
     "A unit's full parameters exist only while its forward or its backward runs: gathered just "
     "before, freed just after, except where torch keeps them: the root (the backward needs it "
@@ -110,13 +108,14 @@ def bits_problem(report: dict) -> str | None:
             continue
         for i, (mine, torchs) in enumerate(zip(seen["grads"], seen["torch_grads"])):
             if not same(mine, torchs):
-                return f"in {where(seen)}, {gradient_problem(seen, since, before, i, mine)}"
+                said = gradient_problem(seen, since, before, i, mine, report["names"][i])
+                return f"in {where(seen)}, {said}"
         before, since = before + since, []
     if report["params_differ"]:
         step, differ = report["params_differ"]
-        return (f"every gradient matched torch's, but after step {step} the shards of "
-                f"{', '.join(NAMES[i] for i in differ)} differ: the optimizer must step each "
-                "shard once, with the defaults given")
+        names = ", ".join(report["names"][i] for i in differ)
+        return (f"every gradient matched torch's, but after step {step} the shards of {names} "
+                "differ: the optimizer must step each shard once, with the defaults given")
     return None
 
 
@@ -125,9 +124,10 @@ def same(a, b) -> bool:
                                                           torch.equal(a, b)))
 
 
-def gradient_problem(seen: dict, since: list[dict], before: list[dict], i: int, mine) -> str:
-    unit = next(name for name, members in seen["unit_params"].items() if i in members)
-    what = f"the shard of {NAMES[i]} ({unit})"
+def gradient_problem(seen: dict, since: list[dict], before: list[dict], i: int, mine,
+                     name: str) -> str:
+    unit = next(unit for unit, members in seen["unit_params"].items() if i in members)
+    what = f"the shard of {name} ({unit})"
     if mine is None:
         return (f"{what} has no .grad after the backward: after_backward puts each reduced "
                 "gradient in its shard's .grad")
