@@ -1,12 +1,15 @@
-"""Lesson 15 (ZeRO stage 1 by hand) and exercise 15 (the sharded step): what they prove holds,
-and fails when it should not.
+"""Lesson 15 (ZeRO stage 1 by hand; part 2, ZeRO-2) and exercise 15 (the sharded step): what
+they prove holds, and fails when it should not.
 
 The lesson's pieces against torch: its partition against torch's ``ZeroRedundancyOptimizer``,
 its ``ShardedOptimizer`` bit for bit against torch's (each with a control that must differ), its
 reduce-scatter against all_reduce then slicing. Then the lesson broken from outside
-(``tests/breakage``), at 3 ranks, and the exercise graded both ways: as shipped it fails saying
-what to write, the solution passes, and each plausible wrong solution fails the check that
-names its mistake. (The lesson's plain run is ``tests/test_lessons.py``'s, found by its name.)
+(``tests/breakage``): a broadcast that sends nothing, and each small breakage of miniddp's
+``ZeroRedundancyOptimizer`` (and of ``fully_shard``'s ZeRO-2) applied in a pool of ranks to the
+part of the lesson that teaches it. Last, exercise 15's wrong solutions, each failing first the
+check that names its mistake, and other right ones passing, in one grader run. (The lesson's
+plain run is ``tests/test_lessons.py``'s; the exercise as shipped and its solution are graded
+in ``tests/test_grade.py``.)
 """
 
 import sys
@@ -16,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import load_lesson
-from test_grade import grade, problems_in_one_run, sections, solution_lines
+from test_grade import problems_in_one_run
 from test_lesson_breakage import failure_with_the_library_broken, run_broken
 from test_lessons import last_line, run
 from torch import nn
@@ -156,34 +159,7 @@ def test_lesson_fails_when_broadcast_sends_nothing(tmp_path):
     assert "OK:" not in done.stdout
 
 
-# ----- exercise 15, graded -----
-
-@pytest.mark.slow
-def test_exercise_as_shipped_fails_saying_what_to_write():
-    done = grade("15")
-    assert done.returncode == 1, done.stdout + done.stderr
-    text = sections(done.stdout)["15"]
-    assert "TODO  not written yet: exercise 15" in text and "--hint 15" in text, text
-    assert "PASS" not in text
-    for line in solution_lines("15"):
-        assert line not in text, f"the instruction dictates {line!r}"
-
-
-@pytest.mark.slow
-def test_exercise_solution_passes_every_check():
-    done = grade("15", "--solutions")
-    assert done.returncode == 0, done.stdout + done.stderr
-    text = sections(done.stdout)["15"]
-    assert text.count("PASS") == 5 and "FAIL" not in text, text
-
-
-def test_exercise_hint_prints_the_code_the_instruction_leaves_out_at_its_last_step():
-    done = grade("--hint", "15", "--step", "3")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert all(line in done.stdout for line in solution_lines("15")), done.stdout
-    first = grade("--hint", "15").stdout
-    assert not any(line in first for line in solution_lines("15")), first
-
+# ----- exercise 15, graded (as shipped and its solution: tests/test_grade.py) -----
 
 OWNERS = "owners: torch's ZeroRedundancyOptimizer's partition"
 SORT = "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)"
