@@ -194,7 +194,7 @@ def unit_task(run: str) -> dict:
             driven.start_backward(sync)
             loss = F.mse_loss(theirs(x), y)
             seen = {"step": step, "micro": k, "sync": sync, "torch_after_forward":
-                    torch_held(theirs), "own": own}
+                    torch_held(theirs), "own": own, "world": dist.get_world_size()}
             try:
                 my_loss = F.mse_loss(mine(x), y)
                 seen["after_forward"] = driven.held()

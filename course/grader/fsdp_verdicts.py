@@ -115,7 +115,8 @@ def pad(piece: torch.Tensor, rows: int, where: str) -> torch.Tensor:
 
 def laid_out(grads, world: int, order: str, padding: str) -> torch.Tensor | None:
     """The gradients in one flat buffer: rows by rank ("rank-major", torch's), each gradient's
-    chunks together ("parameter-major"), or each gradient whole ("whole"); every chunk padded
+    chunks together ("parameter-major"), each gradient whole ("whole"), or every row holding
+    this rank's chunks ("this rank's rows"); every chunk padded
     "below" (torch's), "above", or not ("none"), or each row or the whole buffer padded at its
     end. None for a combination that is no layout."""
     rows = [-(-g.shape[0] // world) for g in grads]
@@ -128,7 +129,8 @@ def laid_out(grads, world: int, order: str, padding: str) -> torch.Tensor | None
     if padding == "buffer end":
         return None
     chunk_padding = padding if padding in ("below", "above") else "none"
-    by_rank = [[pad(chunk(g, world, r), n, chunk_padding) for g, n in zip(grads, rows)]
+    which = (lambda r: dist.get_rank()) if order == "this rank's rows" else (lambda r: r)
+    by_rank = [[pad(chunk(g, world, which(r)), n, chunk_padding) for g, n in zip(grads, rows)]
                for r in range(world)]
     if order == "parameter-major":
         if padding == "row end":
@@ -141,7 +143,7 @@ def laid_out(grads, world: int, order: str, padding: str) -> torch.Tensor | None
     return torch.cat(rows_flat)
 
 
-ORDERS = ("rank-major", "parameter-major", "whole")
+ORDERS = ("rank-major", "parameter-major", "whole", "this rank's rows")
 PADDINGS = ("below", "above", "none", "row end", "buffer end")
 DIVISIONS = ("torch's", "none", "x 1/W", "/ W", "after (the factors swapped)",
              "before, in fp32 then cast")
@@ -195,6 +197,10 @@ def buffer_said(found: dict, world: int, reduce_dtype, fp16: bool) -> str | None
         return ("your buffer holds the gradients whole, one after another (FSDP1's flat "
                 "parameter)" + (", padded at its end" if found["padding"] != "none" else "")
                 + "; torch's has one row per rank: row r holds chunk r of every gradient")
+    if found["order"] == "this rank's rows":
+        return ("every row of your buffer holds this rank's chunks (chunk(g, world_size, rank)); "
+                "row r must hold rank r's, chunk(g, world_size, r), so that the sum of row r "
+                "over the ranks reaches rank r")
     if found["order"] == "parameter-major":
         return ("your buffer is parameter-major: each gradient's chunks side by side, gradient "
                 "after gradient; torch's is rank-major: row r holds chunk r of every gradient, "

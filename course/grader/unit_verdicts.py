@@ -148,7 +148,23 @@ def gradient_problem(seen: dict, since: list[dict], before: list[dict], i: int, 
         if earlier and same(mine, earlier[-1]):
             return (f"{what} kept the earlier backward's gradient: add this backward's "
                     "reduced gradient to it")
+        scaled = (scale_of(mine, out, seen["world"]) if not earlier and seen["micro"] == 0
+                  else None)
+        if scaled:
+            return (f"{what} holds the reduced gradient times {scaled}: reduce_scatter returns "
+                    "the average over the ranks already; put it in .grad as it is")
     return could_not_tell(what, mine, seen["torch_grads"][i])
+
+
+def scale_of(mine: torch.Tensor, out: torch.Tensor, world: int) -> str | None:
+    """The factor ``mine`` is ``out`` times, said as the learner wrote it, if it is one of the
+    usual ones (W, 1 / W)."""
+    if mine.shape != out.shape or not out.abs().max() > 0:
+        return None
+    for factor, said in ((world, "the world size"), (1 / world, "1 / the world size")):
+        if torch.allclose(mine, out * factor, rtol=1e-5, atol=0):
+            return said
+    return None
 
 
 def total(grads: list):
