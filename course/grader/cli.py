@@ -33,8 +33,8 @@ import torch  # noqa: E402
 
 from course.grader import checks, hints  # noqa: E402
 from course.grader.buckets import grade_05  # noqa: E402
-from course.grader.fsdp import HINT_17, fully_shard, grade_17  # noqa: E402
-from course.grader.fsdp_unit import HINT_17B, grade_17b  # noqa: E402
+from course.grader.fsdp import fully_shard, grade_17  # noqa: E402
+from course.grader.fsdp_unit import grade_17b  # noqa: E402
 from course.grader.no_sync import grade_07  # noqa: E402
 from course.grader.reducer import grade_06  # noqa: E402
 from course.grader.sampler import grade_04  # noqa: E402
@@ -48,7 +48,7 @@ if fully_shard is not None:  # exercise 17 is graded against torch's FSDP2 (torc
     GRADERS.update({"17": grade_17, "17b": grade_17b})
 
 # Each exercise's hint in steps: the idea, the shape of the code, its lines (hints.py)
-HINTS = dict(hints.HINTS, **{"17": HINT_17, "17b": HINT_17B})
+HINTS = hints.HINTS
 STEPS = ("the idea", "the shape of the code", "the lines of code")
 
 

@@ -26,7 +26,6 @@ from torch.distributed.device_mesh import init_device_mesh
 from course.grader.checks import on_ranks
 from course.grader.fsdp import fully_shard
 from course.grader.unit_verdicts import (
-    HINT_17B,
     bits_problem,
     count_problem,
     held_problem,
@@ -34,8 +33,6 @@ from course.grader.unit_verdicts import (
 )
 from course.tools import load_lesson
 from miniddp.train.data import make_dataset
-
-__all__ = ["HINT_17B", "grade_17b"]
 
 OPTIONS = load_lesson("17_fsdp_options")
 WORLDS, STEPS, ADAM = (2, 3), 2, {"lr": 0.01}

@@ -10,39 +10,6 @@ from __future__ import annotations
 
 import torch
 
-HINT_17B = (
-    "A unit's full parameters exist only while its forward or its backward runs: gathered just "
-    "before, freed just after, except where torch keeps them: the root (the backward needs it "
-    "first) and, under ZeRO-2 (reshard_after_forward False), every unit, from forward to "
-    "backward. After the backward one collective turns the full gradients into this rank's "
-    "rows of their average, which add up in the shards' .grad until the step; without sync "
-    "nothing is sent, and the full gradients keep adding up where autograd put them.",
-    "before_forward and before_backward: gather when not gathered. after_forward: free when "
-    "reshard_after_forward and not the root. after_backward: with sync, reduce_scatter the list "
-    "of the full parameters' gradients, then for each shard whose result is not None set or "
-    "add its .grad, and set the full parameter's .grad to None; free in both cases. "
-    "make_optimizer: optimizer_class over the shards of every unit.",
-    """before_forward and before_backward:
-    if not self.gathered:
-        self.gather()
-after_forward:
-    if self.reshard_after_forward and not self.is_root:
-        self.free()
-after_backward:
-    if self.requires_gradient_sync:
-        reduced = self.reduce_scatter([p.grad for p in self.full])
-        for shard, full, mine in zip(self.shards, self.full, reduced):
-            if mine is None:
-                continue
-            if shard.grad is None:
-                shard.grad = mine
-            else:
-                shard.grad += mine
-            full.grad = None
-    self.free()
-make_optimizer:
-    return optimizer_class([s for u in units for s in u.shards], **defaults)""")
-
 
 def optimizer_problem(report: dict) -> str | None:
     return report["optimizer"]
