@@ -165,6 +165,8 @@ OWNERS = "owners: torch's ZeroRedundancyOptimizer's partition"
 SORT = "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)"
 LOAD = "load[result[i]] += params[i].numel()"
 SEND = "dist.broadcast(p, src=owner)"
+SEND_LOOP = ("        for p, owner in zip(self.params, self.owners):\n"
+             "            dist.broadcast(p, src=owner)\n")
 
 # Each wrong solution: (exercise, edits of the solution, the first check that must fail, words
 # its reason must hold, words it must not hold); graded with the right ones in one run
@@ -213,11 +215,26 @@ WRONG = {
         "15", [("result[i] = load.index(min(load))",
                 "result[i] = world_size - 1 - load[::-1].index(min(load))")],
         OWNERS, ["on a tie you chose a higher rank"], []),
+    "another rank's share": (
+        "15", [("if owner == self.rank]", "if owner == (self.rank + 1) % self.world_size]")],
+        "each rank's optimizer holds its share only", ["it holds rank 1's share"], []),
+    "the parameters all_reduced": (
+        "15", [(SEND_LOOP, "        for p in self.params:\n            dist.all_reduce(p)\n")],
+        "2 ranks: parameters equal torch's", ["all_reduced them", "adds up every rank's copy"],
+        []),
+    "the gradients broadcast": (
+        "15", [(SEND, "dist.broadcast(p.grad, src=owner)")],
+        "2 ranks: parameters equal torch's", ["broadcast the gradients, not the parameters"],
+        []),
     "sorted by the last dimension": (
         "15", [(SORT, SORT.replace("numel()", "shape[-1]"))], OWNERS,
         ["could not tell which rule yours follows", "The smallest case"], []),
 }
 RIGHT = {
+    "the others' copies zeroed, then summed": ("15", [(SEND_LOOP, (
+        "        for p, owner in zip(self.params, self.owners):\n"
+        "            if owner != self.rank:\n                p.zero_()\n"
+        "            dist.all_reduce(p)\n"))]),
     "the least-loaded rank from a sorted list of pairs": ("15", [(
         "result[i] = load.index(min(load))",
         "result[i] = sorted((size, rank) for rank, size in enumerate(load))[0][1]")]),

@@ -61,6 +61,7 @@ class BroadcastSpy:
         self.index = {p.data_ptr(): i for i, p in enumerate(params)}
         self.owners, self.calls, self.wrong = owners, 0, []
         self.works: list[dict] = []  # each asynchronous broadcast's record: waited for or not
+        self.foreign: list[int] = []  # where the tensors sent that are no parameter live
         self.order: list[str] = []  # "broadcast" and "step" (the local optimizer's), as called
 
     def _agree(self, row: list[int]) -> None:
@@ -83,6 +84,8 @@ class BroadcastSpy:
 
     def __call__(self, tensor, src=None, *args, **kwargs):
         index = self.index.get(tensor.data_ptr(), -1)
+        if index < 0:
+            self.foreign.append(tensor.data_ptr())
         self._agree([index, -1 if src is None else int(src), tensor.numel()])
         if index >= 0 and src != self.owners[index]:
             self.wrong.append((index, src, self.owners[index]))
@@ -122,7 +125,8 @@ def sharded_task(name: str):
               "torch_share": [i for i, owner in enumerate(owners) if owner == rank],
               "state": None, "torch_state": None, "disagreement": None, "wrong": [],
               "mismatch": None, "unwaited": None, "defaults": defaults, "options": None,
-              "sent_first": False, "steps_taken": 0}
+              "sent_first": False, "steps_taken": 0, "owners": owners, "summed": 0,
+              "sent_gradients": 0}
     if isinstance(local, torch.optim.Optimizer):
         report["options"] = {key: local.defaults.get(key) for key in defaults}
         report["share"] = positions(params, [p for g in local.param_groups for p in g["params"]])
@@ -139,7 +143,9 @@ def sharded_task(name: str):
         spy = BroadcastSpy(params, owners)
         calls.clear()
         spy.order = calls
-        dist.broadcast = spy
+        dist.broadcast, all_reduce = spy, dist.all_reduce
+        dist.all_reduce = noted(all_reduce, calls, "all_reduce")
+        grads = {p.grad.data_ptr() for p in params if p.grad is not None}
         try:
             mine.step()
             spy.finish()
@@ -147,7 +153,9 @@ def sharded_task(name: str):
             report["disagreement"] = str(error)
             return report
         finally:
-            dist.broadcast = spy.original
+            dist.broadcast, dist.all_reduce = spy.original, all_reduce
+        report["summed"] += calls.count("all_reduce")
+        report["sent_gradients"] += sum(ptr in grads for ptr in spy.foreign)
         reference.step()
         report["wrong"] += spy.wrong
         report["steps_taken"] = max(report["steps_taken"], calls.count("step"))
@@ -186,8 +194,14 @@ def share_problem(rank: int, r: dict) -> str | None:
                 "hold only those it owns, or every rank keeps the whole state, which is what "
                 "sharding is for")
     if r["share"] != r["torch_share"]:
+        whose = [k for k in range(max(r["owners"]) + 1)
+                 if r["share"] == [i for i, o in enumerate(r["owners"]) if o == k]]
+        said = (f"it holds rank {whose[0]}'s share" if whose else
+                "it holds every parameter but its own" if sorted(r["share"] + r["torch_share"])
+                == list(range(r["count"])) else "")
         return (f"rank {rank}'s optimizer holds the parameters {r['share']}; torch's gives it "
-                f"{r['torch_share']} (self.owners == rank)")
+                f"{r['torch_share']}{': ' + said if said else ''} (self.owners[i] == self.rank "
+                "picks this rank's own)")
     if r["options"] != r["defaults"]:
         return (f"rank {rank}'s optimizer was built with {r['options']}, not the defaults "
                 f"given, {r['defaults']}: pass them on, optimizer_class(share, **defaults)")
@@ -223,6 +237,13 @@ def bits_problem(rank: int, r: dict) -> str | None:
     if m is None:
         return None
     where = f"after step {m['step']} on rank {rank}"
+    if r["summed"]:
+        return (f"{where} the parameters {m['differ']} differ: step all_reduced them, which "
+                "adds up every rank's copy. Each parameter's new value is its owner's: "
+                "broadcast it from there")
+    if r["sent_gradients"]:
+        return (f"{where} the parameters {m['differ']} differ: step broadcast the gradients, "
+                "not the parameters. The owners' updated parameters are what the others lack")
     if r["steps_taken"] > 1:
         return (f"{where} the parameters {m['differ']} differ: self.local.step() ran "
                 f"{r['steps_taken']} times in one step. Step once, then send")
