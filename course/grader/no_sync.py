@@ -81,9 +81,10 @@ MISTAKES = {
         "one added the previous steps' gradients to its own. Call it once per step, before "
         "the first micro-batch",
     Loop(zero_grad="before the step"):
-        "no parameter ever moved: optimizer.zero_grad() ran after the backwards, just before "
-        "optimizer.step(), and cleared the gradient the step needed. Call it before the first "
-        "micro-batch",
+        "no parameter ever moved: the step never had a gradient to take, either because "
+        "optimizer.zero_grad() ran after the backwards, just before optimizer.step(), and "
+        "cleared it, or because optimizer.step() was never called. zero_grad once before the "
+        "first micro-batch, step once after the last",
     Loop(step_each=True):
         "optimizer.step() ran after every micro-batch, the first k - 1 times on gradients no "
         "rank had averaged. Step once, after the last micro-batch",
