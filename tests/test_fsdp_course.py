@@ -204,6 +204,17 @@ WRONG_17 = {
                                  "    buffer = (torch.cat([p.reshape(-1) for p in pieces]) / "
                                  "before).to(reduce_dtype)\n")],
         SHARDS, ["divided by before in fp32, then cast"], []),
+    "this rank's chunk in every row": (
+        "17", [("            piece = chunk(g, world_size, r)\n",
+                "            piece = chunk(g, world_size, rank)\n")],
+        SHARDS, ["every row of your buffer holds this rank's chunks"], []),
+    "the shards left in reduce_dtype": (
+        "17", [("    return [part[:s.numel()].view_as(s).to(g.dtype)\n",
+                "    return [part[:s.numel()].view_as(s)\n")],
+        SHARDS, ["cast each back to its gradient's dtype"], []),
+    "the sum multiplied by 1 / after": ("17", [("    out.div_(after)\n",
+                                                "    out.mul_(1 / after)\n")],
+                                        SHARDS, ["you multiplied the sum by 1 / 3"], []),
     "an all_reduce, then this rank's part": (
         "17", [(RS, "    whole = buffer.clone()\n    dist.all_reduce(whole)\n"
                     "    out.copy_(whole.view(world_size, -1)[rank])\n")],
@@ -216,6 +227,8 @@ RIGHT_17 = {
                                       "        out.div_(after)\n    else:\n"
                                       "        reduce_scatter(out, buffer, "
                                       "op=dist.ReduceOp.AVG)\n")]),
+    "the sum divided out of place": ("17", [("    out.div_(after)\n",
+                                             "    out = torch.div(out, after)\n")]),
     "the reduce_scatter_tensor name": ("17", [(RS, "    (getattr(dist, 'reduce_scatter_single', "
                                                    "None) or dist.reduce_scatter_tensor)(out, "
                                                    "buffer)\n")]),
@@ -283,12 +296,24 @@ WRONG_17B = {
         "17b", [("            reduced = self.reduce_scatter([p.grad for p in self.full])\n",
                  "            reduced = [self.reduce_scatter([p.grad])[0] for p in self.full]\n")],
         COUNTS, ["made 2 reduce-scatters in one backward"], []),
+    "the reduced gradient averaged again": (
+        "17b", [(ADD, "                mine = mine / self.world_size\n" + ADD)],
+        UNIT_BITS, ["the reduced gradient times 1 / the world size"], []),
+    "the root's shards left out of the optimizer": (
+        "17b", [("    return optimizer_class([s for u in units for s in u.shards], **defaults)",
+                 "    return optimizer_class([s for u in units if not u.is_root "
+                 "for s in u.shards], **defaults)")],
+        "make_optimizer: an optimizer over this rank's shards", ["the root's too"], []),
     "the optimizer over the full parameters": (
         "17b", [("    return optimizer_class([s for u in units for s in u.shards], **defaults)",
                  "    return optimizer_class([p for u in units for p in u.full], **defaults)")],
         "make_optimizer: an optimizer over this rank's shards", ["full parameters"], []),
 }
 RIGHT_17B = {
+    "gathered before every forward, without asking": ("17b", [(
+        "    def before_forward(self) -> None:\n        if not self.gathered:\n"
+        "            self.gather()\n",
+        "    def before_forward(self) -> None:\n        self.gather()\n")]),
     "added with add_ into a copy": ("17b", [(ADD, (
         "                if shard.grad is None:\n                    shard.grad = mine.clone()\n"
         "                else:\n                    shard.grad.add_(mine)\n"))]),
