@@ -83,8 +83,8 @@ MISTAKES = {
     Loop(zero_grad="before the step"):
         "no parameter ever moved: the step never had a gradient to take, either because "
         "optimizer.zero_grad() ran after the backwards, just before optimizer.step(), and "
-        "cleared it, or because optimizer.step() was never called. zero_grad once before the "
-        "first micro-batch, step once after the last",
+        "cleared it, or because optimizer.step() was never called. Clear the gradients before "
+        "the first micro-batch and step after the last",
     Loop(step_each=True):
         "optimizer.step() ran after every micro-batch, the first k - 1 times on gradients no "
         "rank had averaged. Step once, after the last micro-batch",
@@ -237,7 +237,7 @@ def synchronization_problem(launches: list[list[int]], buckets: int) -> str | No
     else:
         why = (f"the last micro-batch's backward launched {first[-1]} all_reduces for "
                f"{buckets} buckets: one backward of the last micro-batch, through ddp")
-    return f"{said}. {why[0].upper()}{why[1:]}"
+    return f"{why[0].upper()}{why[1:]} ({said})"
 
 
 def grade_07():
@@ -245,8 +245,8 @@ def grade_07():
     report = by_world[3][0]
     rounds, buckets = report["rounds"], report["buckets"]
     yield (all(r == (1, buckets) for r in rounds), "one all_reduce round per step",
-           f"(synchronized backwards, all_reduces) per step were {rounds}, expected (1, "
-           f"{buckets}); " + (synchronization_problem(report["launches"], buckets) or ""))
+           (synchronization_problem(report["launches"], buckets) or "") + " (synchronized "
+           f"backwards, all_reduces) per step were {rounds}, expected (1, {buckets})")
     problem = synchronization_problem(report["launches"], buckets)
     yield (problem is None, "the micro-batch that synchronizes is the last one of each step",
            problem)
