@@ -47,8 +47,8 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import load_lesson
 
+from course.tools import load_lesson
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
 from miniddp.checks.chrome_trace import save_chrome_trace
 from miniddp.launch import launch, rank_device

@@ -33,11 +33,11 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import load_lesson
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.tools import load_lesson
 from miniddp.launch import launch, rank_device
 from miniddp.train.data import IN_FEATURES, make_dataset, make_model
 from miniddp.train.report import check, cpp_stderr, ok, print0

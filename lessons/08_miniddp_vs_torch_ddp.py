@@ -38,12 +38,12 @@ import copy
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import same_bits
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
+from course.tools import same_bits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import make_dataset, make_model, shard

@@ -36,13 +36,13 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import load_lesson, same_bits
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import miniddp
+from course.tools import load_lesson, same_bits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.train.data import OUT_FEATURES, make_dataset, make_model, shard
 from miniddp.train.report import Progress, check, ok, print0

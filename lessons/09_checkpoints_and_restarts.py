@@ -52,9 +52,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import PlainSGD
 from torch.utils.data import DataLoader
 
+from course.tools import PlainSGD
 from miniddp import DistributedDataParallel, DistributedSampler
 from miniddp.launch import join_torchrun_group, leave_group, rank_device
 from miniddp.launch.torchrun_agents import (

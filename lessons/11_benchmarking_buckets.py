@@ -14,7 +14,7 @@ shows how to turn noisy step times into a conclusion:
   their ratio cancels most of it; the A/A control (two identical torch DDPs) stays near 1
   while absolute times swing by 2x.
 * **a confidence interval of the median ratio** (exact, from order statistics:
-  ``course_tools.median_interval``), not the spread of single rounds: a ratio whose 95%
+  ``course.tools.median_interval``), not the spread of single rounds: a ratio whose 95%
   interval excludes 1 is a finding. Comparing a median with the A/A control's interquartile
   range dismisses real gaps however many rounds are run; both rules are shown on simulated
   rounds 11% apart.
@@ -54,7 +54,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import (
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from torch.utils.data import DataLoader
+
+from course.tools import (
     alternate,
     median_interval,
     per_round,
@@ -64,10 +68,6 @@ from course_tools import (
     sync,
     verdict,
 )
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from torch.utils.data import DataLoader
-
 from miniddp import DistributedDataParallel
 from miniddp.launch import launch, rank_device
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, shard

@@ -4,10 +4,10 @@ What this adds since part 1 (``15_sharded_optimizer.py``, whose ``ShardedOptimiz
 imports): the memory, and the next step. Part 1 proved that ZeRO-1 gives the unsharded bits;
 here its point is counted (no timing) and pushed further.
 
-1. **Memory.** Adam's state held on each rank after one step, at 1, 2 and 3 ranks, next to the
-   prediction total / W: exact for twelve equal layers; for lesson 00's student, whose first
-   weight holds most of its elements, sharding by whole parameters leaves one rank most of it.
-   (DeepSpeed and FSDP cut one flat buffer instead.)
+1. **Memory.** Adam's state on each rank after one step, at 1, 2 and 3 ranks, by hand, in
+   miniddp's and in torch's ``ZeroRedundancyOptimizer``, next to total / W: exact for twelve
+   equal layers; for lesson 00's student, whose first weight holds most of its elements,
+   sharding by whole parameters leaves one rank most of it (FSDP cuts every tensor instead).
 2. **ZeRO stage 2.** A rank steps only its share, so it needs only its share's *averaged
    gradients*, and the first half of lesson 01's ring, the reduce-scatter, delivers exactly
    that: lay the gradients out rank by rank, cut the ring's chunks at the shares, and after
@@ -15,8 +15,9 @@ here its point is counted (no timing) and pushed further.
    then slicing (bit for bit at 2 ranks; at 3 equal to lesson 01's whole ring, and within
    rounding of gloo's all_reduce, which adds in another order), then trained with part 1's
    all_gather in place of DDP. The traffic does not grow: a ring all_reduce *is* a
-   reduce-scatter plus an all-gather. ZeRO-1 as written in part 1 (and torch's) sends more:
-   DDP's whole all_reduce, then every parameter from its owner.
+   reduce-scatter plus an all-gather. Then ZeRO-2 as the libraries ship it,
+   ``fully_shard(reshard_after_forward=False)``: miniddp's bit for bit torch's, each rank
+   keeping its rows of every gradient, the layers gathered from forward to backward.
 3. **Where the stages lead**: bytes per parameter per rank for DDP, ZeRO-1, ZeRO-2 and ZeRO-3
    (FSDP: the weights sharded too, each layer gathered just before it is used; lesson 17).
 
@@ -29,7 +30,8 @@ Run it:
 What you should see: the state per rank at 1, 2 and 3 ranks equal to torch's and to total / W
 for the equal layers; the reduce-scatter's chunk equal to all_reduce then slicing and the
 elements each rank sent; ZeRO-2's loss falling, each rank keeping only its share's gradients,
-equal to torch's DDP with ZeroRedundancyOptimizer; the table; ``OK: ...``. About 15 s.
+equal to torch's DDP with ZeroRedundancyOptimizer; ``miniddp.fully_shard``'s ZeRO-2 equal to
+torch's; the table; ``OK: ...``. About 15 s.
 """
 
 import argparse
@@ -37,14 +39,25 @@ import argparse
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from course_tools import load_lesson
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
+import miniddp
+from course.tools import load_lesson
 from miniddp.launch import launch, launched_by_torchrun, rank_device
+from miniddp.optim import ZeroRedundancyOptimizer
 from miniddp.train.data import make_dataset, make_model, shard
 from miniddp.train.report import check, ok, print0
+
+try:  # FSDP2: public from torch 2.6, under _composable before
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+except ImportError:
+    try:
+        from torch.distributed._composable.fsdp import fully_shard as torch_fully_shard
+    except ImportError:
+        torch_fully_shard = None
 
 zero1 = load_lesson("15_sharded_optimizer")
 ShardedOptimizer, state_bytes, everyone = (zero1.ShardedOptimizer, zero1.state_bytes,
@@ -62,16 +75,18 @@ def memory_per_rank() -> list[dict]:
     rows = {}
     for name, build in (("twelve equal layers", zero1.equal_layers),
                         ("lesson 00's student", lambda: make_model(seed=0))):
-        models = [build().to(device) for _ in range(3)]
+        models = [build().to(device) for _ in range(4)]
         x = torch.randn(8, models[0][0].in_features, generator=torch.Generator().manual_seed(0))
         optimizers = [ShardedOptimizer(models[0].parameters(), torch.optim.Adam, lr=0.01),
                       TorchZeRO(models[1].parameters(), torch.optim.Adam, lr=0.01),
-                      torch.optim.Adam(models[2].parameters(), lr=0.01)]
+                      torch.optim.Adam(models[2].parameters(), lr=0.01),
+                      ZeroRedundancyOptimizer(models[3].parameters(), torch.optim.Adam, lr=0.01)]
         for model, optimizer in zip(models, optimizers):
             model(x.to(device)).square().mean().backward()
             optimizer.step()
         rows[name] = (state_bytes(optimizers[0].local), state_bytes(optimizers[1].optim),
-                      state_bytes(optimizers[2]), sum(p.numel() for p in models[0].parameters()))
+                      state_bytes(optimizers[2]), sum(p.numel() for p in models[0].parameters()),
+                      state_bytes(optimizers[3].optim))
     return everyone(rows)
 
 
@@ -83,10 +98,13 @@ def show_memory(by_world: dict) -> None:
         for world, ranks in sorted(by_world.items()):
             mine, torchs = [r[name][0] for r in ranks], [r[name][1] for r in ranks]
             print0(f"    {world} rank{'s' if world > 1 else ' '}: by hand {mine}, torch's "
-                   f"{torchs}; total / W = {total / world:.0f}; the largest share is "
-                   f"{max(mine) / total:.0%} of the total")
+                   f"and miniddp's {torchs}; total / W = {total / world:.0f}; the largest "
+                   f"share is {max(mine) / total:.0%} of the total")
             check(mine == torchs, f"{name} at {world} ranks: the state held by hand differs "
                                   f"from {TORCHS}'s, rank by rank")
+            library = [r[name][4] for r in ranks]
+            check(library == torchs, f"{name} at {world} ranks: miniddp's "
+                  f"ZeroRedundancyOptimizer holds {library} bytes of state, {TORCHS} {torchs}")
             check(sum(mine) == total and all(r[name][2] == total for r in ranks),
                   f"{name} at {world} ranks: the shares hold {sum(mine)} bytes in all, the "
                   f"unsharded optimizer {total}: each state must be held exactly once")
@@ -191,12 +209,9 @@ def reduce_scatter_against_all_reduce(rank, world, device):
     check(sum(every) == (world - 1) * total, f"the ranks sent {every} elements in the "
           f"reduce-scatter, {sum(every)} in all, expected (W - 1) x {total}")
     print0(f"  The ranks sent {every} elements of {total} (every chunk but their own, once): "
-           f"{sum(every)} in all,\n  (W-1) x {total}. The all_gather of the parameters sends "
-           "as many again: together a ring\n  all_reduce's traffic, DDP's, in total (2(W-1)/W "
-           "of the elements per rank on average; per rank\n  not, when the shares differ in "
-           "size). ZeRO-1 as in part 1 sends more: DDP's whole\n  all_reduce, then every "
-           "parameter from its owner (each rank receives every parameter it does\n  not own, an "
-           "all-gather's worth): in total 1.5x DDP's bytes at the least.")
+           f"(W-1) x {total}. The all_gather\n  of the parameters sends as many again: a ring "
+           "all_reduce's traffic, DDP's. ZeRO-1 as in part 1 sends\n  more: DDP's whole "
+           "all_reduce, then every parameter from its owner (1.5x DDP's bytes at the least).")
 
 
 def stage_two(rank, world, device):
@@ -235,6 +250,49 @@ def stage_two(rank, world, device):
                                         f"{losses[-1]:.4f}, not below 20% of it")
     check(worst == 0.0 if world == 2 else worst < 1e-5,
           f"rank {rank}: ZeRO-2 ended {worst:.1e} from torch's DDP + ZeroRedundancyOptimizer")
+    library_zero2(rank, world)
+
+
+def library_zero2(rank, world):
+    """ZeRO-2 as the libraries ship it, ``fully_shard(reshard_after_forward=False)``, miniddp's
+    beside torch's, bit for bit: each rank keeps its rows of every gradient and parameter, the
+    parameters gathered once a step and kept from forward to backward."""
+    if torch_fully_shard is None:
+        return print0(f"  (torch {torch.__version__} has no fully_shard: ZeRO-2 in the libraries "
+                      "not shown)")
+    mesh = init_device_mesh("cpu", (world,))
+    models = {}
+    for name, fully_shard in (("miniddp", miniddp.fully_shard), ("torch", torch_fully_shard)):
+        model = make_model(seed=0)
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, reshard_after_forward=False)
+        models[name] = fully_shard(model, mesh=mesh)
+    optimizers = {k: torch.optim.Adam(m.parameters(), lr=0.01) for k, m in models.items()}
+    x_all, y_all = make_dataset(n=8 * BATCH_SIZE * world, seed=2).tensors
+    differ, kept = 0, set()
+    for step in range(8):
+        x, y = (t[BATCH_SIZE * (world * step + rank):][:BATCH_SIZE] for t in (x_all, y_all))
+        local = {}
+        for name, model in models.items():
+            loss = F.mse_loss(model(x), y)
+            kept.add((name, all(not hasattr(m.weight, "to_local") for m in model[::2])))
+            loss.backward()
+            local[name] = [t.to_local() for p in model.parameters() for t in (p.grad, p)]
+            optimizers[name].step()
+            optimizers[name].zero_grad()
+        differ += sum(int((a != b).sum()) for a, b in zip(local["miniddp"], local["torch"]))
+    grads = sum(p.to_local().numel() for p in models["miniddp"].parameters())
+    total = sum(p.numel() for p in make_model(seed=0).parameters())
+    both = kept == {("miniddp", True), ("torch", True)}
+    print0(f"  ZeRO-2 in the libraries, fully_shard(reshard_after_forward=False): rank 0 keeps "
+           f"{grads} of {total} gradient\n  elements (its rows of each); the layers stay "
+           f"gathered from forward to backward: {both}; miniddp.fully_shard\n  differs from "
+           f"torch's in {differ} elements over 8 steps")
+    check(both, f"rank {rank}: after forward, with "
+          f"reshard_after_forward=False, a layer was freed ({sorted(kept)}): ZeRO-2 keeps "
+          "the parameters gathered until backward")
+    check(differ == 0, f"rank {rank}: miniddp.fully_shard (ZeRO-2) differs from torch's in "
+                       f"{differ} gradient or parameter elements over 8 steps")
 
 
 # ----- 3. where this leads -----
@@ -250,16 +308,13 @@ def stages_table(measured: dict) -> None:
     print0(f"  {'':<27}" + "".join(f"{f'W={w}':>8}" for w in worlds))
     for name, per_parameter in stages:
         print0(f"  {name:<27}" + "".join(f"{per_parameter(w):8.2f}" for w in worlds))
-    print0("  (ZeRO-2's row is not what section 2's code holds at its peak: there backward "
-           "computes every\n  gradient before the reduce-scatter. The row needs the "
-           "reduce-scatter during backward, bucket\n  by bucket as DDP's all_reduce is, each "
-           "rank freeing the gradients it does not own once sent.)")
+    print0("  (ZeRO-2's row needs the reduce-scatter during backward, unit by unit, as "
+           "fully_shard makes it;\n  section 2's by hand computes every gradient first.)")
     print0("  measured, ZeRO-1 on twelve equal layers: " + ", ".join(
         f"W={w}: {12 + value:.2f}" for w, value in sorted(measured.items())) +
         " (part 1's 12, and section 1's largest state per element)")
-    print0("  The ZeRO-2 and ZeRO-3 rows as torch ships them are FSDP (fully_shard): lesson 17, "
-           "lessons/17_fsdp.py,\n  gathers each layer's weights just before its forward and "
-           "backward and reduce-scatters its gradients\n  as backward produces them.")
+    print0("  ZeRO-3 is the rest of FSDP (fully_shard): lessons/17_fsdp.py gathers each "
+           "layer's weights just before\n  its forward and again for its backward.")
 
 
 def on_every_rank(memory: dict):

@@ -82,7 +82,6 @@ SLOW = {
         "tests/test_lesson_mechanisms.py::test_lesson_16_fails_when_*",
         "tests/test_trace.py::test_lesson_06_prints_the_trace_with_trace",
         "tests/test_zero_course.py::test_lesson_runs_at_3_ranks",
-        "tests/test_zero_course.py::test_exercise_wrong_solution_fails_naming_its_mistake[*",
     ],
     "waits out a timeout on purpose, to show what a hang turns into": [
         "tests/test_consistency.py::test_without_debug_*",

@@ -32,7 +32,8 @@ def _has_fsdp2() -> bool:
 CANNOT_RUN_HERE = {} if TORCH_HAS_IS_COMPILING else {
     "16_compile": "lesson 16 needs torch >= 2.3 (torch.compiler.is_compiling)"}
 if not _has_fsdp2():
-    CANNOT_RUN_HERE["17_fsdp"] = "lesson 17 needs torch's FSDP2 (fully_shard)"
+    CANNOT_RUN_HERE.update(dict.fromkeys(("17_fsdp", "17_fsdp_options"),
+                                         "lesson 17 needs torch's FSDP2 (fully_shard)"))
 
 
 def runnable_here(stem: str):
@@ -43,11 +44,11 @@ def runnable_here(stem: str):
 def load_lesson(number: str):
     """The module of ``lessons/<number>_*.py`` (the first in sorted order: a lesson in two
     parts is ``15`` for part 1), or of ``lessons/<number>.py`` when given a whole stem; loaded
-    once. The lessons' directory goes on ``sys.path``: lessons import ``course_tools``."""
-    if str(LESSONS_DIR) not in sys.path:
-        sys.path.append(str(LESSONS_DIR))
+    once. The repository goes on ``sys.path``: lessons import ``course.tools``."""
+    if str(LESSONS_DIR.parent) not in sys.path:
+        sys.path.append(str(LESSONS_DIR.parent))
     whole_stem = "_" in number
-    name = f"lesson_{number}"  # as lessons/course_tools.py names a whole stem
+    name = f"lesson_{number}"  # as course/tools.py names a whole stem
     if name not in sys.modules:
         path = (LESSONS_DIR / f"{number}.py" if whole_stem
                 else sorted(LESSONS_DIR.glob(f"{number}_*.py"))[0])

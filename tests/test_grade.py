@@ -15,7 +15,8 @@ from warm_python import warm_python
 
 GRADE = LESSONS_DIR / "grade.py"
 SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
-NUMBERS = ["03", "04", "05", "06", "07", "15"] + ([] if "17_fsdp" in CANNOT_RUN_HERE else ["17"])
+NUMBERS = ["03", "04", "05", "06", "07", "15"] + ([] if "17_fsdp" in CANNOT_RUN_HERE
+                                                  else ["17", "17b"])
 
 
 GRADER_WARM = ("grade", "torch._dynamo")  # the grader's own imports, with its settings
@@ -60,7 +61,7 @@ def unwrapped(stdout: str) -> str:
 
 def sections(stdout: str) -> dict[str, str]:
     """The grader's output, exercise by exercise, each verdict on one line."""
-    parts = re.split(r"^exercise (\d\d): .*$", unwrapped(stdout), flags=re.MULTILINE)
+    parts = re.split(r"^exercise (\d\d[a-z]?): .*$", unwrapped(stdout), flags=re.MULTILINE)
     return dict(zip(parts[1::2], parts[2::2]))
 
 
@@ -407,13 +408,13 @@ WRONG = {
     "07 the first micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
                                                       "        if j > 0:\n")],
                                               "the micro-batch that synchronizes is the last",
-                                              ["[[1, 0, 0, 0],", "expected [0, 0, 0, 1]",
+                                              ["[[1, 0, 0],", "expected [0, 0, 1]",
                                                "Micro-batch 0 synchronized and the last did "
                                                "not"], []),
     "07 a middle micro-batch synchronizes": ("07", [("        if j < k - 1:\n",
                                                      "        if j != 1:\n")],
                                              "the micro-batch that synchronizes is the last",
-                                             ["[[0, 1, 0, 0],"], []),
+                                             ["[[0, 1, 0],"], []),
 }
 
 
@@ -693,7 +694,7 @@ SEND_LOOP_15 = ("        for p, owner in zip(self.params, self.owners):\n"
                 "            dist.broadcast(p, src=owner)\n")
 
 CLASSES = {
-    # 07, the loss's divisor: each named from the update's size, at k = 4 (no world size)
+    # 07, the loss's divisor: each named from the update's size, at k = 3 (and 2 ranks)
     "07 divided by the world size": (
         "07", DIST_07 + loop_07("(F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()",
                                 "(F.mse_loss(ddp(x), y) / dist.get_world_size()).backward()"),
@@ -736,7 +737,7 @@ CLASSES = {
     "07 no no_sync at all": (
         "07", loop_07(LOSS_07, LOSS_07, split="False")
         + [("        else:\n", "        if True:\n")],
-        ROUND_07, ["Every micro-batch synchronized", "[0, 0, 0,"], []),
+        ROUND_07, ["Every micro-batch synchronized", "[0, 0,"], []),
     "07 only the backward inside no_sync": (
         "07", [("            with ddp.no_sync():\n                " + LOSS_07,
                 "            loss = F.mse_loss(ddp(x), y) / k\n            with ddp.no_sync():\n"
@@ -744,13 +745,13 @@ CLASSES = {
         ROUND_07, ["Every micro-batch synchronized", "read at forward time"], []),
     "07 every micro-batch inside no_sync": (
         "07", loop_07(LOSS_07, "with ddp.no_sync():\n                " + LOSS_07),
-        ROUND_07, ["No micro-batch synchronized", "[0, 0, 0, 0]"], []),
+        ROUND_07, ["No micro-batch synchronized", "[0, 0, 0]"], []),
     "07 the last through ddp.module": (
         "07", loop_07(LOSS_07, "(F.mse_loss(ddp.module(x), y) / k).backward()"),
         ROUND_07, ["No micro-batch synchronized"], ["micro-batch 0 synchronized"]),
     "07 one micro-batch too early": (
         "07", loop_07(LOSS_07, LOSS_07, split="j < k - 2"),
-        ROUND_07, ["Micro-batches [2] synchronized as well as the last"], []),
+        ROUND_07, ["Micro-batches [1] synchronized as well as the last"], []),
     # 15, the local optimizer's options, asynchronous broadcasts, a partition by bytes
     "15 built without the defaults": (
         "15", [("self.local = optimizer_class(mine, **defaults)",
@@ -771,7 +772,7 @@ CLASSES = {
     "15 balanced by bytes": (
         "15", [("load[result[i]] += params[i].numel()",
                 "load[result[i]] += params[i].numel() * params[i].element_size()")],
-        OWNERS_15, ["counted each rank's load in bytes", "whatever the dtype"], []),
+        OWNERS_15, ["counted each rank's load in bytes", "whatever the shape and dtype"], []),
     "15 sorted and balanced by bytes": (
         "15", [("load[result[i]] += params[i].numel()",
                 "load[result[i]] += params[i].numel() * params[i].element_size()"),
@@ -880,6 +881,18 @@ CLASSES = {
         "06", [("self.missing[b] -= 1", "self.missing[b] = 0")],
         "every bucket is launched once all its gradients are in it",
         ["were not yet in it", "count of missing gradients"], []),
+    # 07, the mean's value, rounded otherwise: at k = 3 scaling after the backwards shows
+    "07 gradients divided by k before the step": (
+        "07", loop_07("F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()",
+                      after="    for p in ddp.parameters():\n        p.grad.div_(k)\n"
+                            "    optimizer.step()\n"),
+        BITS_07, ["gradients were divided by k after the backwards", "Divide each loss by k"],
+        ["none of the usual"]),
+    "07 gradients multiplied by 1 / k before the step": (
+        "07", loop_07("F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()",
+                      after="    for p in ddp.parameters():\n        p.grad *= 1 / k\n"
+                            "    optimizer.step()\n"),
+        BITS_07, ["multiplied by 1/k after the backwards"], ["none of the usual"]),
     # 07: every micro-batch's loss in one backward
     "07 the losses summed, one backward": (
         "07", [(LOOP_07, "    optimizer.zero_grad()\n"
@@ -946,9 +959,6 @@ RIGHT_CLASSES = {
         LOSS_07, LOSS_07, before="", after="    optimizer.step()\n    optimizer.zero_grad()\n")),
     "07 times the reciprocal": ("07", loop_07("(F.mse_loss(ddp(x), y) * (1.0 / k)).backward()",
                                               "(F.mse_loss(ddp(x), y) * (1.0 / k)).backward()")),
-    "07 gradients divided by k before the step": ("07", loop_07(
-        "F.mse_loss(ddp(x), y).backward()", "F.mse_loss(ddp(x), y).backward()",
-        after="    for p in ddp.parameters():\n        p.grad.div_(k)\n    optimizer.step()\n")),
     "07 one no_sync block, then the last": ("07", [(LOOP_07, (
         "    optimizer.zero_grad()\n    with ddp.no_sync():\n"
         "        for x, y in micro_batches[:-1]:\n            " + LOSS_07 + "\n"
@@ -975,34 +985,44 @@ def solution_files(names: list[str], directory: Path, tables: tuple[dict, ...]) 
 
 def by_file(stdout: str) -> dict[str, str]:
     """The grader's output per graded file (by its name), each verdict on one line."""
-    parts = re.split(r"^exercise \d\d: (.*)$", unwrapped(stdout), flags=re.MULTILINE)
+    parts = re.split(r"^exercise \d\d[a-z]?: (.*)$", unwrapped(stdout), flags=re.MULTILINE)
     return {Path(path).name: text for path, text in zip(parts[1::2], parts[2::2])}
 
 
 CLASS_NUMBERS = sorted({case[0] for case in (*CLASSES.values(), *RIGHT_CLASSES.values())})
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("number", CLASS_NUMBERS)
-def test_each_class_of_mistake_is_named_and_unusual_right_solutions_pass(tmp_path, number):
-    wrong = [name for name, case in CLASSES.items() if case[0] == number]
-    right = [name for name, case in RIGHT_CLASSES.items() if case[0] == number]
-    paths = solution_files(wrong + right, tmp_path, (CLASSES, RIGHT_CLASSES))
+def problems_in_one_run(wrong: dict, right: dict, directory: Path) -> list[str]:
+    """Grade every solution of ``wrong`` (name -> (exercise, edits, check, words, absent)) and
+    of ``right`` (name -> (exercise, edits)) in one grader run, all on the same ranks; what did
+    not go as it must: a right one that did not pass, a wrong one whose first FAIL is not
+    ``check`` with every one of ``words`` and none of ``absent`` in its reason."""
+    names = [*wrong, *right]
+    paths = solution_files(names, directory, (wrong, right))
     done = grade(*paths, timeout=600)
     found = by_file(done.stdout)
     assert len(found) == len(paths), done.stdout + done.stderr
     problems = []
-    for name, path in zip(wrong + right, paths):
+    for name, path in zip(names, paths):
         text = found[path.name]
-        if name in RIGHT_CLASSES:
+        if name in right:
             if "FAIL" in text or "PASS" not in text:
                 problems.append(f"{name} (right) did not pass:\n{text}")
             continue
-        _, _, check, words, absent = CLASSES[name]
+        _, _, check, words, absent = wrong[name]
         try:
             lines, failed = first_failure(text, name, check, words)
             why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
             assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
         except AssertionError as error:
             problems.append(str(error))
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("number", CLASS_NUMBERS)
+def test_each_class_of_mistake_is_named_and_unusual_right_solutions_pass(tmp_path, number):
+    wrong = {name: case for name, case in CLASSES.items() if case[0] == number}
+    right = {name: case for name, case in RIGHT_CLASSES.items() if case[0] == number}
+    problems = problems_in_one_run(wrong, right, tmp_path)
     assert not problems, "\n\n".join(problems)

@@ -147,6 +147,25 @@ def test_a_lesson_this_torch_cannot_run_says_why_and_is_skipped(stem, tmp_path):
     assert last_line(done).startswith("SKIPPED: ") and "torch" in last_line(done), done.stdout
 
 
+def test_the_lessons_folder_shows_the_lessons():
+    """lessons/ holds the numbered lessons, the exercises, the syllabus and the two commands a
+    learner types, each only starting its machinery in course/; nothing else (Python's own
+    caches aside)."""
+    commands = {"grade.py", "run_course.py"}
+    others = sorted(p.name for p in LESSONS_DIR.iterdir()
+                    if p.name not in {"README.md", "exercises", "__pycache__", *commands}
+                    and not re.fullmatch(r"\d\d_\w+\.py", p.name))
+    assert others == [], f"lessons/ holds more than the lessons: {others}"
+    for name in commands:
+        lines = (LESSONS_DIR / name).read_text().splitlines()
+        assert len(lines) <= 15 and any("from course." in line for line in lines), name
+
+
+def test_no_lesson_is_longer_than_350_lines():
+    long = {p.name: n for p in LESSONS if (n := len(p.read_text().splitlines())) > 350}
+    assert long == {}, f"lessons over 350 lines: {long}"
+
+
 def write_lessons(directory: Path, lessons: dict[str, str]) -> Path:
     directory.mkdir()
     for name, body in lessons.items():

@@ -1,12 +1,15 @@
-"""Lesson 15 (ZeRO stage 1 by hand) and exercise 15 (the sharded step): what they prove holds,
-and fails when it should not.
+"""Lesson 15 (ZeRO stage 1 by hand; part 2, ZeRO-2) and exercise 15 (the sharded step): what
+they prove holds, and fails when it should not.
 
 The lesson's pieces against torch: its partition against torch's ``ZeroRedundancyOptimizer``,
 its ``ShardedOptimizer`` bit for bit against torch's (each with a control that must differ), its
 reduce-scatter against all_reduce then slicing. Then the lesson broken from outside
-(``tests/breakage``), at 3 ranks, and the exercise graded both ways: as shipped it fails saying
-what to write, the solution passes, and each plausible wrong solution fails the check that
-names its mistake. (The lesson's plain run is ``tests/test_lessons.py``'s, found by its name.)
+(``tests/breakage``): a broadcast that sends nothing, and each small breakage of miniddp's
+``ZeroRedundancyOptimizer`` (and of ``fully_shard``'s ZeRO-2) applied in a pool of ranks to the
+part of the lesson that teaches it. Last, exercise 15's wrong solutions, each failing first the
+check that names its mistake, and other right ones passing, in one grader run. (The lesson's
+plain run is ``tests/test_lessons.py``'s; the exercise as shipped and its solution are graded
+in ``tests/test_grade.py``.)
 """
 
 import sys
@@ -16,15 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import load_lesson
-from test_grade import (
-    first_failure,
-    grade,
-    grades_ahead,
-    sections,
-    solution_lines,
-    solution_with_mistake,
-)
-from test_lesson_breakage import run_broken
+from test_grade import problems_in_one_run
+from test_lesson_breakage import failure_with_the_library_broken, run_broken
 from test_lessons import last_line, run
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
@@ -34,6 +30,8 @@ from miniddp.train.data import make_dataset
 
 zero = load_lesson("15")
 stage_two = load_lesson("15_sharded_optimizer_stage_2")
+needs_fsdp2 = pytest.mark.skipif(stage_two.torch_fully_shard is None,
+                                 reason=f"torch {torch.__version__} has no FSDP2 (fully_shard)")
 
 
 def layers() -> nn.Module:
@@ -161,93 +159,139 @@ def test_lesson_fails_when_broadcast_sends_nothing(tmp_path):
     assert "OK:" not in done.stdout
 
 
-# ----- exercise 15, graded -----
+# ----- exercise 15, graded (as shipped and its solution: tests/test_grade.py) -----
 
-@pytest.mark.slow
-def test_exercise_as_shipped_fails_saying_what_to_write():
-    done = grade("15")
-    assert done.returncode == 1, done.stdout + done.stderr
-    text = sections(done.stdout)["15"]
-    assert "TODO  not written yet: exercise 15" in text and "--hint 15" in text, text
-    assert "PASS" not in text
-    for line in solution_lines("15"):
-        assert line not in text, f"the instruction dictates {line!r}"
+OWNERS = "owners: torch's ZeroRedundancyOptimizer's partition"
+SORT = "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)"
+LOAD = "load[result[i]] += params[i].numel()"
+SEND = "dist.broadcast(p, src=owner)"
+SEND_LOOP = ("        for p, owner in zip(self.params, self.owners):\n"
+             "            dist.broadcast(p, src=owner)\n")
 
-
-@pytest.mark.slow
-def test_exercise_solution_passes_every_check():
-    done = grade("15", "--solutions")
-    assert done.returncode == 0, done.stdout + done.stderr
-    text = sections(done.stdout)["15"]
-    assert text.count("PASS") == 5 and "FAIL" not in text, text
-
-
-def test_exercise_hint_prints_the_code_the_instruction_leaves_out_at_its_last_step():
-    done = grade("--hint", "15", "--step", "3")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert all(line in done.stdout for line in solution_lines("15")), done.stdout
-    first = grade("--hint", "15").stdout
-    assert not any(line in first for line in solution_lines("15")), first
-
-
-# Each: (text in the solution, the mistake put in its place, the first check that must fail,
-# words its message must hold)
-MISTAKES = {
+# Each wrong solution: (exercise, edits of the solution, the first check that must fail, words
+# its reason must hold, words it must not hold); graded with the right ones in one run
+WRONG = {
     "every rank steps every parameter": (
-        "self.local = optimizer_class(mine, **defaults)",
-        "self.local = optimizer_class(self.params, **defaults)",
-        "each rank's optimizer holds its share only", "holds all 14 parameters"),
+        "15", [("self.local = optimizer_class(mine, **defaults)",
+                "self.local = optimizer_class(self.params, **defaults)")],
+        "each rank's optimizer holds its share only", ["holds all 14 parameters"], []),
     "the local step is never taken": (
-        "        self.local.step()\n", "", "each rank's optimizer holds its share only",
-        "self.local never stepped"),
+        "15", [("        self.local.step()\n", "")], "each rank's optimizer holds its share only",
+        ["self.local never stepped"], []),
     "nothing is sent back": (
-        "        for p, owner in zip(self.params, self.owners):\n"
-        "            dist.broadcast(p, src=owner)\n", "",
-        "2 ranks: parameters equal torch's", "nothing brought their new values here"),
-    "sent from rank 0": (
-        "dist.broadcast(p, src=owner)", "dist.broadcast(p, src=0)",
-        "every broadcast sends a parameter from its owner", "but rank 1 owns it"),
-    "sent from this rank": (
-        "dist.broadcast(p, src=owner)", "dist.broadcast(p, src=self.rank)",
-        "every broadcast sends a parameter from its owner", "named different sources"),
+        "15", [("        for p, owner in zip(self.params, self.owners):\n"
+                "            dist.broadcast(p, src=owner)\n", "")],
+        "2 ranks: parameters equal torch's", ["nothing brought their new values here"], []),
+    "sent from rank 0": ("15", [(SEND, "dist.broadcast(p, src=0)")],
+                         "every broadcast sends a parameter from its owner",
+                         ["but rank 1 owns it"], []),
+    "sent from this rank": ("15", [(SEND, "dist.broadcast(p, src=self.rank)")],
+                            "every broadcast sends a parameter from its owner",
+                            ["named different sources"], []),
     "only the owner takes part": (
-        "            dist.broadcast(p, src=owner)",
-        "            if owner == self.rank:\n                dist.broadcast(p, src=owner)",
+        "15", [("            dist.broadcast(p, src=owner)",
+                "            if owner == self.rank:\n"
+                "                dist.broadcast(p, src=owner)")],
         "every broadcast sends a parameter from its owner",
-        "every rank must take part in the broadcast of every parameter"),
+        ["every rank must take part in the broadcast of every parameter"], []),
     "dealt round robin": (
-        "    result, load = [0] * len(params), [0] * world_size\n",
-        "    return [i % world_size for i in range(len(params))]\n",
-        "owners: torch's ZeroRedundancyOptimizer's partition", "you dealt the parameters out"),
-    "model order": (
-        "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)",
-        "range(len(params))", "owners: torch's ZeroRedundancyOptimizer's partition",
-        "in model order"),
+        "15", [("    result, load = [0] * len(params), [0] * world_size\n",
+                "    return [i % world_size for i in range(len(params))]\n")],
+        OWNERS, ["you dealt the parameters out in turn"], []),
+    "model order": ("15", [(SORT, "range(len(params))")], OWNERS, ["in model order"], []),
     "equal sizes reversed": (
-        "sorted(range(len(params)), key=lambda i: params[i].numel(), reverse=True)",
-        "sorted(range(len(params)), key=lambda i: params[i].numel())[::-1]",
-        "owners: torch's ZeroRedundancyOptimizer's partition", "equal sizes came out in reverse"),
+        "15", [(SORT, "sorted(range(len(params)), key=lambda i: params[i].numel())[::-1]")],
+        OWNERS, ["equal sizes came out in reverse"], []),
+    # rows (shape[0]) where torch counts elements: named as rows, not as a share
+    "balanced and sorted by rows": (
+        "15", [(SORT, SORT.replace("numel()", "shape[0]")),
+               (LOAD, "load[result[i]] += params[i].shape[0]")],
+        OWNERS, ["you balanced rows (shape[0]) instead of elements"], ["optimizer holds"]),
+    "balanced by rows": ("15", [(LOAD, "load[result[i]] += len(params[i])")], OWNERS,
+                         ["load in rows (shape[0])", "torch counts elements"], []),
+    "sorted by rows": ("15", [(SORT, SORT.replace("numel()", "shape[0]"))], OWNERS,
+                       ["you sorted by rows (shape[0])"], ["load"]),
+    "ties to the highest rank": (
+        "15", [("result[i] = load.index(min(load))",
+                "result[i] = world_size - 1 - load[::-1].index(min(load))")],
+        OWNERS, ["on a tie you chose a higher rank"], []),
+    "another rank's share": (
+        "15", [("if owner == self.rank]", "if owner == (self.rank + 1) % self.world_size]")],
+        "each rank's optimizer holds its share only", ["it holds rank 1's share"], []),
+    "the parameters all_reduced": (
+        "15", [(SEND_LOOP, "        for p in self.params:\n            dist.all_reduce(p)\n")],
+        "2 ranks: parameters equal torch's", ["all_reduced them", "adds up every rank's copy"],
+        []),
+    "the gradients broadcast": (
+        "15", [(SEND, "dist.broadcast(p.grad, src=owner)")],
+        "2 ranks: parameters equal torch's", ["broadcast the gradients, not the parameters"],
+        []),
+    "sorted by the last dimension": (
+        "15", [(SORT, SORT.replace("numel()", "shape[-1]"))], OWNERS,
+        ["could not tell which rule yours follows", "The smallest case"], []),
+}
+RIGHT = {
+    "the others' copies zeroed, then summed": ("15", [(SEND_LOOP, (
+        "        for p, owner in zip(self.params, self.owners):\n"
+        "            if owner != self.rank:\n                p.zero_()\n"
+        "            dist.all_reduce(p)\n"))]),
+    "the least-loaded rank from a sorted list of pairs": ("15", [(
+        "result[i] = load.index(min(load))",
+        "result[i] = sorted((size, rank) for rank, size in enumerate(load))[0][1]")]),
+    "a stable sort written as a key with the index": ("15", [(
+        SORT, "sorted(range(len(params)), key=lambda i: (-params[i].numel(), i))")]),
+    "the elements counted with nelement()": ("15", [(LOAD, "load[result[i]] += "
+                                                            "params[i].nelement()")]),
 }
 
 
-def with_mistake(case: str, directory) -> list:
-    right, wrong, _, _ = MISTAKES[case]
-    return solution_with_mistake("15", right, wrong, directory)
+@pytest.mark.slow
+def test_exercise_names_each_mistake_and_passes_other_right_solutions(tmp_path):
+    problems = problems_in_one_run(WRONG, RIGHT, tmp_path)
+    assert not problems, "\n\n".join(problems)
 
 
-@pytest.fixture(scope="module")
-def graded_ahead(request, tmp_path_factory):
-    ahead = grades_ahead(request, tmp_path_factory, {
-        "test_exercise_wrong_solution_fails_naming_its_mistake":
-            lambda params, directory: with_mistake(params["case"], directory)})
-    yield ahead
-    ahead.close()
+# ----- the library broken: the part of lesson 15 that teaches the mechanism fails -----
+
+# breakage -> (the lesson part, its arguments after rank, world and device, the message)
+LIBRARY = {
+    "zero_ties_reversed": ("equal_sizes_and_a_schedule", (),
+                           "with equal sizes, miniddp's ZeroRedundancyOptimizer gives this rank"),
+    "zero_lr_never_forwarded": ("equal_sizes_and_a_schedule", (),
+                                "with the learning rate changed every 3 steps, miniddp's"),
+    "zero_partition_in_model_order": ("equal_sizes_and_a_schedule", (),
+                                      "with equal sizes, miniddp's ZeroRedundancyOptimizer"),
+    "zero_partition_by_count": ("sharded_step", ("SGD with momentum",),
+                                "miniddp's ZeroRedundancyOptimizer keeps"),
+    "zero_steps_every_parameter": ("sharded_step", ("SGD with momentum",),
+                                   "miniddp's ZeroRedundancyOptimizer keeps"),
+    "zero_broadcasts_from_rank_0": ("sharded_step", ("SGD with momentum",),
+                                    "miniddp's ZeroRedundancyOptimizer differs from the "
+                                    "unsharded optimizer"),
+    "zero_never_sends": ("sharded_step", ("SGD with momentum",),
+                         "miniddp's ZeroRedundancyOptimizer differs from the unsharded"),
+}
+
+
+def lesson_part(name: str, *args):
+    return getattr(zero, name)(dist.get_rank(), dist.get_world_size(), torch.device("cpu"),
+                               *args)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", sorted(MISTAKES))
-def test_exercise_wrong_solution_fails_naming_its_mistake(graded_ahead, request, case):
-    _, _, check, words = MISTAKES[case]
-    done = graded_ahead.result(request.node.nodeid)
-    assert done.returncode == 1, done.stdout + done.stderr
-    first_failure(sections(done.stdout)["15"], case, check, [words])
+@pytest.mark.parametrize("breakage", sorted(LIBRARY))
+def test_lesson_fails_where_it_teaches_what_the_library_broke(ranks, breakage):
+    part, args, message = LIBRARY[breakage]
+    said = failure_with_the_library_broken(ranks, 2, breakage, lesson_part, part, *args)
+    assert message in said, said[-3000:]
+
+
+@pytest.mark.slow
+@needs_fsdp2
+def test_part_2_fails_when_zero2_frees_the_parameters_after_forward(ranks):
+    said = failure_with_the_library_broken(ranks, 2, "fsdp_zero2_ignored", part_2_zero2)
+    assert "ZeRO-2 keeps the parameters gathered until backward" in said, said[-3000:]
+
+
+def part_2_zero2():
+    return stage_two.library_zero2(dist.get_rank(), dist.get_world_size())

@@ -14,13 +14,25 @@ import importlib.util
 import sys
 from collections.abc import Callable
 
+#: What each patch replaced, so that a pool of ranks can be mended after a case (:func:`undo`)
+_REPLACED: list[tuple[object, str, object]] = []
+
 
 def _patch(module, name: str, replace: Callable) -> None:
     """``module.name = replace(original)``, refusing a name that no longer exists."""
     if not hasattr(module, name):
         raise AttributeError(f"breakage: {module.__name__}.{name} no longer exists; update "
                              "tests/breakage/breakages.py for the new code")
+    original = vars(module).get(name, getattr(module, name))  # a classmethod stays one
+    _REPLACED.append((module, name, original))
     setattr(module, name, replace(getattr(module, name)))
+
+
+def undo() -> None:
+    """Put back everything patched since the last undo, the latest first."""
+    while _REPLACED:
+        module, name, original = _REPLACED.pop()
+        setattr(module, name, original)
 
 
 def no_optimizer_step(module):
@@ -465,3 +477,7 @@ BREAKAGES.update({
     "fsdp_scales_before_the_sum": ("miniddp.fsdp.collectives", fsdp_scales_before_the_sum),
     "fsdp_flat_layout": ("miniddp.fsdp.param_group", fsdp_flat_layout),
 })
+
+from sharding import SHARDING  # noqa: E402  (its breakages use _patch, above)
+
+BREAKAGES.update(SHARDING)

@@ -9,18 +9,20 @@ whole unit, with torch's bits. Two pieces to write:
 * ``divide_factors``: the division by the world size, split into a part before the sum and a
   part after it, as torch splits it: for fp32 and bf16 none before, all after (a sum, then a
   division by W: what gloo's ``ReduceOp.AVG`` does); for fp16, whose range is small, a power of
-  two near sqrt(W) before (start at 1 and double it while it divides W and W / it is larger than
-  it), the rest after;
-* ``reduce_scatter_gradients``: torch's layout, a buffer in ``reduce_dtype`` with one row per
-  rank, row r holding chunk r of every gradient in order, each padded with zeros to chunk 0's
-  rows so that every row has the same length; divide before; one reduce-scatter (``SUM``, the
-  helper below); divide after; this rank's row cut back into its shards, unpadded, in each
-  gradient's own dtype.
+  two before: start at 1 and, while the value you have divides W and W divided by it is larger
+  than it, double it (W = 6: 1, 2, 4, and 4 does not divide 6: before is 4); after is W / before;
+* ``reduce_scatter_gradients``: torch's layout, a buffer with one row per rank, row r holding
+  chunk r of every gradient in order, each padded below with zeros to chunk 0's rows so that
+  every row has the same length; cast to ``reduce_dtype``, then divided by before (in that
+  dtype: dividing first, in fp32, rounds the smallest fp16 values otherwise); one
+  reduce-scatter (``SUM``, the helper below); divided by after; this rank's row cut back into
+  its shards, unpadded, in each gradient's own dtype.
 
 Graded by ``python lessons/grade.py 17``: the factors against torch's for 1 to 8 ranks; then at
-3 ranks, beside torch's ``fully_shard`` on the same model and batches, with fp32, bf16 and fp16
-reduction, the buffer handed to the collective (the layout, and what was divided before), and
-every rank's shards bit for bit.
+3 and 2 ranks, beside torch's ``fully_shard`` on the same model and batches, with fp32, bf16 and
+fp16 reduction, the collective made (one reduce-scatter) and every rank's shards bit for bit.
+What differs is named from what reached the collective (its layout, dtype and division) and
+what was done to its result.
 """
 
 import torch

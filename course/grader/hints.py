@@ -108,4 +108,73 @@ step:
     self.local.step()
     for p, owner in zip(self.params, self.owners):
         dist.broadcast(p, src=owner)"""),
+    "17": (
+        "One buffer of W equal rows, row r holding rank r's chunk of every gradient (each padded "
+        "to chunk 0's rows); a SUM reduce-scatter leaves this rank its row summed; the division by"
+        " W is split around the sum: all of it after the sum, except in fp16, where a power of two"
+        " (torch's loop: double from 1 while the value divides W and W over it is larger than it) "
+        "comes before it, to keep the sum in fp16's range.",
+        "divide_factors: (1, W) unless the reduction is in fp16; there, double a factor from 1 "
+        "while W is divisible by it and W over it is larger than it, the rest after. "
+        "reduce_scatter_gradients: the rows per parameter are the ceiling of its dim 0 over W; "
+        "build the buffer rank by rank, parameter by parameter, pad, cast to the reduce dtype; "
+        "divide, reduce-scatter, divide; split this rank's row by parameter and cut each piece "
+        "back to the shape of its (unpadded) chunk, in the gradient's dtype.",
+        """divide_factors:
+    if reduce_dtype != torch.float16:
+        return 1, world_size
+    before = 1
+    while world_size % before == 0 and world_size / before > before:
+        before *= 2
+    return before, world_size / before
+reduce_scatter_gradients:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rows = [-(-g.shape[0] // world_size) for g in grads]
+    pieces = []
+    for r in range(world_size):
+        for g, n in zip(grads, rows):
+            piece = chunk(g, world_size, r)
+            pieces.append(torch.cat([piece, piece.new_zeros(n - len(piece), *g.shape[1:])]))
+    buffer = torch.cat([p.reshape(-1) for p in pieces]).to(reduce_dtype)
+    before, after = divide_factors(world_size, reduce_dtype)
+    buffer.div_(before)
+    out = buffer.new_empty(buffer.numel() // world_size)
+    reduce_scatter(out, buffer)
+    out.div_(after)
+    sizes = [n * g[0].numel() for g, n in zip(grads, rows)]
+    shards = [chunk(g, world_size, rank) for g in grads]
+    return [part[:s.numel()].view_as(s).to(g.dtype)
+            for part, s, g in zip(out.split(sizes), shards, grads)]"""),
+    "17b": (
+        "A unit's full parameters exist only while its forward or its backward runs: gathered just"
+        " before, freed just after, except where torch keeps them: the root (the backward needs it"
+        " first) and, under ZeRO-2 (reshard_after_forward False), every unit, from forward to "
+        "backward. After the backward one collective turns the full gradients into this rank's "
+        "rows of their average, which add up in the shards' .grad until the step; without sync "
+        "nothing is sent, and the full gradients keep adding up where autograd put them.",
+        "before_forward and before_backward: gather when not gathered. after_forward: free when "
+        "reshard_after_forward and not the root. after_backward: with sync, reduce_scatter the "
+        "list of the full parameters' gradients, then for each shard whose result is not None set "
+        "or add its .grad, and set the full parameter's .grad to None; free in both cases. "
+        "make_optimizer: optimizer_class over the shards of every unit.",
+        """before_forward and before_backward:
+    if not self.gathered:
+        self.gather()
+after_forward:
+    if self.reshard_after_forward and not self.is_root:
+        self.free()
+after_backward:
+    if self.requires_gradient_sync:
+        reduced = self.reduce_scatter([p.grad for p in self.full])
+        for shard, full, mine in zip(self.shards, self.full, reduced):
+            if mine is None:
+                continue
+            if shard.grad is None:
+                shard.grad = mine
+            else:
+                shard.grad += mine
+            full.grad = None
+    self.free()
+make_optimizer:
+    return optimizer_class([s for u in units for s in u.shards], **defaults)"""),
 }

@@ -10,14 +10,21 @@ that skips one is named at once instead of timing out.
 import copy
 import sys
 
-import grading_checks
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import OutOfStep, SameCalls, Waited, flat_grads, many_layers, on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.grader.checks import (
+    OutOfStep,
+    SameCalls,
+    Waited,
+    flat_grads,
+    many_layers,
+    on_ranks,
+    what_grad_holds,
+)
 from miniddp.buckets import bucket_limits
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 from miniddp.train.data import make_dataset
@@ -238,7 +245,7 @@ def reducer_task(steps: int = 3):
                 diff = (flat_grads(mine) - flat_grads(theirs)).abs().max().item()
                 report["mismatch"] = f"step {s}, rank {rank}: largest difference {diff:.3g}"
                 got, mean = flat_grads(mine), flat_grads(theirs)
-                holds = grading_checks.what_grad_holds(got, mean, got * torch.nan, world)
+                holds = what_grad_holds(got, mean, got * torch.nan, world)
                 report["holds"] = holds if holds.startswith("it equals") else None
             elif not torch_step and not torch.equal(flat_grads(mine), expected):
                 diff = (flat_grads(mine) - expected).abs().max().item()

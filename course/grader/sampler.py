@@ -7,8 +7,9 @@ import sys
 
 import torch
 import torch.distributed as dist
-from grading_checks import on_ranks
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
+
+from course.grader.checks import on_ranks
 
 
 def sampler_task():

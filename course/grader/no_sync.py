@@ -5,9 +5,11 @@ micro-batch is recognized by its input when the inner module runs, so a forward 
 ``ddp.module`` counts as that micro-batch too); on torch's DDP, the parameters after every
 step. How a wrong result is attributed: the same start is stepped by a set of loops with one
 plausible mistake each (``Loop``), and the mistake whose parameters the learner's match on
-every step is named. k is 4, unlike either world size (2 and 3), so that a loss divided by the
-world size cannot pass for one divided by k; being a power of two, it also makes ``loss / k``,
-``loss * (1 / k)`` and a gradient divided by k after the backwards give the very same bits.
+every step (bit for bit first, then to rounding) is named. k is 3: not a power of two, so that
+gradients scaled by 1/k after the backwards round otherwise than each loss divided by k (at
+k = 4 both are exact, and the mistake would pass); ``loss / k`` and ``loss * (1 / k)`` still
+give the same bits, their backward starting from the same rounded 1/k. At 3 ranks k is the
+world size, so a loss divided by the world size is told apart at 2 ranks.
 """
 
 import sys
@@ -17,13 +19,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.grader.checks import on_ranks
 from miniddp.train.data import make_dataset, make_model
 
-K, STEPS, WORLDS = 4, 3, (2, 3)
+K, STEPS, WORLDS = 3, 3, (2, 3)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class Loop:
     zero_grad: str = "once before"  # or "before each", "never", "before the step"
     step_each: bool = False
     skip: str | None = None  # "first" or "last": a micro-batch the loop leaves out
+    scale_after: str | None = None  # "div" or "mul": .grad scaled by 1/k before the step
 
     def factor(self, which: str, k: int, world: int) -> float:
         return {"k": k, "1": 1, "k * k": k * k, "world": world, "k * world": k * world}[which]
@@ -58,6 +61,11 @@ class Loop:
                 optimizer.step()
         if self.zero_grad == "before the step":
             optimizer.zero_grad()
+        for p in ddp.parameters() if self.scale_after else ():
+            if self.scale_after == "div":
+                p.grad.div_(k)
+            else:
+                p.grad.mul_(1 / k)
         optimizer.step()
 
 
@@ -73,9 +81,10 @@ MISTAKES = {
         "one added the previous steps' gradients to its own. Call it once per step, before "
         "the first micro-batch",
     Loop(zero_grad="before the step"):
-        "no parameter ever moved: optimizer.zero_grad() ran after the backwards, just before "
-        "optimizer.step(), and cleared the gradient the step needed. Call it before the first "
-        "micro-batch",
+        "no parameter ever moved: the step never had a gradient to take, either because "
+        "optimizer.zero_grad() ran after the backwards, just before optimizer.step(), and "
+        "cleared it, or because optimizer.step() was never called. Clear the gradients before "
+        "the first micro-batch and step after the last",
     Loop(step_each=True):
         "optimizer.step() ran after every micro-batch, the first k - 1 times on gradients no "
         "rank had averaged. Step once, after the last micro-batch",
@@ -99,6 +108,16 @@ MISTAKES = {
     Loop(divisor="1", last_divisor="k"):
         "only the last micro-batch's loss was divided by k: every micro-batch's loss must be, "
         "the first k - 1 inside no_sync too",
+    Loop(divisor="1", scale_after="div"):
+        "the gradients were divided by k after the backwards: the mean's value, rounded "
+        "otherwise than torch's loop, where each micro-batch's loss is divided by k and its "
+        "backward scales every gradient as it is computed. Divide each loss by k before its "
+        "backward",
+    Loop(divisor="1", scale_after="mul"):
+        "the gradients were multiplied by 1/k after the backwards: the mean's value, rounded "
+        "otherwise than torch's loop, where each micro-batch's loss is divided by k and its "
+        "backward scales every gradient as it is computed. Divide each loss by k before its "
+        "backward",
     Loop(skip="first"):
         "the first micro-batch was left out (the loop ran over micro_batches[1:]): every one "
         "of the k micro-batches takes part, each loss divided by k",
@@ -182,8 +201,11 @@ def no_sync_task():
             report["mismatch"] = (f"after step {s}, rank {rank}: largest difference "
                                   f"{(mine[-1] - right[-1]).abs().max().item():.3g}")
     close = lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-7)  # noqa: E731
-    report["mistake"] = next((MISTAKES[loop] for loop, seen in trajectories.items()
-                              if all(close(a, b) for a, b in zip(mine, seen))), None)
+    for same in (torch.equal, close):  # bits first: some mistakes are only rounding apart
+        report["mistake"] = report["mistake"] or next(
+            (MISTAKES[loop] for loop, seen in trajectories.items()
+             if all(same(a, b) for a, b in zip(mine, seen))
+             and (same is torch.equal or not loop.scale_after)), None)
     report["buckets"] = len(ours.buckets)
     return report
 
@@ -215,7 +237,7 @@ def synchronization_problem(launches: list[list[int]], buckets: int) -> str | No
     else:
         why = (f"the last micro-batch's backward launched {first[-1]} all_reduces for "
                f"{buckets} buckets: one backward of the last micro-batch, through ddp")
-    return f"{said}. {why[0].upper()}{why[1:]}"
+    return f"{why[0].upper()}{why[1:]} ({said})"
 
 
 def grade_07():
@@ -223,8 +245,8 @@ def grade_07():
     report = by_world[3][0]
     rounds, buckets = report["rounds"], report["buckets"]
     yield (all(r == (1, buckets) for r in rounds), "one all_reduce round per step",
-           f"(synchronized backwards, all_reduces) per step were {rounds}, expected (1, "
-           f"{buckets}); " + (synchronization_problem(report["launches"], buckets) or ""))
+           (synchronization_problem(report["launches"], buckets) or "") + " (synchronized "
+           f"backwards, all_reduces) per step were {rounds}, expected (1, {buckets})")
     problem = synchronization_problem(report["launches"], buckets)
     yield (problem is None, "the micro-batch that synchronizes is the last one of each step",
            problem)
@@ -250,4 +272,4 @@ def grade_07():
                    "each loss divided by k, one optimizer step after the last")
         yield (wrong is None, f"{world} ranks: parameters equal the correct loop's on torch's "
                f"DDP bit for bit after every step (k = {K} micro-batches)",
-               f"{wrong['mismatch']}: {why}" if wrong else "")
+               f"{why} ({wrong['mismatch']})" if wrong else "")

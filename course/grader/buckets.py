@@ -7,9 +7,9 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import flat_grads, many_layers, on_ranks
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from course.grader.checks import flat_grads, many_layers, on_ranks
 from miniddp.buckets import bucket_limits
 from miniddp.train.data import make_dataset
 

@@ -3,8 +3,7 @@ value from every rank, timing in alternation and reading the times (lesson 11 sa
 an SGD that starts fast.
 
 Kept out of the lessons so that each file is its idea; kept out of ``miniddp`` because none of
-it is part of data parallelism. Not a lesson itself: its name starts with no number, so the
-course (``run_course.py``) and the tests' glob pass it by.
+it is part of data parallelism.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch.distributed as dist
 
 from miniddp.train.report import print0
 
-HERE = Path(__file__).resolve().parent
+LESSONS = Path(__file__).resolve().parents[1] / "lessons"
 
 
 def load_lesson(stem: str):
@@ -31,7 +30,7 @@ def load_lesson(stem: str):
     once and kept in ``sys.modules`` so that forked ranks find its functions by name."""
     name = f"lesson_{stem}"  # as tests/lesson_modules.py names it
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, HERE / f"{stem}.py")
+        spec = importlib.util.spec_from_file_location(name, LESSONS / f"{stem}.py")
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         spec.loader.exec_module(module)

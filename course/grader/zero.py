@@ -1,7 +1,7 @@
 """The checks behind lessons/grade.py for exercise 15, the sharded optimizer step (ZeRO stage 1).
 
-Root causes first: the partition (torch's rule, on 40 parameter lists), then what each rank's
-optimizer holds, then where every parameter is sent from (a spy standing in for
+Root causes first: the partition (torch's rule, on 40 parameter lists: ``partition``), then
+what each rank's optimizer holds, then where every parameter is sent from (a spy standing in for
 ``dist.broadcast`` has the ranks compare each call before it is made, so a wrong source fails
 with a message instead of a hang), and last the parameters after every step, bit for bit,
 against torch's ``ZeroRedundancyOptimizer`` beside torch's DDP.
@@ -12,11 +12,11 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from grading_checks import Waited, many_layers, on_ranks
-from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from course.grader.checks import Waited, many_layers, on_ranks
+from course.grader.partition import grade_partition, partition_task, torch_owners
 from miniddp.train.data import make_dataset
 
 OPTIMIZERS = {"SGD with momentum": (torch.optim.SGD, {"lr": 0.2, "momentum": 0.9}),
@@ -34,102 +34,10 @@ def positions(params, chosen) -> list[int]:
     return [i for i, p in enumerate(params) if id(p) in ids]
 
 
-def torch_owners(params) -> list[int]:
-    """The owner torch's ZeroRedundancyOptimizer gives each parameter (a collective)."""
-    share = positions(params, TorchZeRO(params, torch.optim.SGD, lr=0.1).optim.param_groups[0][
-        "params"])
-    found = torch.tensor([dist.get_rank() if i in share else -1 for i in range(len(params))])
-    dist.all_reduce(found, op=dist.ReduceOp.MAX)
-    return found.tolist()
+# ----- the partition (course.grader.partition) -----
 
-
-# ----- the partition -----
-
-def parameter_sizes(cases: int = 40) -> list[list[int]]:
-    """Parameter lists with many equal sizes: ties are where rules differ."""
-    g = torch.Generator().manual_seed(0)
-    choices = torch.tensor([1, 3, 8, 64, 100, 500])
-    return [choices[torch.randint(0, len(choices), (int(torch.randint(1, 12, (), generator=g)),),
-                                  generator=g)].tolist() for _ in range(cases)]
-
-
-DTYPES = (torch.float32, torch.float64, torch.float16)
-
-
-def partition_task():
-    """Each size list twice: all float32, then of mixed dtypes. torch's rule counts elements
-    whatever their dtype (``t.numel()`` in ``_partition_parameters``), but its optimizer refuses
-    mixed dtypes, so the expected owners of the mixed list are those of float32 stand-ins."""
-    cases = []
-    for k, sizes in enumerate(parameter_sizes()):
-        expected = torch_owners([nn.Parameter(torch.zeros(n)) for n in sizes])
-        for dtypes in ([torch.float32] * len(sizes),
-                       [DTYPES[(k + i) % len(DTYPES)] for i in range(len(sizes))]):
-            params = [nn.Parameter(torch.zeros(n, dtype=d)) for n, d in zip(sizes, dtypes)]
-            cases.append((sizes, [str(d)[6:] for d in dtypes], expected,
-                          list(exercise().owners(params, dist.get_world_size()))))
-    return cases
-
-
-def greedy(sizes, world, order, lowest=True) -> list[int]:
-    owners, load = [0] * len(sizes), [0] * world
-    for i in order:
-        least = min(load)
-        owners[i] = load.index(least) if lowest else world - 1 - load[::-1].index(least)
-        load[owners[i]] += sizes[i]
-    return owners
-
-
-def wrong_rules(sizes, dtypes, world) -> dict[str, list[int]]:
-    """The owners each plausible wrong rule gives, by what to say of it."""
-    n = len(sizes)
-    nbytes = [s * torch.empty((), dtype=getattr(torch, d)).element_size()
-              for s, d in zip(sizes, dtypes)]
-    largest_first = sorted(range(n), key=lambda i: sizes[i], reverse=True)
-    rules = {
-        "you dealt the parameters out in turn; torch balances elements: each parameter goes to "
-        "the rank that owns the fewest elements so far": [i % world for i in range(n)],
-        "you took the parameters in model order; torch takes the largest first":
-            greedy(sizes, world, range(n)),
-        "you took the smallest first; torch takes the largest first":
-            greedy(sizes, world, sorted(range(n), key=lambda i: sizes[i])),
-        "equal sizes came out in reverse order: torch's sort (sorted with reverse=True) is "
-        "stable and keeps them in model order":
-            greedy(sizes, world, sorted(range(n), key=lambda i: sizes[i])[::-1]),
-        "on a tie you chose a higher rank; torch chooses the lowest":
-            greedy(sizes, world, largest_first, lowest=False),
-        "you balanced the number of parameters each rank owns; torch balances their sizes: "
-        "each parameter goes to the rank that owns the fewest elements (numel) so far":
-            greedy([1] * n, world, largest_first),
-        "you balanced bytes (numel * element_size); torch balances elements: the sort and the "
-        "load both count numel(), whatever the dtype":
-            greedy(nbytes, world, sorted(range(n), key=lambda i: nbytes[i], reverse=True)),
-        "you sorted by bytes; torch sorts by the number of elements (numel), whatever the dtype":
-            greedy(sizes, world, sorted(range(n), key=lambda i: nbytes[i], reverse=True)),
-        "you counted each rank's load in bytes; torch counts elements (numel), whatever the "
-        "dtype": greedy(nbytes, world, largest_first),
-    }
-    return rules
-
-
-def what_went_wrong(cases, world) -> str:
-    """Name the rule the learner's owners follow on every case, when it is a plausible wrong
-    one (two rules can agree on one case, so one case alone would not tell them apart)."""
-    named = [wrong_rules(sizes, dtypes, world) for sizes, dtypes, _, _ in cases]
-    return next((why for why in named[0] if all(rules[why] == got for rules, (_, _, _, got)
-                                                in zip(named, cases))),
-                "largest first, each to the rank owning the fewest elements so far")
-
-
-def grade_partition():
-    for world in WORLDS:
-        cases = on_ranks(world, partition_task)[0]
-        for sizes, dtypes, expected, got in cases:
-            if got != expected:
-                return False, (f"for parameters of {sizes} elements (dtypes {dtypes}) at "
-                               f"{world} ranks torch's owners are {expected}, yours {got}: "
-                               f"{what_went_wrong(cases, world)}")
-    return True, ""
+def owners_task():
+    return partition_task(exercise().owners)
 
 
 # ----- the step -----
@@ -153,6 +61,7 @@ class BroadcastSpy:
         self.index = {p.data_ptr(): i for i, p in enumerate(params)}
         self.owners, self.calls, self.wrong = owners, 0, []
         self.works: list[dict] = []  # each asynchronous broadcast's record: waited for or not
+        self.foreign: list[int] = []  # where the tensors sent that are no parameter live
         self.order: list[str] = []  # "broadcast" and "step" (the local optimizer's), as called
 
     def _agree(self, row: list[int]) -> None:
@@ -175,6 +84,8 @@ class BroadcastSpy:
 
     def __call__(self, tensor, src=None, *args, **kwargs):
         index = self.index.get(tensor.data_ptr(), -1)
+        if index < 0:
+            self.foreign.append(tensor.data_ptr())
         self._agree([index, -1 if src is None else int(src), tensor.numel()])
         if index >= 0 and src != self.owners[index]:
             self.wrong.append((index, src, self.owners[index]))
@@ -214,7 +125,8 @@ def sharded_task(name: str):
               "torch_share": [i for i, owner in enumerate(owners) if owner == rank],
               "state": None, "torch_state": None, "disagreement": None, "wrong": [],
               "mismatch": None, "unwaited": None, "defaults": defaults, "options": None,
-              "sent_first": False, "steps_taken": 0}
+              "sent_first": False, "steps_taken": 0, "owners": owners, "summed": 0,
+              "sent_gradients": 0}
     if isinstance(local, torch.optim.Optimizer):
         report["options"] = {key: local.defaults.get(key) for key in defaults}
         report["share"] = positions(params, [p for g in local.param_groups for p in g["params"]])
@@ -231,7 +143,9 @@ def sharded_task(name: str):
         spy = BroadcastSpy(params, owners)
         calls.clear()
         spy.order = calls
-        dist.broadcast = spy
+        dist.broadcast, all_reduce = spy, dist.all_reduce
+        dist.all_reduce = noted(all_reduce, calls, "all_reduce")
+        grads = {p.grad.data_ptr() for p in params if p.grad is not None}
         try:
             mine.step()
             spy.finish()
@@ -239,7 +153,9 @@ def sharded_task(name: str):
             report["disagreement"] = str(error)
             return report
         finally:
-            dist.broadcast = spy.original
+            dist.broadcast, dist.all_reduce = spy.original, all_reduce
+        report["summed"] += calls.count("all_reduce")
+        report["sent_gradients"] += sum(ptr in grads for ptr in spy.foreign)
         reference.step()
         report["wrong"] += spy.wrong
         report["steps_taken"] = max(report["steps_taken"], calls.count("step"))
@@ -278,8 +194,14 @@ def share_problem(rank: int, r: dict) -> str | None:
                 "hold only those it owns, or every rank keeps the whole state, which is what "
                 "sharding is for")
     if r["share"] != r["torch_share"]:
+        whose = [k for k in range(max(r["owners"]) + 1)
+                 if r["share"] == [i for i, o in enumerate(r["owners"]) if o == k]]
+        said = (f"it holds rank {whose[0]}'s share" if whose else
+                "it holds every parameter but its own" if sorted(r["share"] + r["torch_share"])
+                == list(range(r["count"])) else "")
         return (f"rank {rank}'s optimizer holds the parameters {r['share']}; torch's gives it "
-                f"{r['torch_share']} (self.owners == rank)")
+                f"{r['torch_share']}{': ' + said if said else ''} (self.owners[i] == self.rank "
+                "picks this rank's own)")
     if r["options"] != r["defaults"]:
         return (f"rank {rank}'s optimizer was built with {r['options']}, not the defaults "
                 f"given, {r['defaults']}: pass them on, optimizer_class(share, **defaults)")
@@ -315,6 +237,13 @@ def bits_problem(rank: int, r: dict) -> str | None:
     if m is None:
         return None
     where = f"after step {m['step']} on rank {rank}"
+    if r["summed"]:
+        return (f"{where} the parameters {m['differ']} differ: step all_reduced them, which "
+                "adds up every rank's copy. Each parameter's new value is its owner's: "
+                "broadcast it from there")
+    if r["sent_gradients"]:
+        return (f"{where} the parameters {m['differ']} differ: step broadcast the gradients, "
+                "not the parameters. The owners' updated parameters are what the others lack")
     if r["steps_taken"] > 1:
         return (f"{where} the parameters {m['differ']} differ: self.local.step() ran "
                 f"{r['steps_taken']} times in one step. Step once, then send")
@@ -348,9 +277,10 @@ def first_problem(results: dict, find) -> str | None:
 
 
 def grade_15():
-    ok, why = grade_partition()
+    why = grade_partition(on_ranks, owners_task, WORLDS)
+    ok = why is None
     yield (ok, "owners: torch's ZeroRedundancyOptimizer's partition of 40 parameter lists, of "
-           "one dtype and of mixed dtypes, at 2 and 3 ranks", why)
+           "1-D and 2-D shapes, of one dtype and of mixed dtypes, at 2 and 3 ranks", why)
     if not ok:
         return
     results = {(world, name): on_ranks(world, sharded_task, name)

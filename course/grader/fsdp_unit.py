@@ -1,0 +1,285 @@
+"""The checks behind lessons/grade.py for exercise 17b: the life of one FSDP unit.
+
+The learner's ``Unit`` is driven by hooks that call its four methods where torch FSDP2's own
+hooks act (``Driven``), on the model torch's ``fully_shard`` shards beside it: two inner units
+and the root, which owns the first and last layers. Five runs, each at 2 and 3 ranks. What is
+observed, in the order it is judged: what the learner's optimizer holds; whether a unit's
+parameters were gathered whenever its forward or backward ran (the hooks check, so a freed unit
+fails with its name, not with torch's "data is not allocated"); which units hold their full
+parameters after forward (torch's, seen on its modules) and after backward; the gathers and
+reduce-scatters of each unit in each backward; the gradients handed to each reduce-scatter
+(beside this rank's own gradients of each backward, from a plain copy of the model: a lost or
+stale gradient is named so); every gradient shard and parameter shard against torch's, bit for
+bit.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from course.grader.checks import on_ranks
+from course.grader.fsdp import fully_shard
+from course.grader.unit_verdicts import (
+    bits_problem,
+    count_problem,
+    held_problem,
+    optimizer_problem,
+)
+from course.tools import load_lesson
+from miniddp.train.data import make_dataset
+
+OPTIONS = load_lesson("17_fsdp_options")
+WORLDS, STEPS, ADAM = (2, 3), 2, {"lr": 0.01}
+INNER, ROOT_LAYERS = OPTIONS.INNER, OPTIONS.ROOT  # the layers that are inner units; the root's
+#: In this order: the first runs show most mistakes, and with two backwards per step the
+#: gradients of each are kept to name a lost or a left-over one
+RUNS = {"two backwards per step": {"micro": 2},
+        "a backward without sync, then one with": {"micro": 2, "no_sync": True},
+        "ZeRO-3": {}, "ZeRO-2": {"zero2": True}, "a frozen bias": {"frozen": True}}
+
+
+def exercise():
+    return sys.modules["exercise_17b"]
+
+
+class Unfed(Exception):
+    """A unit's forward or backward was about to run with its parameters freed."""
+
+
+def make_model(frozen: bool) -> nn.Module:
+    """Lesson 17, part 2's model: two inner units and the root's first and last layers."""
+    return OPTIONS.make_model(frozen)
+
+
+class Driven:
+    """The learner's units on ``model``, called where torch's hooks act, with what each did
+    counted per backward and every reduce-scatter's input kept."""
+
+    def __init__(self, model: nn.Module, unit_class, zero2: bool):
+        self.model, self.counts, self.reduced = model, {}, {}
+        self.units = {f"unit {i}": unit_class(list(model[i].parameters()),
+                                              reshard_after_forward=not zero2) for i in INNER}
+        self.units["the root"] = unit_class([p for i in ROOT_LAYERS for p in model[i].parameters()],
+                                            reshard_after_forward=True, is_root=True)
+        for name, unit in self.units.items():
+            module = model if name == "the root" else model[int(name.split()[1])]
+            self._count(name, unit)
+            self._hook(name, unit, module)
+
+    def _count(self, name: str, unit) -> None:
+        gather, reduce_scatter = unit.gather, unit.reduce_scatter
+
+        def counted_gather():
+            self.counts[name]["gathers"] += 1
+            return gather()
+
+        def counted_reduce_scatter(grads):
+            self.counts[name]["reduce-scatters"] += 1
+            out = reduce_scatter(grads)
+            self.reduced.setdefault(name, []).append((clones(grads), clones(out)))
+            return out
+        unit.gather, unit.reduce_scatter = counted_gather, counted_reduce_scatter
+
+    def _hook(self, name: str, unit, module: nn.Module) -> None:
+        def fed(when: str, needed: str):
+            if not unit.gathered:
+                raise Unfed(f"{name}'s {needed} was about to run with its parameters freed: "
+                            f"{when} must gather them (self.gather()) when they are not")
+
+        def before_forward(_module, _args):
+            unit.before_forward()
+            fed("before_forward", "forward")
+
+        def before_backward(grad):
+            unit.before_backward()
+            fed("before_backward", "backward")
+            return grad
+
+        def after_forward(_module, _args, output):
+            unit.after_forward()
+            if output.requires_grad:
+                output.register_hook(before_backward)
+            return output
+
+        waiting = [p for p in unit.full if p.requires_grad]
+        arrived = []
+
+        def gradient_arrived(_param):
+            arrived.append(1)
+            if len(arrived) == len(waiting):
+                arrived.clear()
+                unit.after_backward()
+        module.register_forward_pre_hook(before_forward)
+        module.register_forward_hook(after_forward)
+        for p in waiting:
+            p.register_post_accumulate_grad_hook(gradient_arrived)
+
+    def held(self) -> dict[str, bool]:
+        return {name: bool(unit.gathered) for name, unit in self.units.items()}
+
+    def start_backward(self, sync: bool) -> None:
+        for unit in self.units.values():
+            unit.requires_gradient_sync = sync
+        self.counts = {name: {"gathers": 0, "reduce-scatters": 0} for name in self.units}
+        self.reduced = {}
+
+
+def clones(tensors) -> list:
+    return [None if t is None else t.detach().clone() for t in tensors]
+
+
+def torch_model(frozen: bool, zero2: bool) -> nn.Module:
+    model, mesh = make_model(frozen), init_device_mesh("cpu", (dist.get_world_size(),))
+    for i in INNER:
+        fully_shard(model[i], mesh=mesh, reshard_after_forward=not zero2)
+    return fully_shard(model, mesh=mesh)
+
+
+def torch_held(model: nn.Module) -> dict[str, bool]:
+    """Which of torch's units hold full parameters now (a sharded one is a DTensor)."""
+    full = lambda layer: not hasattr(model[layer].weight, "to_local")  # noqa: E731
+    return {**{f"unit {i}": full(i) for i in INNER}, "the root": full(ROOT_LAYERS[0])}
+
+
+def local(t):
+    """A copy of ``t``'s local values (a DTensor's are its shard): later backwards add to
+    ``t`` in place."""
+    return None if t is None else (t.to_local() if hasattr(t, "to_local") else t).detach().clone()
+
+
+def shards_in_model_order(model: nn.Module, driven: Driven) -> list[nn.Parameter]:
+    by_id = {id(f): s for u in driven.units.values() for f, s in zip(u.full, u.shards)}
+    return [by_id[id(p)] for p in model.parameters()]
+
+
+def own_gradients(plain: nn.Module, theirs: nn.Module, x, y) -> dict[int, torch.Tensor]:
+    """This rank's gradient of each parameter (by id of the plain model's) for (x, y), from a
+    plain copy holding torch's current parameters."""
+    with torch.no_grad():
+        for p, q in zip(plain.parameters(), theirs.parameters()):
+            p.copy_(q.full_tensor())
+    plain.zero_grad()
+    F.mse_loss(plain(x), y).backward()
+    return [None if p.grad is None else p.grad.clone() for p in plain.parameters()]
+
+
+def unit_task(run: str) -> dict:
+    config, rank = RUNS[run], dist.get_rank()
+    zero2, micro, frozen = config.get("zero2", False), config.get("micro", 1), \
+        config.get("frozen", False)
+    theirs, mine, plain = torch_model(frozen, zero2), make_model(frozen), make_model(frozen)
+    driven = Driven(mine, exercise().Unit, zero2)
+    shards = shards_in_model_order(mine, driven)
+    report = {"run": run, "optimizer": None, "backwards": [], "unfed": None,
+              "params_differ": None, "names": [name for name, _ in mine.named_parameters()]}
+    optimizer = None  # made after the first backward: the methods' instructions come first
+    reference = torch.optim.Adam(theirs.parameters(), **ADAM)
+    x_all, y_all = make_dataset(n=8 * micro * STEPS, seed=rank).tensors
+    for step in range(STEPS):
+        for k in range(micro):
+            sync = not (config.get("no_sync") and k < micro - 1)
+            at = 8 * (micro * step + k)
+            x, y = x_all[at:at + 8], y_all[at:at + 8]
+            own = own_gradients(plain, theirs, x, y) if micro > 1 else None
+            theirs.set_requires_gradient_sync(sync)
+            driven.start_backward(sync)
+            loss = F.mse_loss(theirs(x), y)
+            seen = {"step": step, "micro": k, "sync": sync, "torch_after_forward":
+                    torch_held(theirs), "own": own, "world": dist.get_world_size()}
+            try:
+                my_loss = F.mse_loss(mine(x), y)
+                seen["after_forward"] = driven.held()
+                loss.backward()
+                my_loss.backward()
+            except Unfed as unfed:
+                report["unfed"] = str(unfed)
+                return report
+            seen.update(after_backward=driven.held(), counts=driven.counts,
+                        reduced=driven.reduced, unit_params=unit_param_order(mine, driven),
+                        grads=[local(s.grad) for s in shards],
+                        torch_grads=[local(p.grad) for p in theirs.parameters()])
+            report["backwards"].append(seen)
+        if optimizer is None:
+            optimizer = exercise().make_optimizer(list(driven.units.values()),
+                                                  torch.optim.Adam, **ADAM)
+            report["optimizer"] = optimizer_holds(optimizer, shards, driven)
+            if report["optimizer"]:
+                return report
+        optimizer.step()
+        reference.step()
+        differ = [i for i, (s, p) in enumerate(zip(shards, theirs.parameters()))
+                  if not torch.equal(s.detach(), local(p))]
+        if differ and report["params_differ"] is None:
+            report["params_differ"] = (step, differ)
+        optimizer.zero_grad()
+        reference.zero_grad()
+    return report
+
+
+def unit_param_order(model: nn.Module, driven: Driven) -> dict[str, list[int]]:
+    """Each unit's full parameters, as positions in ``model.parameters()``."""
+    position = {id(p): i for i, p in enumerate(model.parameters())}
+    return {name: [position[id(p)] for p in u.full] for name, u in driven.units.items()}
+
+
+def optimizer_holds(optimizer, shards, driven: Driven) -> str | None:
+    """None when the optimizer steps exactly the shards (frozen ones may be left out)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return f"make_optimizer returned a {type(optimizer).__name__}, not a torch optimizer"
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    full = {id(p) for u in driven.units.values() for p in u.full}
+    needed = {id(s) for s in shards if s.requires_grad}
+    if held & full:
+        return ("your optimizer holds the module's full parameters: their memory is freed "
+                "between steps, and each rank steps only its rows of them, the units' shards")
+    if not needed <= held or not held <= {id(s) for s in shards}:
+        return (f"your optimizer holds {len(held)} tensors; this rank's shards are "
+                f"{len(needed)} (unit.shards of every unit, the root's too)")
+    return None
+
+
+def grade_17b():
+    if fully_shard is None:
+        yield (False, "torch's FSDP2 (fully_shard), to grade against",
+               f"torch {torch.__version__} has no fully_shard: exercise 17b needs torch 2.4 or "
+               "later")
+        return
+    results = {}
+    for world, run in ((world, run) for world in WORLDS for run in RUNS):
+        results[(world, run)] = on_ranks(world, unit_task, run)
+        if any(first(results, find) for _, find in CHECKS):
+            break  # judged on the runs so far: a wrong solution shows itself in the first ones
+    for what, find in CHECKS:
+        problem = first(results, find)
+        yield problem is None, what, problem
+        if problem is not None and what.startswith(("make_optimizer", "each unit's")):
+            return
+
+
+CHECKS = (
+            ("make_optimizer: an optimizer over this rank's shards of every unit",
+             optimizer_problem),
+            ("each unit's parameters are gathered whenever its forward or its backward runs",
+             lambda r: r["unfed"]),
+            ("after forward only the root holds its full parameters (with ZeRO-2 every unit); "
+             "after backward none does", held_problem),
+            ("all-gathers: one for a unit's forward, one more for its backward unless it kept "
+             "its parameters (the root, ZeRO-2); one reduce-scatter per unit in each backward "
+             "with sync, none without", count_problem),
+            ("2 and 3 ranks: every gradient shard and parameter shard equals torch's "
+             "fully_shard bit for bit, after every backward and step", bits_problem))
+
+
+def first(results: dict, find) -> str | None:
+    for (world, run), reports in results.items():
+        for rank, report in enumerate(reports):
+            problem = find(report)
+            if problem:
+                return f"{world} ranks, {run}, rank {rank}: {problem}"
+    return None

@@ -1,0 +1,229 @@
+"""Breakages of miniddp's sharded optimizer (``miniddp/optim``) and FSDP (``miniddp/fsdp``), each
+small, each of a mechanism lessons 15 and 17 teach; registered in ``breakages.BREAKAGES``.
+
+``tests/test_zero_course.py`` and ``tests/test_fsdp_course.py`` apply each in a pool of ranks
+and run the lesson's part that proves the mechanism (it must fail there, with its check's
+message); ``tests/test_lesson_breakage.py`` runs whole lessons with some of them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import breakages
+
+# ----- miniddp/optim: ZeRO stage 1 -----
+
+
+def _partition(order, measure):
+    """A partition like torch's, but taking the parameters in ``order`` and measuring a rank's
+    load with ``measure``."""
+    from miniddp.optim.partition import lightest, with_params
+
+    def partition(param_groups, world_size):
+        per_rank, load = [[] for _ in range(world_size)], [0] * world_size
+        for group in param_groups:
+            owned = [[] for _ in range(world_size)]
+            for p in order(group["params"]):
+                rank = lightest(load)
+                owned[rank].append(p)
+                load[rank] += measure(p)
+            for rank in range(world_size):
+                per_rank[rank].append(with_params(group, owned[rank]))
+        return per_rank
+    return partition
+
+
+def zero_partition_by_count(module):
+    """Lesson 15: ZeRO balances the number of parameters each rank owns, not their elements."""
+    by_size = lambda params: sorted(params, key=lambda p: p.numel(), reverse=True)  # noqa: E731
+    breakages._patch(module, "greedy_by_size", lambda original: _partition(by_size, lambda p: 1))
+
+
+def zero_partition_in_model_order(module):
+    """Lesson 15: ZeRO gives out the parameters in model order instead of largest first."""
+    breakages._patch(module, "greedy_by_size",
+                     lambda original: _partition(list, lambda p: p.numel()))
+
+
+def zero_steps_every_parameter(module):
+    """Lesson 15: each rank's local optimizer steps (and keeps the state of) every parameter:
+    the same bits, none of the memory saved."""
+    def everything(original):
+        def init(self):
+            self.optim = self._optim_constructor(self.param_groups, **self._optim_defaults)
+        return init
+    breakages._patch(module.ZeroRedundancyOptimizer, "_init_local_optimizer", everything)
+
+
+def zero_broadcasts_from_rank_0(module):
+    """Lesson 15: every share is broadcast from rank 0, not from the rank that stepped it."""
+    import torch.distributed as dist
+
+    def from_rank_0(original):
+        def sync(self):
+            for rank in range(self.world_size):
+                for group in self._partition_parameters()[rank]:
+                    for p in group["params"]:
+                        dist.broadcast(p.data, src=0, group=self.process_group)
+        return sync
+    breakages._patch(module.ZeroRedundancyOptimizer, "_sync_params", from_rank_0)
+
+
+def zero_never_sends(module):
+    """Lesson 15: the updated shares never leave their owners."""
+    breakages._patch(module.ZeroRedundancyOptimizer, "_sync_params",
+                     lambda original: lambda self: None)
+
+
+# ----- miniddp/fsdp -----
+
+
+def fsdp_fp16_like_fp32(module):
+    """Lesson 17: fp16 gradients are summed whole, then divided by W (AVG's arithmetic),
+    instead of torch's split: a power of two before the sum, the rest after."""
+    breakages._patch(module, "fp16_divide_factors", lambda original: lambda world: (1, world))
+
+
+def fsdp_root_resharded(module):
+    """Lesson 17: the root frees its parameters after forward like any unit (torch keeps the
+    root's: the backward needs them first)."""
+    def keep_the_users_choice(original):
+        def lazy_init(self):
+            group = self.group
+            choice = None if group is None else group.reshard_after_forward
+            original(self)
+            if group is not None:
+                group.reshard_after_forward = choice
+        return lazy_init
+    breakages._patch(module.FSDPState, "_lazy_init", keep_the_users_choice)
+
+
+@contextlib.contextmanager
+def _resharding(group, value):
+    kept = group.reshard_after_forward
+    group.reshard_after_forward = value
+    try:
+        yield
+    finally:
+        group.reshard_after_forward = kept
+
+
+def fsdp_never_frees_after_forward(module):
+    """Lesson 17: under ZeRO-3 a unit keeps its parameters gathered after forward (ZeRO-2's
+    memory: the freeing and the second gather never happen)."""
+    def kept(original):
+        def post_forward(self, module_, args, output):
+            if self.group is None:
+                return original(self, module_, args, output)
+            with _resharding(self.group, False):
+                return original(self, module_, args, output)
+        return post_forward
+    breakages._patch(module.FSDPState, "post_forward", kept)
+
+
+def fsdp_zero2_ignored(module):
+    """Lessons 15 and 17: ``reshard_after_forward=False`` is ignored: ZeRO-2 frees after forward
+    and gathers again for backward, as ZeRO-3 does."""
+    def always(original):
+        def init(self, params, reshard_after_forward, group=None):
+            original(self, params, True, group)
+        return init
+    breakages._patch(module.ParamGroup, "__init__", always)
+
+
+def fsdp_no_gather_for_backward(module):
+    """Lesson 17: the pre-backward does not gather a freed unit again: its backward reads
+    parameters whose memory is gone."""
+    def no_gather(original):
+        def pre_backward(self, grad):
+            self._queue_final_callback()
+            return grad
+        return pre_backward
+    breakages._patch(module.FSDPState, "_pre_backward", no_gather)
+
+
+def fsdp_gradient_overwritten(module):
+    """Lesson 17: a second backward with sync before the step replaces the shard's ``.grad``
+    instead of adding to it."""
+    def replaced(original):
+        def add_sharded_gradient(self, local):
+            self.sharded.grad = module.ShardedTensor.wrap(local, self.spec)
+        return add_sharded_gradient
+    breakages._patch(module.FSDPParam, "add_sharded_gradient", replaced)
+
+
+def fsdp_sync_always(module):
+    """Lesson 17: ``set_requires_gradient_sync(False)`` is ignored: every backward reduces."""
+    def synced(original):
+        def reduce_gradients(self):
+            self.requires_gradient_sync = True
+            return original(self)
+        return reduce_gradients
+    breakages._patch(module.ParamGroup, "reduce_gradients", synced)
+
+
+def fsdp_kept_in_compute_dtype(module):
+    """Lesson 17: without sync, the full gradients add up in the compute dtype (bf16) instead of
+    the reduction's (fp32), as torch keeps them."""
+    def in_compute_dtype(original):
+        return lambda self: None  # left in .grad, where autograd adds the next one, in bf16
+    breakages._patch(module.FSDPParam, "keep_unsharded_gradient", in_compute_dtype)
+
+
+def fsdp_reduce_dtype_ignored(module):
+    """Lesson 17: ``MixedPrecisionPolicy.reduce_dtype`` is ignored: gradients are averaged in
+    the compute dtype (bf16) instead of fp32."""
+    def without(original):
+        def init(self, param, owners, fqn, param_dtype, reduce_dtype):
+            original(self, param, owners, fqn, param_dtype, None)
+        return init
+    breakages._patch(module.FSDPParam, "__init__", without)
+
+
+def _local_norm(kind: str):
+    """A ``ShardedTensor.__torch_function__`` whose ``kind`` norm is this rank's own."""
+    import torch
+
+    def local(original):
+        func_of = {"vector_norm": torch.linalg.vector_norm, "foreach_norm": torch._foreach_norm}
+
+        def torch_function(cls, func, types, args=(), kwargs=None):
+            if func is func_of[kind]:
+                with torch._C.DisableTorchFunctionSubclass():
+                    return func(*args, **(kwargs or {}))
+            return original.__func__(cls, func, types, args, kwargs)
+        return classmethod(torch_function)
+    return local
+
+
+def fsdp_clip_norm_local(module):
+    """Lesson 17: ``clip_grad_norm_(..., foreach=False)`` takes each sharded gradient's norm over
+    this rank's rows only, so every rank clips by its own factor."""
+    breakages._patch(module.ShardedTensor, "__torch_function__", _local_norm("vector_norm"))
+
+
+def fsdp_clip_foreach_norm_local(module):
+    """Lesson 17: ``clip_grad_norm_`` (foreach) takes the norms over this rank's rows only."""
+    breakages._patch(module.ShardedTensor, "__torch_function__", _local_norm("foreach_norm"))
+
+
+#: name -> (module it patches, the patch)
+SHARDING = {
+    "zero_partition_by_count": ("miniddp.optim.zero", zero_partition_by_count),
+    "zero_partition_in_model_order": ("miniddp.optim.zero", zero_partition_in_model_order),
+    "zero_steps_every_parameter": ("miniddp.optim.zero", zero_steps_every_parameter),
+    "zero_broadcasts_from_rank_0": ("miniddp.optim.zero", zero_broadcasts_from_rank_0),
+    "zero_never_sends": ("miniddp.optim.zero", zero_never_sends),
+    "fsdp_fp16_like_fp32": ("miniddp.fsdp.collectives", fsdp_fp16_like_fp32),
+    "fsdp_root_resharded": ("miniddp.fsdp.state", fsdp_root_resharded),
+    "fsdp_never_frees_after_forward": ("miniddp.fsdp.state", fsdp_never_frees_after_forward),
+    "fsdp_zero2_ignored": ("miniddp.fsdp.param_group", fsdp_zero2_ignored),
+    "fsdp_no_gather_for_backward": ("miniddp.fsdp.state", fsdp_no_gather_for_backward),
+    "fsdp_gradient_overwritten": ("miniddp.fsdp.param_group", fsdp_gradient_overwritten),
+    "fsdp_sync_always": ("miniddp.fsdp.param_group", fsdp_sync_always),
+    "fsdp_kept_in_compute_dtype": ("miniddp.fsdp.param_group", fsdp_kept_in_compute_dtype),
+    "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
+    "fsdp_clip_norm_local": ("miniddp.fsdp.shard", fsdp_clip_norm_local),
+    "fsdp_clip_foreach_norm_local": ("miniddp.fsdp.shard", fsdp_clip_foreach_norm_local),
+}
