@@ -13,9 +13,7 @@ The life of one synchronized step:
    is undefined (how parameters behind outputs the loss ignored are found). The parameter's
    bucket takes the gradient (``Bucket.fill``): ``grad * (1 / world_size)`` into its slot
    (multiplying by the reciprocal before a SUM is exactly what torch does, and what makes the
-   bits match), or, in a bucket of small gradients (on a GPU, every bucket), kept until the
-   last one, then copied in with one call and the bucket scaled with one more: the same bits,
-   two calls per bucket instead of one per parameter (``copy_buckets_at_end``). When a bucket
+   bits match), or kept until the bucket's last one (``copy_buckets_at_end``). When a bucket
    is full its all_reduce starts, asynchronously, buckets strictly in order, so every rank
    issues the same collectives in the same order.
 4. When every parameter is ready, a callback is queued on the autograd engine. It runs after
@@ -23,20 +21,15 @@ The life of one synchronized step:
    into ``.grad`` while the later ones are still in flight. So when ``loss.backward()``
    returns, gradients are synchronized.
 
-This file is the whole of it, one copy of each step. DDP's options act at the line where each
-changes a step, and that line names the module the option comes from (``miniddp.options``;
-this file imports none of them): each is ``None`` here until ``miniddp.ddp`` attaches it.
-
-* ``views`` (``gradient_views``): ``.grad`` aliases the bucket;
-* ``comm_hook`` (``comm_hooks``): a hook's reduction replaces the default all_reduce;
-* ``unused`` (``unused``): parameters no output reaches are ready too, with zeros;
-* ``static_graph`` (``static_graph``): a gradient may arrive in several pieces;
-* ``graph_gradients`` (``create_graph``): gradients that are part of a graph;
-* ``batched_copy`` (torch's ``batched_grad_copy``): every bucket waits, and is divided whole.
-
-What happened is emitted as ``(event, ident, time)`` records (``miniddp.events``: the
-timeline, traces, torch's logging, the checks listen there). ``overlap=False`` launches only
-after backward: the naive "reduce after backward" baselines share this code.
+This file is the whole of it, one copy of each step. Each of DDP's options acts at the line
+where it changes a step, and that line names its module in ``miniddp.options`` (this file
+imports none): ``views`` (``gradient_views``), ``comm_hook`` (``comm_hooks``: a hook replaces
+the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``create_graph``),
+each ``None`` until ``miniddp.ddp`` attaches it; ``batched_copy`` (torch's
+``batched_grad_copy``) makes every bucket wait and be divided whole. What happened is emitted as
+``(event, ident, time)`` records (``miniddp.events``), and, while torch.profiler records, as
+named spans. ``overlap=False`` launches once every gradient is ready: the naive "reduce after
+backward" baselines share this code.
 """
 
 from __future__ import annotations
@@ -87,9 +80,6 @@ class Step(enum.Enum):
 class Reducer(EventStream):
     """Owns the buckets and the hooks of one DDP module. See the module docstring."""
 
-    views = unused = static_graph = graph_gradients = None  # options, attached from outside
-    batched_copy = False
-
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  overlap: bool = True, bucket_caps: list[int] | None = None, views=None,
@@ -105,6 +95,7 @@ class Reducer(EventStream):
         self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
         self.overlap, self.find_unused = overlap, find_unused_parameters
         self.views, self.batched_copy = views, batched_copy
+        self.unused = self.static_graph = self.graph_gradients = None  # attached by miniddp.ddp
         self.comm_hook = AllReduceSum(self.group)  # what reduces a bucket
         self.state = Step.IDLE
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step

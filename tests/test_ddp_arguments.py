@@ -273,14 +273,14 @@ def test_batched_grad_copy_with_unused_parameters_and_no_sync_matches_torch(rank
 
 
 def batched_with_reciprocal():
-    """A subtly wrong batched copy: it scales the bucket by the reciprocal, as the default path
-    does."""
-    original, Reducer.batched_copy = Reducer.batched_copy, property(lambda self: False,
-                                                                    lambda self, value: None)
+    """A subtly wrong batched copy: it multiplies the complete bucket by the reciprocal, as the
+    default path does, instead of dividing it."""
+    original = Reducer._scale_bucket
+    Reducer._scale_bucket = lambda self, buffer: self._scale(buffer, buffer)
     try:
         return compare_with_torch("mlp", steps=2, bucket_cap_mb=0.002, batched_grad_copy=True)
     finally:
-        Reducer.batched_copy = original
+        Reducer._scale_bucket = original
 
 
 @needs("batched_grad_copy")
