@@ -28,7 +28,7 @@ the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``cr
 each ``None`` until ``miniddp.ddp`` attaches it; ``batched_copy`` (torch's
 ``batched_grad_copy``) makes every bucket wait and be divided whole. What happened is emitted as
 ``(event, ident, time)`` records (``miniddp.events``), and, while torch.profiler records, as
-named spans. ``overlap=False`` launches once every gradient is ready: the naive "reduce after
+named spans. ``overlap=False`` launches at the end of backward: the naive "reduce after
 backward" baselines share this code.
 """
 
@@ -258,8 +258,8 @@ class Reducer(EventStream):
         bucket, slot = self.slot_of[index]
         if bucket.fill(slot, self._copy_into_bucket):
             self._spanned("copy_in", bucket, bucket.complete, self._scale_bucket)
-        if self.overlap or len(self.ready) == len(self.params):  # (overlap=False: all at once)
-            self._launch_ready_buckets()
+            if self.overlap:
+                self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:  # options/unused.py: which were used, on which rank
                 self._record("used_flags", -1)
@@ -332,6 +332,7 @@ class Reducer(EventStream):
         self._record("backward_end", -1)
         self.state = Step.REDUCED
         with self._span("end_of_backward") if self.profiling else NO_SPAN:  # (once a step)
+            self._launch_ready_buckets()  # (overlap=False launches every bucket here)
             # Which parameters some rank used (None: all of them): options/unused.py finds them
             # at each step, options/static_graph.py in the first backward.
             option = self.unused or self.static_graph

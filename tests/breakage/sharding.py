@@ -61,7 +61,7 @@ def zero_broadcasts_from_rank_0(module):
     import torch.distributed as dist
 
     def from_rank_0(original):
-        def sync(self):
+        def sync(self, *_profiled):
             for rank in range(self.world_size):
                 for group in self._partition_parameters()[rank]:
                     for p in group["params"]:
@@ -73,7 +73,7 @@ def zero_broadcasts_from_rank_0(module):
 def zero_never_sends(module):
     """Lesson 15: the updated shares never leave their owners."""
     breakages._patch(module.ZeroRedundancyOptimizer, "_sync_params",
-                     lambda original: lambda self: None)
+                     lambda original: lambda self, *_profiled: None)
 
 
 # ----- miniddp/fsdp -----
