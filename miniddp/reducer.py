@@ -104,9 +104,8 @@ class Reducer(EventStream):
         self.ready: set[int] = set()
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
-        self.ready_order: list[int] = []  # the first synced backward's order, for the rebuild
+        self.ready_order: list[int] = []  # the last synced backward's order, for the rebuild
         self.has_rebuilt = False
-        self.recording_order = False  # this backward records the order gradients are ready in
         self.output_nodes: list = []  # the last synced forward's, until its backward ends
         self.error: BaseException | None = None  # what the last wait_failed or error names
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
@@ -118,8 +117,8 @@ class Reducer(EventStream):
         # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
         # weakly, so a dropped DDP wrapper leaves no live hook on a module used afterwards.
         self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
-        me = weakref.ref(self)
-        self._hooks = [node.register_hook(functools.partial(_call_hook, me, i))
+        self._me = weakref.ref(self)
+        self._hooks = [node.register_hook(functools.partial(_call_hook, self._me, i))
                        for i, node in enumerate(self._accumulators)]
         self._init_buckets(self.initial_assignment())
 
@@ -201,7 +200,7 @@ class Reducer(EventStream):
             self.ready.clear()
         self.state, self.next_bucket = Step.EXPECTING, 0
         self.synced_forwards += 1
-        self.recording_order = self.should_rebuild  # (asked once a step, not per gradient)
+        self.ready_order.clear()  # this backward's order (for the rebuild, if one is to come)
         self._record("forward_end", -1)
         if self.unused is not None:  # options/unused.py: find what no output reaches
             outputs = self.unused.prepare(outputs)
@@ -246,8 +245,7 @@ class Reducer(EventStream):
         if self.static_graph is not None:  # options/static_graph.py: unused in the first
             for unused in self.static_graph.take_unused():  # backward: ready, with zeros
                 self._mark_ready(unused)
-        if self.recording_order:
-            self.ready_order.append(index)
+        self.ready_order.append(index)
         self._mark_ready(index)
 
     def _mark_ready(self, index: int) -> None:
@@ -343,9 +341,9 @@ class Reducer(EventStream):
                     self._spanned("write_back", bucket, self._write_back_bucket, bucket, used)
                 bucket.reset()  # for the next backward, while it is at hand
         self.ready.clear()
-        for node in self.output_nodes:  # a backward reaching them again is a second one
-            node.register_prehook(functools.partial(_call_reached_again, weakref.ref(self)))
-        self.output_nodes = []
+        while self.output_nodes:  # a backward reaching them again is a second one; popped, as
+            # each holds its graph
+            self.output_nodes.pop().register_prehook(functools.partial(_reached_again, self._me))
         self._record("finalized", -1)
 
     def _wait(self, bucket: Bucket) -> None:
@@ -380,8 +378,9 @@ class Reducer(EventStream):
         """``work(*args)``; while torch.profiler records (asked once a step), inside a span
         named for the step, the bucket, its tensors and bytes. (A ``with`` per bucket step
         would cost more than the call: about 0.16 us each, with no profiler.)"""
-        if not self.profiling:
-            return work(*args)
+        return self._in_span(step, bucket, work, args) if self.profiling else work(*args)
+
+    def _in_span(self, step: str, bucket: Bucket, work, args: tuple):
         with self._span(f"{step} bucket {bucket.index} ({len(bucket.params)} tensors, "
                         f"{bucket.buffer.nbytes} bytes)"):
             return work(*args)
@@ -413,6 +412,6 @@ def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
         reducer._hook(index)
 
 
-def _call_reached_again(reducer_ref, _grad_outputs) -> None:
+def _reached_again(reducer_ref, _grad_outputs) -> None:
     if (reducer := reducer_ref()) is not None:
         reducer._reached_again()
