@@ -283,9 +283,9 @@ def _no_padding(self, with_grad):
     return shards
 
 
-def _local_norms(local_norms, order):
+def _local_norms(local, order):
     """Each rank's norm of its own rows only: every rank clips by its own factor."""
-    return local_norms
+    return local.clone()
 
 
 _torch_function = vars(shard.ShardedTensor)["__torch_function__"].__func__
@@ -307,7 +307,7 @@ def _overwrite_sharded_grad(self, local):
 
 _average = collectives.average
 BREAKAGES = {
-    "local_norms": (norms, "_whole_norms", _local_norms),
+    "local_norms": (norms, "reduce_over_ranks", _local_norms),
     "local_vector_norm": (shard.ShardedTensor, "__torch_function__",
                           classmethod(_local_vector_norm)),
     "overwrite_sharded_grad": (param.FSDPParam, "add_sharded_grad", _overwrite_sharded_grad),
@@ -318,21 +318,28 @@ BREAKAGES = {
 }
 
 
+@contextlib.contextmanager
+def broken(breakage: str | None):
+    """miniddp with one of :data:`BREAKAGES` patched in, for the time of the block."""
+    if breakage is None:
+        yield
+        return
+    owner, name, wrong = BREAKAGES[breakage]
+    right = vars(owner)[name]
+    setattr(owner, name, wrong)
+    try:
+        yield
+    finally:
+        setattr(owner, name, right)
+
+
 def beside_torch(cases: list[Case]) -> list[list[str]]:
     """On every rank: each case's differences from torch's FSDP2 (empty: bit-identical)."""
     torch.set_num_threads(1)
     results = []
     for case in cases:
-        if case.breakage is None:
+        with broken(case.breakage):
             results.append(_train_beside_torch(case))
-            continue
-        owner, name, wrong = BREAKAGES[case.breakage]
-        right = vars(owner)[name]
-        setattr(owner, name, wrong)
-        try:
-            results.append(_train_beside_torch(case))
-        finally:
-            setattr(owner, name, right)
     return results
 
 

@@ -3,10 +3,10 @@ DTensor's are, so that every rank clips by the same factor, bit for bit as torch
 
 ``torch.linalg.vector_norm`` (``foreach=False``, one gradient at a time) and
 ``torch._foreach_norm`` (the default on the CPU) of a :class:`~miniddp.fsdp.shard.ShardedTensor`
-give a :class:`WholeNorm`. torch refuses what its DTensors cannot do, and so does this module, on
-every rank and before any collective: clipping a mix of sharded and plain gradients (a module
-left out of every unit, ``ignored_params``), and the infinity norm of a gradient some rank holds
-no rows of.
+give a :class:`PartialNorm`, reduced over the ranks when first used, into a :class:`WholeNorm`.
+torch refuses what its DTensors cannot do, and so does this module, on every rank and before any
+collective: clipping a mix of sharded and plain gradients (a module left out of every unit,
+``ignored_params``), and the infinity norm of a gradient some rank holds no rows of.
 """
 
 from __future__ import annotations
@@ -55,20 +55,72 @@ def _refuse_plain_tensors(func, values) -> None:
             "(fully_shard the root), or clip the two kinds of parameters apart.")
 
 
-def whole_norm(func, args, kwargs, sharded_type):
+class PartialNorm(torch.Tensor):
+    """This rank's norm of its rows, the reduction over ranks still to come (a DTensor's
+    ``_NormPartial``): stacking keeps it pending, so that ``clip_grad_norm_`` reduces all its
+    gradients' norms in one all-reduce, each at the place torch's stack gives it (gloo sums an
+    element in an order that depends on its place, from 3 ranks on); any other use reduces it
+    first. ``repr`` shows this rank's value without a collective."""
+
+    _order: float
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") == "__get__" or func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)  # .shape, .dtype, .dim(): no reduction needed
+        pending = func is torch.Tensor.to or (func is torch.stack and _one_order(args[0]))
+        if pending:
+            with torch._C.DisableTorchFunctionSubclass():
+                result = func(*args, **kwargs)
+            return partial(result, _first_partial(args)._order)
+        if func is torch.Tensor.__repr__:
+            return f"PartialNorm({args[0].as_subclass(torch.Tensor)!r}, ord={args[0]._order})"
+        args, kwargs = tree_map(_reduced, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+_METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.stride,
+             torch.Tensor.is_floating_point}
+
+
+def partial(local: torch.Tensor, order: float) -> PartialNorm:
+    with torch._C.DisableTorchFunctionSubclass():
+        tensor = local.as_subclass(PartialNorm)
+    tensor._order = order
+    return tensor
+
+
+def _first_partial(args) -> PartialNorm:
+    return next(x for x in tree_flatten(args)[0] if isinstance(x, PartialNorm))
+
+
+def _one_order(tensors) -> bool:
+    return (all(isinstance(t, PartialNorm) for t in tensors)
+            and len({t._order for t in tensors}) == 1)
+
+
+def _reduced(x):
+    if not isinstance(x, PartialNorm):
+        return x
+    with torch._C.DisableTorchFunctionSubclass():
+        local = x.as_subclass(torch.Tensor)
+        return reduce_over_ranks(local, x._order).as_subclass(WholeNorm)
+
+
+def partial_norms(func, args, kwargs, sharded_type):
     """``func`` (a vector norm or a foreach norm) of tensors some of which are sharded: each
-    sharded tensor's norm over every rank's rows, one all-reduce for the lot."""
+    sharded one's norm as a :class:`PartialNorm`, after the refusals."""
     tensors = [args[0]] if func is torch.linalg.vector_norm else list(args[0])
     order = float(kwargs.get("ord", args[1] if len(args) > 1 else 2.0))
     _refuse_plain_tensors(func, tensors)
     _refuse_an_empty_shards_infinity_norm(tensors, order, sharded_type)
     result = func(*args, **kwargs)
-    local = [result] if func is torch.linalg.vector_norm else list(result)
-    sharded = [i for i, t in enumerate(tensors) if isinstance(t, sharded_type)]
-    whole = _whole_norms([local[i] for i in sharded], order) if sharded else []
-    for i, norm in zip(sharded, whole):
-        local[i] = norm.as_subclass(WholeNorm)
-    return local[0] if func is torch.linalg.vector_norm else local
+    norms = [result] if func is torch.linalg.vector_norm else list(result)
+    norms = [partial(n, order) if isinstance(t, sharded_type) else n
+             for t, n in zip(tensors, norms)]
+    return norms[0] if func is torch.linalg.vector_norm else norms
 
 
 def _refuse_an_empty_shards_infinity_norm(tensors: list, order: float, sharded_type) -> None:
@@ -91,18 +143,17 @@ def _refuse_an_empty_shards_infinity_norm(tensors: list, order: float, sharded_t
                 "holds rows of it.")
 
 
-def _whole_norms(local_norms: list, order: float) -> list:
-    """The norms over every rank's rows, from each rank's own: the largest for the inf-norm,
-    else the p-th root of the all-reduced sum of p-th powers (for p = 0 and 1, the plain sum),
-    as a DTensor's partial norm is reduced. One all-reduce for the lot."""
-    stacked = torch.stack(local_norms)
+def reduce_over_ranks(local: torch.Tensor, order: float) -> torch.Tensor:
+    """The norms over every rank's rows, from each rank's own (``local``, any shape): the largest
+    for the inf-norm, else the p-th root of the all-reduced sum of p-th powers (for p = 0 and 1,
+    the plain sum), as a DTensor's partial norm is reduced."""
+    whole = local.clone()
     if order in (math.inf, -math.inf):
-        op = dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
-        dist.all_reduce(stacked, op=op)
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN)
     elif order in (0.0, 1.0):
-        dist.all_reduce(stacked)
+        dist.all_reduce(whole)
     else:
-        stacked = stacked ** order
-        dist.all_reduce(stacked)
-        stacked = stacked ** (1.0 / order)
-    return list(stacked.unbind())
+        whole = whole ** order
+        dist.all_reduce(whole)
+        whole = whole ** (1.0 / order)
+    return whole

@@ -31,9 +31,8 @@ from __future__ import annotations
 from enum import Enum, auto
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from miniddp.fsdp import collectives
+from miniddp.fsdp import collectives, tree
 from miniddp.fsdp.param import FSDPParam
 
 
@@ -128,13 +127,11 @@ class ParamGroup:
     def _call_post_backward_from_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.is_grad_enabled():
             return args, kwargs
-        flat, spec = tree_flatten((args, kwargs))
-        where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-        if not where:
+        inputs = tree.grad_tensors((args, kwargs))
+        if not inputs:
             return args, kwargs
-        for i, tensor in zip(where, PostBackward.apply(self, *(flat[i] for i in where))):
-            flat[i] = tensor
-        return tree_unflatten(flat, spec)
+        outputs = iter(PostBackward.apply(self, *inputs))
+        return tree.map_grad_tensors((args, kwargs), lambda _: next(outputs))
 
     def reduce_scatter(self, with_grad: list[tuple[FSDPParam, torch.Tensor]]
                        ) -> list[torch.Tensor]:

@@ -132,7 +132,7 @@ class ShardedTensor(_ShardMethods, torch.Tensor):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
             if func is torch.linalg.vector_norm or func is torch._foreach_norm:
-                return norms.whole_norm(func, args, kwargs, ShardedTensor)
+                return norms.partial_norms(func, args, kwargs, ShardedTensor)
             return func(*args, **kwargs)
 
     @staticmethod

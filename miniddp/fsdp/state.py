@@ -21,8 +21,9 @@ backward is done.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
+from miniddp.fsdp import tree
 from miniddp.fsdp.param_group import ParamGroup, TrainingState
 
 
@@ -107,9 +108,8 @@ class FSDPState:
         if self.group is not None:
             self.group.post_forward()
         if torch.is_grad_enabled():
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward)
+            for tensor in tree.grad_tensors(output):
+                tensor.register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
         return self._cast_output(output)
 
