@@ -35,11 +35,12 @@ from torch import nn
 import miniddp
 
 #: How a block's activations are recomputed in backward: around its call
-#: (``torch.utils.checkpoint``, non-reentrant with early stop, whole, or reentrant), torch's
+#: (``torch.utils.checkpoint``, non-reentrant with early stop, whole, reentrant, or selective:
+#: the matmuls' outputs saved, the rest recomputed), torch's
 #: composable ``checkpoint(block)``, ``checkpoint_wrapper`` (non-reentrant, reentrant), or
 #: inside the block, around its first layer (non-reentrant, reentrant).
-CHECKPOINTS = ("", "call", "call_whole", "call_reentrant", "composable", "wrapper",
-               "wrapper_reentrant", "inside", "inside_reentrant")
+CHECKPOINTS = ("", "call", "call_whole", "call_reentrant", "call_selective", "composable",
+               "wrapper", "wrapper_reentrant", "inside", "inside_reentrant")
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,8 @@ class BlockSpec:
     residual: bool = False  # x + f(x) (d_in == d_out)
     checkpoint: str = ""
     twice: bool = False  # applied twice in a row (d_in == d_out)
+    dropout: bool = False
+    output: str = ""  # the block returns a "tuple", a "dict" or a "dataclass" holding its output
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,8 @@ class Run:
     clip: tuple[float, float, bool | None] | None = None  # max_norm, norm_type, foreach
     batch_sizes: tuple[int, ...] = (5,)  # cycled over (step, micro-batch, rank)
     eval_at: str = ""  # "after_step", "before_step" or "between_micro_batches"
+    keep_gathered: bool = False  # set_reshard_after_backward(False) while accumulating
+    zero_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     seed: int = 0
 
 
@@ -97,9 +102,10 @@ class Block(nn.Module):
         self.fc2 = nn.Linear(spec.hidden, spec.d_out)
         if spec.gamma:
             self.gamma = nn.Parameter(torch.rand(spec.d_out) + 0.5)
+        self.dropout = nn.Dropout(0.25) if spec.dropout else nn.Identity()
 
     def first(self, h):
-        return torch.relu(self.fc1(h))
+        return self.dropout(torch.relu(self.fc1(h)))
 
     def forward(self, x):
         h = self.norm(x) if self.norm is not None else x
@@ -111,7 +117,25 @@ class Block(nn.Module):
         h = self.fc2(h)
         if self.spec.gamma:
             h = h * self.gamma
-        return x + h if self.spec.residual else h
+        h = x + h if self.spec.residual else h
+        if self.spec.output == "tuple":
+            return h, h.detach().sum()
+        if self.spec.output == "dict":
+            return {"h": h}
+        return BlockOutput(h) if self.spec.output == "dataclass" else h
+
+
+@dataclass
+class BlockOutput:
+    h: torch.Tensor
+
+
+def _unpack(output):
+    if isinstance(output, tuple):
+        return output[0]
+    if isinstance(output, dict):
+        return output["h"]
+    return output.h if isinstance(output, BlockOutput) else output
 
 
 class Net(nn.Module):
@@ -138,7 +162,7 @@ class Net(nn.Module):
             h = h + self.pos
         for block, spec in zip(self.blocks, self.spec.blocks):
             for _ in range(1 + spec.twice):
-                h = call_block(block, spec.checkpoint, h)
+                h = _unpack(call_block(block, spec.checkpoint, h))
         out = self.head(h)
         return out * self.scale if self.spec.root_param == "scale" else out
 
@@ -152,7 +176,19 @@ def call_block(block, how: str, h):
             return checkpoint.checkpoint(block, h, use_reentrant=False)
     if how == "call_reentrant":
         return checkpoint.checkpoint(block, h, use_reentrant=True)
+    if how == "call_selective":
+        return checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=_save_matmuls)
     return block(h)
+
+
+def _save_matmuls():
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.addmm.default,
+                                                     torch.ops.aten.mm.default)
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+    return create_selective_checkpoint_contexts(policy)
 
 
 def build(spec: ModelSpec, seed: int) -> Net:
@@ -262,7 +298,10 @@ def train(impl: str, run: Run):
             for micro in range(run.micro_batches):
                 if run.eval_at == "between_micro_batches" and micro:
                     _eval(model, run, seen, f"{step}.{micro}")
-                set_sync(model, run.sync_micro_batches or micro == run.micro_batches - 1)
+                last = micro == run.micro_batches - 1
+                set_sync(model, run.sync_micro_batches or last)
+                if run.keep_gathered:
+                    set_reshard_after_backward(model, last)
                 size = [next(sizes) for _ in range(dist.get_world_size())][rank]
                 x, loss = batch(run.model, size, torch.Generator().manual_seed(
                     run.seed + 1000 * step + 10 * micro + rank))
@@ -276,7 +315,7 @@ def train(impl: str, run: Run):
                     model.parameters(), max_norm, norm_type, foreach=foreach))
                 seen.grads(f"step {step} clipped")
             optimizer.step()
-            optimizer.zero_grad()
+            optimizer.zero_grad(set_to_none=run.zero_to_none)
             seen.params(f"step {step}")
             if run.eval_at == "after_step":
                 _eval(model, run, seen, step)
@@ -292,10 +331,18 @@ def set_sync(model, sync: bool) -> None:
             module.set_requires_gradient_sync(sync, recurse=False)
 
 
+def set_reshard_after_backward(model, reshard: bool) -> None:
+    for module in model.modules():
+        if hasattr(module, "set_reshard_after_backward"):
+            module.set_reshard_after_backward(reshard, recurse=False)
+
+
 def _eval(model, run: Run, seen: Recorder, when) -> None:
     x, _ = batch(run.model, 3, torch.Generator().manual_seed(run.seed + 7))
+    model.eval()
     with torch.no_grad():
         seen.add(f"eval {when}", model(x))
+    model.train()
 
 
 # ----- two runs compared -----

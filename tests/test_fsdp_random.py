@@ -1,7 +1,7 @@
 """miniddp.fully_shard beside torch's FSDP2 on random models and training loops, bit for bit.
 
 hypothesis draws what users build (``test_fsdp_models``' descriptions): widths 1 to 23 (many
-cut unevenly, or not at all on some rank, at 3 ranks), 1 to 4 blocks, some or all of them units,
+cut unevenly, or not at all on some rank, at 3 ranks), 1 to 5 blocks, some or all of them units,
 units nested in units, frozen layers, tied embeddings, parameters of the root's own, mixed
 precision, SGD, momentum, Adam or AdamW, accumulation with and without gradient sync, activation
 checkpointing of every kind (reentrant included), clipping with every norm, uneven batches per
@@ -11,7 +11,7 @@ backward and its parameter shards after every step; a run torch refuses must be 
 The fast tier draws a fixed set of examples (``derandomize``); the slow tier more. A control
 compares torch with itself (the comparison is deterministic); negative controls break miniddp
 and see the fixed examples find it. For fresh seeds, locally:
-``MINIDDP_FSDP_EXAMPLES=200 python -m pytest -n 0 -p no:randomly tests/test_fsdp_random.py
+``MINIDDP_FSDP_EXAMPLES=200 python -m pytest -n 0 tests/test_fsdp_random.py
 -k fresh --hypothesis-seed=$RANDOM`` (the test named ``fresh`` is skipped without that variable).
 """
 
@@ -28,12 +28,14 @@ from test_fsdp_models import CHECKPOINTS, BlockSpec, ModelSpec, Run, check_ident
 
 WIDTHS = st.integers(1, 23)
 PRECISIONS = [(None, None), ("bf16", None), ("bf16", "fp32"), ("fp16", "fp32"),
-              ("fp16", None), (None, "bf16")]
+              ("fp16", None), (None, "bf16"), (None, "fp16"), ("bf16", "bf16")]
 
 
 @st.composite
 def block_specs(draw, d_in: int) -> BlockSpec:
     same_width = draw(st.booleans())
+    checkpoint = draw(st.sampled_from(CHECKPOINTS))
+    outputs = [""] if "reentrant" in checkpoint else ["", "", "tuple", "dict", "dataclass"]
     return BlockSpec(
         d_out=d_in if same_width else draw(WIDTHS), hidden=draw(WIDTHS),
         wrapped=draw(st.booleans()), reshard=draw(st.sampled_from([None, True, False])),
@@ -41,7 +43,8 @@ def block_specs(draw, d_in: int) -> BlockSpec:
                                                                       "all"])),
         gamma=draw(st.booleans()), norm=draw(st.booleans()),
         residual=same_width and draw(st.booleans()),
-        checkpoint=draw(st.sampled_from(CHECKPOINTS)), twice=same_width and draw(st.booleans()))
+        checkpoint=checkpoint, twice=same_width and draw(st.booleans()),
+        dropout=draw(st.booleans()), output=draw(st.sampled_from(outputs)))
 
 
 @st.composite
@@ -51,7 +54,7 @@ def model_specs(draw, mixed_precision: bool) -> ModelSpec:
     vocab = draw(st.sampled_from([0, 0, 5, 17]))
     d_model = draw(WIDTHS)
     blocks, d = [], d_model
-    for _ in range(draw(st.integers(1, 4))):
+    for _ in range(draw(st.integers(1, 5))):
         blocks.append(draw(block_specs(d)))
         d = blocks[-1].d_out
     tied = bool(vocab) and d == d_model and draw(st.booleans())
@@ -80,7 +83,8 @@ def runs(draw) -> Run:
                steps=draw(st.integers(1, 3)), micro_batches=micro_batches,
                sync_micro_batches=draw(st.booleans()), clip=clip,
                batch_sizes=tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))),
-               eval_at=draw(st.sampled_from(evals)), seed=draw(st.integers(0, 2**16)))
+               eval_at=draw(st.sampled_from(evals)), keep_gathered=draw(st.booleans()),
+               zero_to_none=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
 
 
 def _fixed(examples: int):

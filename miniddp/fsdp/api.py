@@ -10,7 +10,8 @@ afterwards (it must see the sharded parameters)::
 
 Each call makes one unit of the parameters below ``module`` not already claimed by an inner call.
 ``reshard_after_forward=True`` is ZeRO-3 (torch's FULL_SHARD): parameters are gathered for the
-forward, freed, gathered again for the backward. ``reshard_after_forward=False`` is ZeRO-2
+forward, freed, gathered again for the backward; the default, ``None``, is the same but on the
+root, which keeps them (it is needed again first). ``reshard_after_forward=False`` is ZeRO-2
 (torch's SHARD_GRAD_OP): they stay gathered from forward to backward, trading memory for one
 all-gather per unit and step; gradients and optimizer state are sharded either way.
 """
