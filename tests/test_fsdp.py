@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import miniddp
-from miniddp.fsdp import collectives, norms, param, param_group, shard
+from miniddp.fsdp import collectives, init, norms, param, param_group, shard
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -305,8 +305,24 @@ def _overwrite_sharded_grad(self, local):
     self.sharded.grad = shard.ShardedTensor.wrap(local, self.spec)
 
 
+def _module_parameters_order(root, ignored):
+    """A unit's parameters in ``module.parameters()``'s order (a module's own first), not
+    torch's (children first)."""
+    order = [id(p) for p in root.parameters()]
+    return sorted(_managed_params(root, ignored), key=lambda pn: order.index(id(pn[0])))
+
+
+def _post_backward_at_the_end(self, args, kwargs):
+    """No post-backward from a unit's inputs: every unit reduces at the end of the backward."""
+    return args, kwargs
+
+
+_managed_params = init.managed_params
 _average = collectives.average
 BREAKAGES = {
+    "module_parameters_order": (init, "managed_params", _module_parameters_order),
+    "post_backward_at_the_end": (param_group.ParamGroup, "_call_post_backward_from_inputs",
+                                 _post_backward_at_the_end),
     "local_norms": (norms, "reduce_over_ranks", _local_norms),
     "local_vector_norm": (shard.ShardedTensor, "__torch_function__",
                           classmethod(_local_vector_norm)),

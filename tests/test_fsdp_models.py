@@ -419,3 +419,16 @@ EVAL_BETWEEN_BACKWARD_AND_STEP = [Run(ModelSpec(root_param="pos"), eval_at="befo
 def test_minimal_model_trains_bit_for_bit_as_torch(ranks, world_size, runs):
     runs = [r for run in runs for r in _both_precisions(run)]
     check_identical(ranks(world_size).run(compare_all, runs, timeout=120), runs)
+
+
+@needs_torch_fsdp2
+@pytest.mark.parametrize("runs, breakage", [
+    (ROOT_OWN_PARAMETER, "module_parameters_order"),
+    (CALLED_TWICE_AFTER_NO_SYNC, "post_backward_at_the_end")])
+def test_minimal_model_tells_its_mechanism_broken_at_3_ranks(ranks, runs, breakage):
+    """Negative controls: a unit's parameters in ``module.parameters()``'s order; every unit
+    reduced at the end of the backward instead of from its inputs."""
+    runs = [r for run in runs for r in _both_precisions(run)]
+    results = ranks(3).run(compare_all, runs, breakage=breakage, timeout=120)
+    agreeing = [run for i, run in enumerate(runs) if not any(r[i] for r in results)]
+    assert not agreeing, f"broken on purpose ({breakage}), yet bit-identical: {agreeing}"

@@ -10,7 +10,7 @@ backward and its parameter shards after every step; a run torch refuses must be 
 
 The fast tier draws a fixed set of examples (``derandomize``); the slow tier more. A control
 compares torch with itself (the comparison is deterministic); negative controls break miniddp
-and see the fixed examples find it. For fresh seeds, locally:
+and see the fixed random runs find it. For fresh seeds, locally:
 ``MINIDDP_FSDP_EXAMPLES=200 python -m pytest -n 0 tests/test_fsdp_random.py
 -k fresh --hypothesis-seed=$RANDOM`` (the test named ``fresh`` is skipped without that variable).
 """
@@ -21,7 +21,7 @@ import math
 import os
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, find, given, settings
 from hypothesis import strategies as st
 from test_fsdp import needs_torch_fsdp2
 from test_fsdp_models import CHECKPOINTS, BlockSpec, ModelSpec, Run, check_identical, compare
@@ -103,7 +103,7 @@ def test_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
 @needs_torch_fsdp2
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-@settings(max_examples=60, deadline=None, database=None, derandomize=True,
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(run=runs())
 def test_more_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
@@ -127,3 +127,29 @@ def test_fresh_random_models(ranks, world_size, run):
 def test_control_torch_beside_itself_is_bit_for_bit(ranks, run):
     """The comparison itself is deterministic: torch's FSDP2 run twice agrees with itself."""
     check_identical(ranks(3).run(compare, run, second="torch", timeout=120), [run])
+
+
+def _found_by_random_runs(ranks, breakage: str, examples: int) -> Run:
+    """The first run hypothesis draws (fixed seed) that tells miniddp, broken so, from torch's
+    FSDP2 at 3 ranks, not shrunk; NoSuchExample if none of ``examples`` does."""
+    return find(runs(), lambda run: any(ranks(3).run(compare, run, breakage=breakage,
+                                                     timeout=120)),
+                settings=settings(max_examples=examples, derandomize=True, database=None,
+                                  deadline=None, phases=[Phase.generate],
+                                  suppress_health_check=list(HealthCheck)))
+
+
+@needs_torch_fsdp2
+def test_random_runs_find_the_averaging_broken(ranks):
+    """Negative control: DDP's arithmetic (1/W, then the sum) in place of torch's AVG."""
+    _found_by_random_runs(ranks, "scale_before_sum", examples=10)
+
+
+@needs_torch_fsdp2
+@pytest.mark.slow
+@pytest.mark.parametrize("breakage", ["post_backward_at_the_end", "overwrite_sharded_grad"])
+def test_random_runs_find_a_broken_mechanism(ranks, breakage):
+    """Negative controls: every unit reduced at the end of the backward, a second synchronized
+    backward overwriting the shard's grad. (The parameter order, broken, takes the random runs
+    about 60 examples to find: ``test_fsdp_models`` checks it on its minimal model.)"""
+    _found_by_random_runs(ranks, breakage, examples=60)
