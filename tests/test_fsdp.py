@@ -455,6 +455,8 @@ def _layout_facts() -> dict:
                                           for p in model.parameters())
     facts["grad_shapes_match"] = all(p.grad.shape == p.shape for p in model.parameters())
     facts["grad_full_tensor_shape"] = tuple(model.blocks[0].lin.weight.grad.full_tensor().shape)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # code for FSDP2 logs it so:
+    facts["clip_norm"] = (f"{norm:.1f}", type(norm.full_tensor()).__name__, norm.item() > 0)
     model.blocks[0].unshard()
     facts["unshard_method"] = tuple(model.blocks[0].lin.weight.shape)
     model.blocks[0].reshard()
@@ -481,6 +483,7 @@ def test_zero3_frees_after_forward_zero2_and_the_root_keep_parameters_gathered(r
         assert f["block0_storage"] == 0
         assert f["after_backward_sharded"] and f["grad_shapes_match"]
         assert f["grad_full_tensor_shape"] == (31, 12)
+        assert f["clip_norm"][1:] == ("Tensor", True) and float(f["clip_norm"][0]) > 0
         assert f["unshard_method"] == (31, 12) and f["reshard_method"][0] in (9, 11)
 
 

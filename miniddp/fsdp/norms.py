@@ -29,6 +29,8 @@ class WholeNorm(torch.Tensor):
         kwargs = kwargs or {}
         _refuse_plain_tensors(func, tree_flatten((args, kwargs))[0])
         with torch._C.DisableTorchFunctionSubclass():
+            if func is torch.Tensor.__format__:  # f"{norm:.3f}", as a plain 0-d tensor allows
+                return format(args[0].as_subclass(torch.Tensor), *args[1:])
             result = func(*args, **kwargs)
         return tree_map(lambda x: x.as_subclass(WholeNorm) if type(x) is torch.Tensor else x,
                         result)
@@ -37,9 +39,6 @@ class WholeNorm(torch.Tensor):
         return self.as_subclass(torch.Tensor)
 
     to_local = full_tensor
-
-    def __format__(self, spec: str) -> str:  # f"{norm:.3f}", as a plain 0-d tensor allows
-        return format(self.full_tensor(), spec)
 
 
 def _refuse_plain_tensors(func, values) -> None:
