@@ -90,6 +90,7 @@ class Run:
     eval_at: str = ""  # "after_step", "before_step" or "between_micro_batches"
     keep_gathered: bool = False  # set_reshard_after_backward(False) while accumulating
     zero_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
+    two_forwards: bool = False  # two forwards, their losses summed, one backward
     seed: int = 0
 
 
@@ -288,25 +289,14 @@ def _copy(tensor):
 
 def train(impl: str, run: Run):
     """One run: ``(recorded, None)``, or ``(recorded so far, error)`` if it raised."""
-    rank = dist.get_rank()
-    model = shard(build(run.model, run.seed), impl, run)
-    optimizer = make_optimizer(model, run.optimizer)
-    seen = Recorder(model)
-    sizes = iter(run.batch_sizes * 1000)
+    seen = Recorder(None)
     try:
+        model = seen.model = shard(build(run.model, run.seed), impl, run)
+        optimizer = make_optimizer(model, run.optimizer)
+        sizes = iter(run.batch_sizes * 1000)
         for step in range(run.steps):
             for micro in range(run.micro_batches):
-                if run.eval_at == "between_micro_batches" and micro:
-                    _eval(model, run, seen, f"{step}.{micro}")
-                last = micro == run.micro_batches - 1
-                set_sync(model, run.sync_micro_batches or last)
-                if run.keep_gathered:
-                    set_reshard_after_backward(model, last)
-                size = [next(sizes) for _ in range(dist.get_world_size())][rank]
-                x, loss = batch(run.model, size, torch.Generator().manual_seed(
-                    run.seed + 1000 * step + 10 * micro + rank))
-                loss(model(x)).backward()
-                seen.grads(f"step {step} micro {micro}")
+                _micro_batch(model, run, seen, (step, micro), sizes)
             if run.eval_at == "before_step":
                 _eval(model, run, seen, step)
             if run.clip is not None:
@@ -322,6 +312,25 @@ def train(impl: str, run: Run):
     except Exception as error:  # noqa: BLE001 -- the run's verdict: compared, not hidden
         return seen.seen, f"{type(error).__name__}: {error}\n{traceback.format_exc(limit=-3)}"
     return seen.seen, None
+
+
+def _micro_batch(model, run: Run, seen: Recorder, when: tuple[int, int], sizes) -> None:
+    """One forward (two, with ``two_forwards``) and backward, on this rank's batch."""
+    (step, micro), rank = when, dist.get_rank()
+    if run.eval_at == "between_micro_batches" and micro:
+        _eval(model, run, seen, f"{step}.{micro}")
+    last = micro == run.micro_batches - 1
+    set_sync(model, run.sync_micro_batches or last)
+    if run.keep_gathered:
+        set_reshard_after_backward(model, last)
+    size = [next(sizes) for _ in range(dist.get_world_size())][rank]
+    gen = torch.Generator().manual_seed(run.seed + 1000 * step + 10 * micro + rank)
+    total = 0
+    for _ in range(1 + run.two_forwards):
+        x, loss = batch(run.model, size, gen)
+        total = total + loss(model(x))
+    total.backward()
+    seen.grads(f"step {step} micro {micro}")
 
 
 def set_sync(model, sync: bool) -> None:

@@ -2,11 +2,13 @@
 
 hypothesis draws what users build (``test_fsdp_models``' descriptions): widths 1 to 23 (many
 cut unevenly, or not at all on some rank, at 3 ranks), 1 to 5 blocks, some or all of them units,
-units nested in units, frozen layers, tied embeddings, parameters of the root's own, mixed
-precision, SGD, momentum, Adam or AdamW, accumulation with and without gradient sync, activation
-checkpointing of every kind (reentrant included), clipping with every norm, uneven batches per
-rank, a block called twice, eval forwards. Every rank compares its gradient shards after every
-backward and its parameter shards after every step; a run torch refuses must be refused too.
+units nested in units, frozen layers, tied embeddings, parameters of the root's own, dropout,
+blocks returning tuples, dicts or dataclasses, mixed precision, SGD, momentum, Adam or AdamW,
+accumulation with and without gradient sync, activation checkpointing of every kind (reentrant
+and selective included), clipping with the 1-, 2- and inf-norms, uneven batches per rank, a block
+called twice, two forwards before one backward, eval forwards. Every rank compares its gradient
+shards after every backward and its parameter shards after every step; a run torch refuses must
+be refused too.
 
 The fast tier draws a fixed set of examples (``derandomize``); the slow tier more. A control
 compares torch with itself (the comparison is deterministic); negative controls break miniddp
@@ -84,7 +86,8 @@ def runs(draw) -> Run:
                sync_micro_batches=draw(st.booleans()), clip=clip,
                batch_sizes=tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))),
                eval_at=draw(st.sampled_from(evals)), keep_gathered=draw(st.booleans()),
-               zero_to_none=draw(st.booleans()), seed=draw(st.integers(0, 2**16)))
+               zero_to_none=draw(st.booleans()), two_forwards=draw(st.booleans()),
+               seed=draw(st.integers(0, 2**16)))
 
 
 def _fixed(examples: int):
