@@ -415,16 +415,24 @@ CALLED_TWICE_AFTER_NO_SYNC = [Run(ModelSpec(blocks=(BlockSpec(twice=True),)), mi
 EVAL_BETWEEN_BACKWARD_AND_STEP = [Run(ModelSpec(root_param="pos"), eval_at="before_step",
                                       steps=3)]
 
+#: A unit inside a block that reentrant checkpointing recomputes, the block called twice: torch
+#: reduces only the second call's gradient in that backward and leaves the unit gathered with the
+#: first's. miniddp does the same, bit for bit.
+NESTED_UNIT_REENTRANT_TWICE = [Run(ModelSpec(blocks=(BlockSpec(
+    inner_unit=True, checkpoint="call_reentrant", twice=True),)), steps=3)]
+
 
 @needs_torch_fsdp2
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("runs", [FROZEN_STILL_NEEDED, REENTRANT_CHECKPOINT, ROOT_OWN_PARAMETER,
-                                  CALLED_TWICE_AFTER_NO_SYNC, EVAL_BETWEEN_BACKWARD_AND_STEP],
+                                  CALLED_TWICE_AFTER_NO_SYNC, EVAL_BETWEEN_BACKWARD_AND_STEP,
+                                  NESTED_UNIT_REENTRANT_TWICE],
                          ids=["frozen_layer_needed_after_the_last_gradient",
                               "reentrant_checkpoint_around_a_unit",
                               "root_parameter_after_its_childrens",
                               "unit_called_twice_after_a_no_sync_micro_batch",
-                              "eval_forward_between_backward_and_step"])
+                              "eval_forward_between_backward_and_step",
+                              "unit_in_a_block_recomputed_reentrantly_twice"])
 def test_minimal_model_trains_bit_for_bit_as_torch(ranks, world_size, runs):
     runs = [r for run in runs for r in _both_precisions(run)]
     check_identical(ranks(world_size).run(compare_all, runs, timeout=120), runs)
