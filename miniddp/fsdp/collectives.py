@@ -95,17 +95,25 @@ def average(buffer: torch.Tensor, group=None) -> torch.Tensor:
     return output
 
 
-def all_gather_params(params, group=None) -> None:
-    """Every parameter's full rows into its (re-allocated) unsharded leaf: each padded shard,
-    cast to the compute dtype on the way, into one flat buffer; one all-gather; each rank's piece
-    of each parameter copied out (torch's ``foreach_all_gather`` and its copy-out)."""
+def all_gather_params(params, group=None) -> torch.Tensor:
+    """Every rank's padded shards of ``params``, rank-major in one flat buffer: each padded
+    shard, cast to the compute dtype on the way, into this rank's piece, then one all-gather
+    (torch's ``foreach_all_gather``)."""
     world_size = params[0].spec.world_size
     with torch.no_grad():
         flat = torch.cat([p.padded.reshape(-1).to(p.compute_dtype) for p in params])
         gathered = flat.new_empty((world_size * flat.numel(),))
         all_gather_flat(gathered, flat, group)
-        by_rank = gathered.view(world_size, -1)
-        offset = 0
+    return gathered
+
+
+def copy_out(params, gathered: torch.Tensor) -> None:
+    """Each parameter's full rows from the gathered buffer into its (re-allocated) unsharded
+    leaf (torch's ``foreach_all_gather_copy_out``)."""
+    world_size = params[0].spec.world_size
+    by_rank = gathered.view(world_size, -1)
+    offset = 0
+    with torch.no_grad():
         for p in params:
             numel = p.padded.numel()
             rows = by_rank[:, offset:offset + numel].reshape(

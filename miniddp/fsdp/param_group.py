@@ -21,6 +21,11 @@ gather for backward):
    whose inputs need no gradient (an embedding fed token ids) or that autograd never reached is
    finished at the end of the backward (``state``).
 
+Each step is named in profiler traces as torch names it (``FSDP::pre_forward``, ...). Selective
+activation checkpointing counts those calls among a region's operations and refuses a
+recomputation that makes more of them than the forward did, so they are made where torch makes
+them: miniddp then trains where torch's FSDP2 does and refuses where it refuses.
+
 A unit called twice in a forward gets two post-backwards, each reducing what has arrived by then,
 as torch's does. The buffer layout and the averaging decide the bits, so both follow torch FSDP2
 exactly: another layout of the same numbers sums them in another order on gloo from 3 ranks on.
@@ -31,6 +36,7 @@ from __future__ import annotations
 from enum import Enum, auto
 
 import torch
+from torch.profiler import record_function
 
 from miniddp.fsdp import collectives, tree
 from miniddp.fsdp.param import FSDPParam
@@ -70,7 +76,13 @@ class ParamGroup:
     def unshard(self) -> None:
         if self.is_unsharded:
             return
-        collectives.all_gather_params(self.params, self.group)
+        if self.params[0].spec.world_size == 1:
+            collectives.copy_out(self.params, collectives.all_gather_params(self.params))
+        else:
+            with record_function("FSDP::all_gather"):
+                gathered = collectives.all_gather_params(self.params, self.group)
+            with record_function("FSDP::all_gather_copy_out"):
+                collectives.copy_out(self.params, gathered)
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
@@ -88,20 +100,23 @@ class ParamGroup:
     # ----- the hooks' work -----
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        self.training_state = TrainingState.FORWARD
-        self.unshard()
-        return self._call_post_backward_from_inputs(args, kwargs)
+        with record_function("FSDP::pre_forward"):
+            self.training_state = TrainingState.FORWARD
+            self.unshard()
+            return self._call_post_backward_from_inputs(args, kwargs)
 
     def post_forward(self) -> None:
-        if not in_backward():  # a recomputation's backward still needs the parameters
-            self.reshard()
-        self.training_state = TrainingState.IDLE
+        with record_function("FSDP::post_forward"):
+            if not in_backward():  # a recomputation's backward still needs the parameters
+                self.reshard()
+            self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        self.training_state = TrainingState.PRE_BACKWARD
-        self.unshard()
+        with record_function("FSDP::pre_backward"):
+            self.training_state = TrainingState.PRE_BACKWARD
+            self.unshard()
 
     def post_backward(self) -> None:
         """Reduce-scatter what this unit's backward gave (or keep it, without sync), and free
@@ -121,8 +136,9 @@ class ParamGroup:
         if not with_grad:
             return
         params = [p for p, _ in with_grad]
-        for p, local in zip(params, self.reduce_scatter(with_grad)):
-            p.add_sharded_grad(local)
+        with record_function("FSDP::post_backward_reduce"):
+            for p, local in zip(params, self.reduce_scatter(with_grad)):
+                p.add_sharded_grad(local)
 
     def _call_post_backward_from_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if not torch.is_grad_enabled():

@@ -21,6 +21,7 @@ backward is done.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 from torch.utils._pytree import tree_map
 
 from miniddp.fsdp import tree
@@ -40,6 +41,9 @@ class StateContext:
     def __init__(self):
         self.all_states: list[FSDPState] = []
         self.callback_queued = False
+        #: The unit whose forward holds this forward's others (the root's, but for a unit run
+        #: on its own, as in a recomputation), as torch's ``iter_forward_root``
+        self.iter_forward_root: FSDPState | None = None
 
 
 class FSDPState:
@@ -82,21 +86,31 @@ class FSDPState:
         policy = self.mp_policy
         if not (policy.cast_forward_inputs and policy.param_dtype is not None):
             return args, kwargs
-        return (tree_map(lambda x: _cast(policy.param_dtype, x), args),
-                tree_map(lambda x: _cast(policy.param_dtype, x), kwargs))
+        with record_function("FSDP::cast_forward_inputs"):
+            return (tree_map(lambda x: _cast(policy.param_dtype, x), args),
+                    tree_map(lambda x: _cast(policy.param_dtype, x), kwargs))
 
     def _cast_output(self, output):
-        if self.mp_policy.output_dtype is not None:
-            output = tree_map(lambda x: _cast(self.mp_policy.output_dtype, x), output)
-        return output
+        if self.mp_policy.output_dtype is None:
+            return output
+        with record_function("FSDP::cast_forward_outputs"):
+            return tree_map(lambda x: _cast(self.mp_policy.output_dtype, x), output)
+
+    def _root_pre_forward(self) -> None:
+        self._lazy_init()
+        if self.ctx.iter_forward_root is None:
+            self.ctx.iter_forward_root = self
+            with record_function("FSDP::root_pre_forward"):
+                pass  # (torch orders its streams here, on a GPU)
 
     def _pre_forward(self, module, args, kwargs):
         if self.training_state is TrainingState.PRE_BACKWARD:  # recomputed in backward
             if self.group is not None:
                 self.group.unshard()
             return self._cast_inputs(args, kwargs)
+        if self.training_state is not TrainingState.FORWARD:  # not a call from within itself
+            self._root_pre_forward()
         self.training_state = TrainingState.FORWARD
-        self._lazy_init()
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.group is not None:
             args, kwargs = self.group.pre_forward(args, kwargs)
@@ -111,6 +125,8 @@ class FSDPState:
             for tensor in tree.grad_tensors(output):
                 tensor.register_hook(self._pre_backward)
         self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            self.ctx.iter_forward_root = None
         return self._cast_output(output)
 
     def _pre_backward(self, grad):
@@ -125,6 +141,7 @@ class FSDPState:
     def _finish_backward(self) -> None:
         """End of backward: the post-backward of every unit that autograd did not reach through
         its inputs (or never reached), then every unit back to idle."""
+        self.ctx.iter_forward_root = None
         for state in self.ctx.all_states:
             group = state.group
             if group is not None:
