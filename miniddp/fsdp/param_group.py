@@ -72,6 +72,10 @@ class ParamGroup:
         self.requires_gradient_sync = True
         self.is_unsharded = False
         self.training_state = TrainingState.IDLE
+        #: Every unit's post-forwards in this forward, in order (the list is the root's, shared
+        #: by all its units from the first forward on), and where this unit's calls sit in it
+        self.post_forward_order: list[ParamGroup] = []
+        self.post_forward_indices: list[int] = []
 
     def unshard(self) -> None:
         if self.is_unsharded:
@@ -109,6 +113,8 @@ class ParamGroup:
         with record_function("FSDP::post_forward"):
             if not in_backward():  # a recomputation's backward still needs the parameters
                 self.reshard()
+                self.post_forward_indices.append(len(self.post_forward_order))
+                self.post_forward_order.append(self)
             self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
@@ -117,6 +123,21 @@ class ParamGroup:
         with record_function("FSDP::pre_backward"):
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
+            self._backward_prefetch()
+
+    def _backward_prefetch(self) -> None:
+        """Gather the unit whose forward ran before this call's, as torch does by default: its
+        backward comes next. (No bit changes; on a GPU it overlaps; and it decides what a
+        recomputation inside selective checkpointing finds already gathered.)"""
+        if not self.post_forward_indices:
+            return
+        index = self.post_forward_indices.pop()
+        if index > 0:
+            target = self.post_forward_order[index - 1]
+            with record_function("FSDP::backward_prefetch"):
+                state, target.training_state = target.training_state, TrainingState.PRE_BACKWARD
+                target.unshard()
+                target.training_state = state
 
     def post_backward(self) -> None:
         """Reduce-scatter what this unit's backward gave (or keep it, without sync), and free

@@ -41,6 +41,7 @@ class StateContext:
     def __init__(self):
         self.all_states: list[FSDPState] = []
         self.callback_queued = False
+        self.post_forward_order: list = []  # the groups' post-forwards (ParamGroup)
         #: The unit whose forward holds this forward's others (the root's, but for a unit run
         #: on its own, as in a recomputation), as torch's ``iter_forward_root``
         self.iter_forward_root: FSDPState | None = None
@@ -78,6 +79,8 @@ class FSDPState:
                 state.is_root = False
             state.ctx = self.ctx
             self.ctx.all_states.append(state)
+            if state.group is not None:
+                state.group.post_forward_order = self.ctx.post_forward_order
         if self.auto_reshard and self.group is not None:
             self.group.reshard_after_forward = False
         _check_no_parameter_in_two_units(self.ctx.all_states)
@@ -148,7 +151,9 @@ class FSDPState:
                 if group.training_state is not TrainingState.POST_BACKWARD:
                     group.post_backward()
                 group.training_state = TrainingState.IDLE
+                group.post_forward_indices.clear()
             state.training_state = TrainingState.IDLE
+        self.ctx.post_forward_order.clear()
         self.ctx.callback_queued = False
 
 
