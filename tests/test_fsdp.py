@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import miniddp
-from miniddp.fsdp import collectives, init, norms, param, param_group, shard
+from miniddp.fsdp import collectives, init, norms, param, param_group, shard, state
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -317,12 +317,24 @@ def _post_backward_at_the_end(self, args, kwargs):
     return args, kwargs
 
 
+def _no_backward_prefetch(self):
+    """A unit's pre-backward gathers only itself."""
+
+
+def _unnamed(name):
+    """No profiler names for the hooks' work."""
+    return contextlib.nullcontext()
+
+
 _managed_params = init.managed_params
 _average = collectives.average
 BREAKAGES = {
     "module_parameters_order": (init, "managed_params", _module_parameters_order),
     "post_backward_at_the_end": (param_group.ParamGroup, "_call_post_backward_from_inputs",
                                  _post_backward_at_the_end),
+    "no_backward_prefetch": (param_group.ParamGroup, "_backward_prefetch", _no_backward_prefetch),
+    "no_profiler_names": [(param_group, "record_function", _unnamed),
+                          (state, "record_function", _unnamed)],
     "local_norms": (norms, "reduce_over_ranks", _local_norms),
     "local_vector_norm": (shard.ShardedTensor, "__torch_function__",
                           classmethod(_local_vector_norm)),
@@ -336,17 +348,18 @@ BREAKAGES = {
 
 @contextlib.contextmanager
 def broken(breakage: str | None):
-    """miniddp with one of :data:`BREAKAGES` patched in, for the time of the block."""
-    if breakage is None:
-        yield
-        return
-    owner, name, wrong = BREAKAGES[breakage]
-    right = vars(owner)[name]
-    setattr(owner, name, wrong)
+    """miniddp with one of :data:`BREAKAGES` (one patch, or a list) patched in, for the time of
+    the block."""
+    patches = BREAKAGES[breakage] if breakage else []
+    patches = patches if isinstance(patches, list) else [patches]
+    rights = [vars(owner)[name] for owner, name, _ in patches]
+    for owner, name, wrong in patches:
+        setattr(owner, name, wrong)
     try:
         yield
     finally:
-        setattr(owner, name, right)
+        for (owner, name, _), right in zip(patches, rights):
+            setattr(owner, name, right)
 
 
 def beside_torch(cases: list[Case]) -> list[list[str]]:

@@ -421,18 +421,30 @@ EVAL_BETWEEN_BACKWARD_AND_STEP = [Run(ModelSpec(root_param="pos"), eval_at="befo
 NESTED_UNIT_REENTRANT_TWICE = [Run(ModelSpec(blocks=(BlockSpec(
     inner_unit=True, checkpoint="call_reentrant", twice=True),)), steps=3)]
 
+#: A unit inside a block under selective activation checkpointing: torch trains it (its backward
+#: prefetch has the unit gathered before the recomputation), and refuses it when the next block,
+#: recomputed reentrantly and called twice, has a unit of its own (the recomputation then makes
+#: more of FSDP's profiler calls than the forward did). miniddp trains and refuses alike.
+SELECTIVE_CHECKPOINT_AROUND_A_UNIT = [
+    Run(ModelSpec(blocks=(BlockSpec(wrapped=False, inner_unit=True, checkpoint="call_selective"),
+                          BlockSpec()))),
+    Run(ModelSpec(blocks=(BlockSpec(wrapped=False, inner_unit=True, checkpoint="call_selective"),
+                          BlockSpec(inner_unit=True, checkpoint="wrapper_reentrant",
+                                    twice=True))))]
+
 
 @needs_torch_fsdp2
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("runs", [FROZEN_STILL_NEEDED, REENTRANT_CHECKPOINT, ROOT_OWN_PARAMETER,
                                   CALLED_TWICE_AFTER_NO_SYNC, EVAL_BETWEEN_BACKWARD_AND_STEP,
-                                  NESTED_UNIT_REENTRANT_TWICE],
+                                  NESTED_UNIT_REENTRANT_TWICE, SELECTIVE_CHECKPOINT_AROUND_A_UNIT],
                          ids=["frozen_layer_needed_after_the_last_gradient",
                               "reentrant_checkpoint_around_a_unit",
                               "root_parameter_after_its_childrens",
                               "unit_called_twice_after_a_no_sync_micro_batch",
                               "eval_forward_between_backward_and_step",
-                              "unit_in_a_block_recomputed_reentrantly_twice"])
+                              "unit_in_a_block_recomputed_reentrantly_twice",
+                              "unit_in_a_selectively_checkpointed_block"])
 def test_minimal_model_trains_bit_for_bit_as_torch(ranks, world_size, runs):
     runs = [r for run in runs for r in _both_precisions(run)]
     check_identical(ranks(world_size).run(compare_all, runs, timeout=120), runs)
@@ -441,10 +453,14 @@ def test_minimal_model_trains_bit_for_bit_as_torch(ranks, world_size, runs):
 @needs_torch_fsdp2
 @pytest.mark.parametrize("runs, breakage", [
     (ROOT_OWN_PARAMETER, "module_parameters_order"),
-    (CALLED_TWICE_AFTER_NO_SYNC, "post_backward_at_the_end")])
+    (CALLED_TWICE_AFTER_NO_SYNC, "post_backward_at_the_end"),
+    (SELECTIVE_CHECKPOINT_AROUND_A_UNIT[:1], "no_backward_prefetch"),
+    (SELECTIVE_CHECKPOINT_AROUND_A_UNIT[1:], "no_profiler_names")])
 def test_minimal_model_tells_its_mechanism_broken_at_3_ranks(ranks, runs, breakage):
     """Negative controls: a unit's parameters in ``module.parameters()``'s order; every unit
-    reduced at the end of the backward instead of from its inputs."""
+    reduced at the end of the backward instead of from its inputs; no backward prefetch (miniddp
+    then refuses where torch trains); no profiler names (miniddp then trains where torch
+    refuses)."""
     runs = [r for run in runs for r in _both_precisions(run)]
     results = ranks(3).run(compare_all, runs, breakage=breakage, timeout=120)
     agreeing = [run for i, run in enumerate(runs) if not any(r[i] for r in results)]
