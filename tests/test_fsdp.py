@@ -321,18 +321,26 @@ def _no_backward_prefetch(self):
     """A unit's pre-backward gathers only itself."""
 
 
+def _unshard_and_copy_out(self):
+    """The rows copied out as soon as they are gathered, a prefetch's too."""
+    _unshard(self)
+    self.wait_for_unshard()
+
+
 def _unnamed(name):
     """No profiler names for the hooks' work."""
     return contextlib.nullcontext()
 
 
 _managed_params = init.managed_params
+_unshard = param_group.ParamGroup.unshard
 _average = collectives.average
 BREAKAGES = {
     "module_parameters_order": (init, "managed_params", _module_parameters_order),
     "post_backward_at_the_end": (param_group.ParamGroup, "_call_post_backward_from_inputs",
                                  _post_backward_at_the_end),
     "no_backward_prefetch": (param_group.ParamGroup, "_backward_prefetch", _no_backward_prefetch),
+    "prefetch_copies_out": (param_group.ParamGroup, "unshard", _unshard_and_copy_out),
     "no_profiler_names": [(param_group, "record_function", _unnamed),
                           (state, "record_function", _unnamed)],
     "local_norms": (norms, "reduce_over_ranks", _local_norms),

@@ -422,15 +422,19 @@ NESTED_UNIT_REENTRANT_TWICE = [Run(ModelSpec(blocks=(BlockSpec(
     inner_unit=True, checkpoint="call_reentrant", twice=True),)), steps=3)]
 
 #: A unit inside a block under selective activation checkpointing: torch trains it (its backward
-#: prefetch has the unit gathered before the recomputation), and refuses it when the next block,
-#: recomputed reentrantly and called twice, has a unit of its own (the recomputation then makes
-#: more of FSDP's profiler calls than the forward did). miniddp trains and refuses alike.
+#: prefetch has the unit's all-gather done before the recomputation), and refuses it when the
+#: next block, recomputed reentrantly and called twice, has a unit of its own (the recomputation
+#: makes more of FSDP's profiler calls than the forward did), or when the units stay gathered
+#: between micro-batches (the recomputation copies the prefetched rows out, the forward did not).
+#: miniddp trains and refuses alike.
 SELECTIVE_CHECKPOINT_AROUND_A_UNIT = [
     Run(ModelSpec(blocks=(BlockSpec(wrapped=False, inner_unit=True, checkpoint="call_selective"),
                           BlockSpec()))),
     Run(ModelSpec(blocks=(BlockSpec(wrapped=False, inner_unit=True, checkpoint="call_selective"),
                           BlockSpec(inner_unit=True, checkpoint="wrapper_reentrant",
-                                    twice=True))))]
+                                    twice=True)))),
+    Run(ModelSpec(blocks=(BlockSpec(inner_unit=True, checkpoint="call_selective"),)),
+        micro_batches=3, keep_gathered=True)]
 
 
 @needs_torch_fsdp2
@@ -455,12 +459,13 @@ def test_minimal_model_trains_bit_for_bit_as_torch(ranks, world_size, runs):
     (ROOT_OWN_PARAMETER, "module_parameters_order"),
     (CALLED_TWICE_AFTER_NO_SYNC, "post_backward_at_the_end"),
     (SELECTIVE_CHECKPOINT_AROUND_A_UNIT[:1], "no_backward_prefetch"),
-    (SELECTIVE_CHECKPOINT_AROUND_A_UNIT[1:], "no_profiler_names")])
+    (SELECTIVE_CHECKPOINT_AROUND_A_UNIT[1:2], "no_profiler_names"),
+    (SELECTIVE_CHECKPOINT_AROUND_A_UNIT[2:], "prefetch_copies_out")])
 def test_minimal_model_tells_its_mechanism_broken_at_3_ranks(ranks, runs, breakage):
     """Negative controls: a unit's parameters in ``module.parameters()``'s order; every unit
     reduced at the end of the backward instead of from its inputs; no backward prefetch (miniddp
-    then refuses where torch trains); no profiler names (miniddp then trains where torch
-    refuses)."""
+    then refuses where torch trains); no profiler names, or a prefetch that copies the rows out
+    at once (miniddp then trains where torch refuses)."""
     runs = [r for run in runs for r in _both_precisions(run)]
     results = ranks(3).run(compare_all, runs, breakage=breakage, timeout=120)
     agreeing = [run for i, run in enumerate(runs) if not any(r[i] for r in results)]

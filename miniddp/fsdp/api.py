@@ -53,6 +53,7 @@ class FSDPModule:
         """Gather this unit's parameters now (they are freed again at the next reshard)."""
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.unshard()
+            self._fsdp_state.group.wait_for_unshard()
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters and register the shards again."""

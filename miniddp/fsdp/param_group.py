@@ -33,6 +33,7 @@ exactly: another layout of the same numbers sums them in another order on gloo f
 
 from __future__ import annotations
 
+import contextlib
 from enum import Enum, auto
 
 import torch
@@ -71,6 +72,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.is_unsharded = False
+        self.gathered: torch.Tensor | None = None  # all-gathered, not yet copied out
         self.training_state = TrainingState.IDLE
         #: Every unit's post-forwards in this forward, in order (the list is the root's, shared
         #: by all its units from the first forward on), and where this unit's calls sit in it
@@ -78,15 +80,24 @@ class ParamGroup:
         self.post_forward_indices: list[int] = []
 
     def unshard(self) -> None:
-        if self.is_unsharded:
+        """All-gather the shards; :meth:`wait_for_unshard` copies them out (a prefetch stops
+        between the two, as torch's does)."""
+        if self.is_unsharded or self.gathered is not None:
             return
         if self.params[0].spec.world_size == 1:
-            collectives.copy_out(self.params, collectives.all_gather_params(self.params))
-        else:
-            with record_function("FSDP::all_gather"):
-                gathered = collectives.all_gather_params(self.params, self.group)
-            with record_function("FSDP::all_gather_copy_out"):
-                collectives.copy_out(self.params, gathered)
+            self.gathered = collectives.all_gather_params(self.params)
+            return
+        with record_function("FSDP::all_gather"):
+            self.gathered = collectives.all_gather_params(self.params, self.group)
+
+    def wait_for_unshard(self) -> None:
+        """The gathered rows into the unsharded parameters, which the modules now hold."""
+        if self.gathered is None:
+            return
+        gathered, self.gathered = self.gathered, None
+        with (record_function("FSDP::all_gather_copy_out")
+              if self.params[0].spec.world_size > 1 else contextlib.nullcontext()):
+            collectives.copy_out(self.params, gathered)
         for p in self.params:
             p.to_unsharded()
         self.is_unsharded = True
@@ -107,6 +118,7 @@ class ParamGroup:
         with record_function("FSDP::pre_forward"):
             self.training_state = TrainingState.FORWARD
             self.unshard()
+            self.wait_for_unshard()
             return self._call_post_backward_from_inputs(args, kwargs)
 
     def post_forward(self) -> None:
@@ -123,12 +135,13 @@ class ParamGroup:
         with record_function("FSDP::pre_backward"):
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
+            self.wait_for_unshard()
             self._backward_prefetch()
 
     def _backward_prefetch(self) -> None:
-        """Gather the unit whose forward ran before this call's, as torch does by default: its
-        backward comes next. (No bit changes; on a GPU it overlaps; and it decides what a
-        recomputation inside selective checkpointing finds already gathered.)"""
+        """All-gather the unit whose forward ran before this call's, as torch does by default:
+        its backward comes next, and copies the rows out. (No bit changes; on a GPU it overlaps;
+        and it decides what a recomputation inside selective checkpointing finds.)"""
         if not self.post_forward_indices:
             return
         index = self.post_forward_indices.pop()

@@ -108,8 +108,9 @@ class FSDPState:
 
     def _pre_forward(self, module, args, kwargs):
         if self.training_state is TrainingState.PRE_BACKWARD:  # recomputed in backward
-            if self.group is not None:
+            if self.group is not None and not self.group.is_unsharded:
                 self.group.unshard()
+                self.group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
         if self.training_state is not TrainingState.FORWARD:  # not a call from within itself
             self._root_pre_forward()
@@ -152,6 +153,7 @@ class FSDPState:
                     group.post_backward()
                 group.training_state = TrainingState.IDLE
                 group.post_forward_indices.clear()
+                group.gathered = None  # prefetched for a backward that did not come
             state.training_state = TrainingState.IDLE
         self.ctx.post_forward_order.clear()
         self.ctx.callback_queued = False
