@@ -22,21 +22,19 @@ from __future__ import annotations
 
 import torch
 from torch.profiler import record_function
-from torch.utils._pytree import tree_map
 
 from miniddp.fsdp import tree
 from miniddp.fsdp.param_group import ParamGroup, TrainingState
 
 
-def _cast(dtype, x):
-    if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
-        return x.to(dtype)
-    return x
+def _cast(dtype, x: torch.Tensor) -> torch.Tensor:
+    return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
 
 
 class StateContext:
-    """Shared by every unit under one root: the units in ``named_modules`` order, and whether
-    this backward's final callback is queued."""
+    """Shared by every unit under one root: the units in ``named_modules`` order, whether this
+    backward's final callback is queued, the order of this forward's post-forwards (for the
+    backward prefetch) and the unit whose forward this is."""
 
     def __init__(self):
         self.all_states: list[FSDPState] = []
@@ -90,14 +88,13 @@ class FSDPState:
         if not (policy.cast_forward_inputs and policy.param_dtype is not None):
             return args, kwargs
         with record_function("FSDP::cast_forward_inputs"):
-            return (tree_map(lambda x: _cast(policy.param_dtype, x), args),
-                    tree_map(lambda x: _cast(policy.param_dtype, x), kwargs))
+            return tree.map_tensors((args, kwargs), lambda x: _cast(policy.param_dtype, x))
 
     def _cast_output(self, output):
         if self.mp_policy.output_dtype is None:
             return output
         with record_function("FSDP::cast_forward_outputs"):
-            return tree_map(lambda x: _cast(self.mp_policy.output_dtype, x), output)
+            return tree.map_tensors(output, lambda x: _cast(self.mp_policy.output_dtype, x))
 
     def _root_pre_forward(self) -> None:
         self._lazy_init()
