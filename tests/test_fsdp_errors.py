@@ -65,7 +65,7 @@ EXPECTED = {
     "int_reshard": ("NotImplementedError", "an int"),
     "twice": ("ValueError", "apply it once"),
     "list": ("NotImplementedError", "one nn.Module"),
-    "scalar": ("NotImplementedError", "'s' is a 0-d scalar"),
+    "scalar": ("ValueError", "'s' is a 0-d scalar"),  # torch's type
     "mixed_dtypes": ("NotImplementedError", "must share a dtype"),
     "deepcopy_module": ("NotImplementedError", "Deep-copy the model before fully_shard"),
     "deepcopy_param": ("NotImplementedError", "Deep-copy the model before fully_shard"),

@@ -83,14 +83,21 @@ def managed_params(root: nn.Module, ignored: set[int]) -> list[tuple[nn.Paramete
             if id(param) in ignored or id(param) in seen or isinstance(param, ShardedParameter):
                 continue  # (a sharded one: a module shared with an inner unit)
             seen.add(id(param))
-            if param.dim() == 0 or param.is_meta:
-                raise NotImplementedError(
-                    f"parameter {names[id(param)]!r} is "
-                    f"{'a 0-d scalar' if param.dim() == 0 else 'on the meta device'}: miniddp's "
-                    "fully_shard shards materialized parameters along dim 0. Give it a "
-                    "dimension (shape [1]), materialize it, or pass it in ignored_params.")
+            _check_shardable(param, names[id(param)])
             params.append((param, names[id(param)]))
     return params
+
+
+def _check_shardable(param: nn.Parameter, name: str) -> None:
+    if param.dim() == 0:  # torch refuses it too, with a ValueError
+        raise ValueError(f"parameter {name!r} is a 0-d scalar: fully_shard cuts parameters "
+                         "along dim 0. Give it a dimension (shape [1]) or pass it in "
+                         "ignored_params.")
+    if param.is_meta:
+        raise NotImplementedError(
+            f"parameter {name!r} is on the meta device: miniddp's fully_shard shards "
+            "materialized parameters (torch's also takes meta parameters, to be materialized "
+            "after sharding). Materialize the model first, or pass it in ignored_params.")
 
 
 def owners(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
