@@ -97,7 +97,7 @@ def _fixed(examples: int):
 
 @needs_torch_fsdp2
 @pytest.mark.parametrize("world_size", [2, 3])
-@_fixed(6)
+@_fixed(4)
 @given(run=runs())
 def test_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
     check_identical(ranks(world_size).run(compare, run, timeout=120), [run])
@@ -106,7 +106,7 @@ def test_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
 @needs_torch_fsdp2
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-@settings(max_examples=30, deadline=None, database=None, derandomize=True,
+@settings(max_examples=20, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(run=runs())
 def test_more_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
@@ -125,7 +125,7 @@ def test_fresh_random_models(ranks, world_size, run):
 
 
 @needs_torch_fsdp2
-@_fixed(3)
+@_fixed(2)
 @given(run=runs())
 def test_control_torch_beside_itself_is_bit_for_bit(ranks, run):
     """The comparison itself is deterministic: torch's FSDP2 run twice agrees with itself."""
