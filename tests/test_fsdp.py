@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import miniddp
-from miniddp.fsdp import collectives, param_group, shard
+from miniddp.fsdp import collectives, init, norms, param, param_group, shard, state
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -47,7 +47,7 @@ class Case:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     optimizer: str = "sgd"
-    reshard_after_forward: bool = True
+    reshard_after_forward: bool | None = None  # torch 2.13: the root keeps its parameters
     frozen: bool = False
     frozen_after_sharding: bool = False  # the same layer frozen once both are sharded
     micro_batches: int = 1
@@ -55,6 +55,8 @@ class Case:
     breakage: str | None = None
     device: str = "cpu"
     clip: float | None = None  # clip_grad_norm_ to this before each step
+    clip_foreach: bool | None = None  # False: one torch.linalg.vector_norm per gradient
+    sync_micro_batches: bool = False  # every micro-batch's backward synchronized, added up
     model: str = "mlp"  # or "tokens": TokenNet
     checkpointed: bool = False  # activation checkpointing inside each block
     composable_checkpoint: bool = False  # torch's checkpoint(block) on each block
@@ -163,6 +165,9 @@ def count_differences(where, ours, theirs, problems):
         a, b = local(a), local(b)
         if (a is None) != (b is None):
             problems.append(f"{where} {name}: one is None")
+        elif a is not None and (a.shape, a.dtype) != (b.shape, b.dtype):
+            problems.append(f"{where} {name}: {a.dtype} {list(a.shape)} beside {b.dtype} "
+                            f"{list(b.shape)}")
         elif a is not None and not torch.equal(a.detach(), b.detach()):
             differ = int((a.detach() != b.detach()).sum())
             problems.append(f"{where} {name}: {differ} of {a.numel()} elements differ")
@@ -195,8 +200,8 @@ def _train_beside_torch(case: Case) -> list[str]:
     for step in range(case.steps):
         for micro in range(case.micro_batches):
             last = micro == case.micro_batches - 1
-            ours.set_requires_gradient_sync(last)
-            theirs.set_requires_gradient_sync(last)
+            ours.set_requires_gradient_sync(last or case.sync_micro_batches)
+            theirs.set_requires_gradient_sync(last or case.sync_micro_batches)
             gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
             x, loss = batch_and_loss(case, gen)
             for model_ in (ours, theirs):
@@ -205,7 +210,8 @@ def _train_beside_torch(case: Case) -> list[str]:
                               [(n, p.grad) for n, p in ours.named_parameters()],
                               [(n, p.grad) for n, p in theirs.named_parameters()], problems)
         if case.clip is not None:
-            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), case.clip)
+            norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), case.clip,
+                                                    foreach=case.clip_foreach)
                      for m in (ours, theirs)]
             count_differences(f"step {step} total norm", [("norm", norms[0])],
                               [("norm", norms[1].full_tensor())], problems)
@@ -277,14 +283,70 @@ def _no_padding(self, with_grad):
     return shards
 
 
-def _local_norms(tensors, local_norms, order):
+def _local_norms(local, order):
     """Each rank's norm of its own rows only: every rank clips by its own factor."""
-    return local_norms
+    return local.clone()
 
 
+_torch_function = vars(shard.ShardedTensor)["__torch_function__"].__func__
+
+
+def _local_vector_norm(cls, func, types, args=(), kwargs=None):
+    """``torch.linalg.vector_norm`` of a sharded gradient over this rank's rows only (the
+    ``_foreach_norm`` that clipping uses by default stays whole)."""
+    if func is torch.linalg.vector_norm:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+    return _torch_function(cls, func, types, args, kwargs)
+
+
+def _overwrite_sharded_grad(self, local):
+    """A second synchronized backward replaces the shard's ``.grad`` instead of adding to it."""
+    self.sharded.grad = shard.ShardedTensor.wrap(local, self.spec)
+
+
+def _module_parameters_order(root, ignored):
+    """A unit's parameters in ``module.parameters()``'s order (a module's own first), not
+    torch's (children first)."""
+    order = [id(p) for p in root.parameters()]
+    return sorted(_managed_params(root, ignored), key=lambda pn: order.index(id(pn[0])))
+
+
+def _post_backward_at_the_end(self, args, kwargs):
+    """No post-backward from a unit's inputs: every unit reduces at the end of the backward."""
+    return args, kwargs
+
+
+def _no_backward_prefetch(self):
+    """A unit's pre-backward gathers only itself."""
+
+
+def _unshard_and_copy_out(self):
+    """The rows copied out as soon as they are gathered, a prefetch's too."""
+    _unshard(self)
+    self.wait_for_unshard()
+
+
+def _unnamed(name):
+    """No profiler names for the hooks' work."""
+    return contextlib.nullcontext()
+
+
+_managed_params = init.managed_params
+_unshard = param_group.ParamGroup.unshard
 _average = collectives.average
 BREAKAGES = {
-    "local_norms": (shard, "_whole_norms", _local_norms),
+    "module_parameters_order": (init, "managed_params", _module_parameters_order),
+    "post_backward_at_the_end": (param_group.ParamGroup, "_call_post_backward_from_inputs",
+                                 _post_backward_at_the_end),
+    "no_backward_prefetch": (param_group.ParamGroup, "_backward_prefetch", _no_backward_prefetch),
+    "prefetch_copies_out": (param_group.ParamGroup, "unshard", _unshard_and_copy_out),
+    "no_profiler_names": [(param_group, "record_function", _unnamed),
+                          (state, "record_function", _unnamed)],
+    "local_norms": (norms, "reduce_over_ranks", _local_norms),
+    "local_vector_norm": (shard.ShardedTensor, "__torch_function__",
+                          classmethod(_local_vector_norm)),
+    "overwrite_sharded_grad": (param.FSDPParam, "add_sharded_grad", _overwrite_sharded_grad),
     "scale_before_sum": (collectives, "average", _scale_before_sum),
     "avg_in_fp16": (collectives, "fp16_divide_factors", _avg_in_fp16),
     "flat_layout": (param_group.ParamGroup, "reduce_scatter", _flat_layout),
@@ -292,21 +354,29 @@ BREAKAGES = {
 }
 
 
+@contextlib.contextmanager
+def broken(breakage: str | None):
+    """miniddp with one of :data:`BREAKAGES` (one patch, or a list) patched in, for the time of
+    the block."""
+    patches = BREAKAGES[breakage] if breakage else []
+    patches = patches if isinstance(patches, list) else [patches]
+    rights = [vars(owner)[name] for owner, name, _ in patches]
+    for owner, name, wrong in patches:
+        setattr(owner, name, wrong)
+    try:
+        yield
+    finally:
+        for (owner, name, _), right in zip(patches, rights):
+            setattr(owner, name, right)
+
+
 def beside_torch(cases: list[Case]) -> list[list[str]]:
     """On every rank: each case's differences from torch's FSDP2 (empty: bit-identical)."""
     torch.set_num_threads(1)
     results = []
     for case in cases:
-        if case.breakage is None:
+        with broken(case.breakage):
             results.append(_train_beside_torch(case))
-            continue
-        owner, name, wrong = BREAKAGES[case.breakage]
-        right = getattr(owner, name)
-        setattr(owner, name, wrong)
-        try:
-            results.append(_train_beside_torch(case))
-        finally:
-            setattr(owner, name, right)
     return results
 
 
@@ -345,6 +415,8 @@ def test_zero2_frozen_accumulation_clipping_tied_embedding_checkpoints_identical
                                          reduce_dtype="fp32", optimizer="adam"),
              Case(micro_batches=2, param_dtype="bf16", reshard_after_forward=False),
              Case(clip=0.05), Case(clip=0.05, optimizer="adam", param_dtype="bf16"),
+             Case(clip=0.05, clip_foreach=False),
+             Case(micro_batches=2, sync_micro_batches=True, optimizer="adam"),
              Case(model="tokens", optimizer="adam"), Case(model="tokens", param_dtype="bf16",
                                                           reshard_after_forward=False),
              Case(checkpointed=True), Case(composable_checkpoint=True, micro_batches=2,
@@ -365,7 +437,9 @@ def test_bit_identical_to_torch_with_parameters_on_a_gpu(ranks):
 def test_each_bit_deciding_detail_broken_differs_from_torch_at_3_ranks(ranks):
     cases = [Case(breakage="scale_before_sum"), Case(breakage="flat_layout"),
              Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16"),
-             Case(breakage="local_norms", clip=0.05)]
+             Case(breakage="local_norms", clip=0.05),
+             Case(breakage="local_vector_norm", clip=0.05, clip_foreach=False),
+             Case(breakage="overwrite_sharded_grad", micro_batches=2, sync_micro_batches=True)]
     check_all_differ(ranks(3).run(beside_torch, cases, timeout=120), cases)
 
 
@@ -402,6 +476,8 @@ def _layout_facts() -> dict:
                                           for p in model.parameters())
     facts["grad_shapes_match"] = all(p.grad.shape == p.shape for p in model.parameters())
     facts["grad_full_tensor_shape"] = tuple(model.blocks[0].lin.weight.grad.full_tensor().shape)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # code for FSDP2 logs it so:
+    facts["clip_norm"] = (f"{norm:.1f}", type(norm.full_tensor()).__name__, norm.item() > 0)
     model.blocks[0].unshard()
     facts["unshard_method"] = tuple(model.blocks[0].lin.weight.shape)
     model.blocks[0].reshard()
@@ -428,6 +504,7 @@ def test_zero3_frees_after_forward_zero2_and_the_root_keep_parameters_gathered(r
         assert f["block0_storage"] == 0
         assert f["after_backward_sharded"] and f["grad_shapes_match"]
         assert f["grad_full_tensor_shape"] == (31, 12)
+        assert f["clip_norm"][1:] == ("Tensor", True) and float(f["clip_norm"][0]) > 0
         assert f["unshard_method"] == (31, 12) and f["reshard_method"][0] in (9, 11)
 
 

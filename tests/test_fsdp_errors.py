@@ -65,7 +65,7 @@ EXPECTED = {
     "int_reshard": ("NotImplementedError", "an int"),
     "twice": ("ValueError", "apply it once"),
     "list": ("NotImplementedError", "one nn.Module"),
-    "scalar": ("NotImplementedError", "'s' is a 0-d scalar"),
+    "scalar": ("ValueError", "'s' is a 0-d scalar"),  # torch's type
     "mixed_dtypes": ("NotImplementedError", "must share a dtype"),
     "deepcopy_module": ("NotImplementedError", "Deep-copy the model before fully_shard"),
     "deepcopy_param": ("NotImplementedError", "Deep-copy the model before fully_shard"),
@@ -97,3 +97,62 @@ def test_what_is_not_supported_is_named_with_what_to_do(ranks):
             assert messages[case].startswith(kind) and words in messages[case], (case,
                                                                                 messages[case])
         assert messages["move_nowhere"] == "no error"  # .to() where it already is changes nothing
+
+
+# ----- what torch's FSDP2 refuses, refused the same way -----
+
+def _first_line(error: str | None) -> str:
+    return "trained" if error is None else error.splitlines()[0]
+
+
+def _refusals() -> dict[str, dict[str, str]]:
+    """Each configuration torch refuses, run under both ``fully_shard``s: the first line of
+    each one's error, per implementation."""
+    import math
+
+    from test_fsdp_models import ModelSpec, Run, train
+
+    torch.set_num_threads(1)
+    runs = {
+        "tied_across_units": Run(ModelSpec(vocab=5, n_out=5, tied=True, stem_unit=True)),
+        "clip_sharded_with_plain": Run(ModelSpec(root_wrapped=False), clip=(1.0, 2.0, None)),
+        "clip_sharded_with_plain_one_by_one": Run(ModelSpec(root_wrapped=False),
+                                                  clip=(1.0, 2.0, False)),
+    }
+    found = {name: {impl: _first_line(train(impl, run)[1]) for impl in ("torch", "miniddp")}
+             for name, run in runs.items()}
+    found["inner_unit_first"] = {impl: _inner_unit_first(impl) for impl in ("torch", "miniddp")}
+    # torch raises on the rank whose shard is empty, and its other ranks wait in the next
+    # collective until they time out: only miniddp is run, and torch's local reason checked
+    empty_shard = Run(ModelSpec(n_out=1), clip=(1.0, math.inf, None))  # head: 1 row
+    found["inf_norm_of_an_empty_shard"] = {"miniddp": _first_line(train("miniddp", empty_shard)[1]),
+                                           "torch": _message(lambda: torch._foreach_norm(
+                                               [torch.empty(0, 4)], math.inf))}
+    return found
+
+
+def _inner_unit_first(impl: str) -> str:
+    """A block's forward before the model's: torch requires the root's first."""
+    from test_fsdp_models import ModelSpec, Run, build, shard
+
+    run = Run(ModelSpec())
+    model = shard(build(run.model, 0), impl, run)
+    return _message(lambda: (model.blocks[0](torch.randn(2, 4)), model(torch.randn(2, 4))))
+
+
+REFUSED = {
+    "tied_across_units": ("ValueError", "a tied parameter must belong to one unit"),
+    "clip_sharded_with_plain": ("RuntimeError", "sharded and plain tensors together"),
+    "clip_sharded_with_plain_one_by_one": ("RuntimeError", "sharded and plain tensors together"),
+    "inner_unit_first": ("RuntimeError", "run the first forward through the outermost module"),
+    "inf_norm_of_an_empty_shard": ("RuntimeError", "holds none of its rows"),
+}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_what_torch_refuses_is_refused_on_every_rank_saying_why(ranks, world_size):
+    for rank, found in enumerate(ranks(world_size).run(_refusals, timeout=120)):
+        for case, (kind, words) in REFUSED.items():
+            ours, theirs = found[case]["miniddp"], found[case]["torch"]
+            assert theirs != "trained" and theirs != "no error", (rank, case, theirs)
+            assert ours.startswith(kind) and words in ours, (rank, case, ours)

@@ -1,10 +1,12 @@
 """FSDP (ZeRO-3, and ZeRO-2 as its mode): torch FSDP2's ``fully_shard``, bit for bit on gloo.
 
-Where each part lives: ``api`` (``fully_shard``, ``MixedPrecisionPolicy``, the methods of a
-sharded module), ``shard`` (one parameter's dim-0 shard and the parameter the optimizer sees),
-``param_group`` (one unit: gather, free, reduce-scatter), ``state`` (the forward and backward
-hooks that call those), ``collectives`` (the two collectives and the averaging that decides the
-bits) and ``state_dict`` (full checkpoints). See docs/fsdp.md.
+Where each part lives, named for torch's modules: ``api`` (``fully_shard``,
+``MixedPrecisionPolicy``, the methods of a sharded module), ``init`` (which modules and
+parameters a call takes, in torch's order), ``shard`` (one parameter's dim-0 cut and the
+parameter the optimizer sees), ``param`` (one parameter's three forms and its gradient between
+micro-batches), ``param_group`` (one unit: gather, free, reduce-scatter, and when), ``state``
+(the forward and backward hooks that drive a unit), ``collectives`` (the two collectives and the
+averaging that decides the bits) and ``state_dict`` (full checkpoints). See docs/fsdp.md.
 """
 
 from miniddp.fsdp.api import FSDPModule, MixedPrecisionPolicy, fully_shard

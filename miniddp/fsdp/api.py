@@ -10,7 +10,8 @@ afterwards (it must see the sharded parameters)::
 
 Each call makes one unit of the parameters below ``module`` not already claimed by an inner call.
 ``reshard_after_forward=True`` is ZeRO-3 (torch's FULL_SHARD): parameters are gathered for the
-forward, freed, gathered again for the backward. ``reshard_after_forward=False`` is ZeRO-2
+forward, freed, gathered again for the backward; the default, ``None``, is the same but on the
+root, which keeps them (it is needed again first). ``reshard_after_forward=False`` is ZeRO-2
 (torch's SHARD_GRAD_OP): they stay gathered from forward to backward, trading memory for one
 all-gather per unit and step; gradients and optimizer state are sharded either way.
 """
@@ -20,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from miniddp.fsdp.param_group import FSDPParam, ParamGroup
+from miniddp.fsdp import init
+from miniddp.fsdp.param import FSDPParam
+from miniddp.fsdp.param_group import ParamGroup
 from miniddp.fsdp.shard import ShardedParameter
 from miniddp.fsdp.state import FSDPState
 
@@ -51,6 +53,7 @@ class FSDPModule:
         """Gather this unit's parameters now (they are freed again at the next reshard)."""
         if self._fsdp_state.group is not None:
             self._fsdp_state.group.unshard()
+            self._fsdp_state.group.wait_for_unshard()
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters and register the shards again."""
@@ -62,18 +65,26 @@ class FSDPModule:
         """``False``: backward accumulates full gradients on each rank, with no communication
         (gradient accumulation over micro-batches); the next backward with ``True`` reduces the
         sum. Costs the memory of unsharded gradients meanwhile."""
-        for module in self.modules() if recurse else [self]:
-            state = getattr(module, "_fsdp_state", None)
-            if state is not None and state.group is not None:
+        for state in _states(self, recurse):
+            if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
-        """Switch between ZeRO-3 (``True``) and ZeRO-2 (``False``) for later forwards."""
-        for module in self.modules() if recurse else [self]:
-            state = getattr(module, "_fsdp_state", None)
-            if state is not None and state.group is not None:
+        """Switch between ZeRO-3 (``True``) and ZeRO-2 (``False``) for later forwards (the
+        root too: the user's choice now holds there)."""
+        for state in _states(self, recurse):
+            state.auto_reshard = False
+            if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        """``False``: keep the parameters gathered after backward (during gradient accumulation,
+        memory for one all-gather fewer per micro-batch); the next forward finds them so."""
+        for state in _states(self, recurse):
+            if state.group is not None:
+                state.group.reshard_after_backward = reshard_after_backward
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.cuda()``, ``.half()`` and the like, refused when they would move or cast a
@@ -97,6 +108,11 @@ class FSDPModule:
             "into a freshly built model.")
 
 
+def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:
+    modules = module.modules() if recurse else [module]
+    return [m._fsdp_state for m in modules if hasattr(m, "_fsdp_state")]
+
+
 _FSDP_CLASSES: dict[type, type] = {}
 
 
@@ -106,81 +122,27 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-def _check_arguments(module, mesh, reshard_after_forward, offload_policy) -> None:
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("miniddp.fully_shard shards over the default process group: call "
-                           "torch.distributed.init_process_group first.")
-    if not isinstance(module, nn.Module):
-        raise NotImplementedError(
-            f"miniddp.fully_shard takes one nn.Module, not {type(module).__name__} (torch's "
-            "also takes a list of modules as one unit; miniddp does not).")
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}: "
-                         "apply it once per module.")
-    if mesh is not None and not _is_the_whole_world(mesh):
-        raise NotImplementedError(
-            f"miniddp.fully_shard shards over the default process group only, not over {mesh}: "
-            "leave mesh=None, or pass a 1-D mesh of every rank in order (2-D meshes, HSDP, and "
-            "subgroups are not supported).")
-    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: miniddp supports True (ZeRO-3), "
-            "False (ZeRO-2) or None; resharding to a smaller group after forward (an int) is "
-            "not supported.")
-    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
-        raise NotImplementedError(
-            f"offload_policy={offload_policy!r}: miniddp does not offload parameters to the "
-            "CPU. Leave offload_policy=None.")
-
-
-def _is_the_whole_world(mesh) -> bool:
-    """A 1-D device mesh of ranks 0..W-1: the default group, which is torch's default mesh."""
-    ranks = getattr(mesh, "mesh", None)
-    return (getattr(mesh, "ndim", None) == 1 and isinstance(ranks, torch.Tensor)
-            and ranks.tolist() == list(range(dist.get_world_size())))
-
-
-def _owners(module: nn.Module) -> dict[int, list[tuple[nn.Module, str, str]]]:
-    """Every (module, attribute name, qualified name) holding each parameter (tied ones too)."""
-    found: dict[int, list] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, param in sub._parameters.items():
-            if param is not None:
-                found.setdefault(id(param), []).append((sub, name, f"{prefix}.{name}".lstrip(".")))
-    return found
-
-
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = True,
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy=None,
                 ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
     """Shard ``module``'s parameters (those no inner call claimed) across the default group, as
     one unit: gathered before its forward, freed after it when ``reshard_after_forward`` (ZeRO-3;
-    ``False`` is ZeRO-2, torch's SHARD_GRAD_OP; ``None`` is ``True`` except on the root),
-    gathered again for its backward, and its gradients reduce-scattered in one collective.
+    ``False`` is ZeRO-2, torch's SHARD_GRAD_OP; ``None``, the default, is ``True`` except on the
+    root), gathered again for its backward, and its gradients reduce-scattered in one collective.
     Returns ``module``, whose class becomes ``FSDP<Class>`` (see :class:`FSDPModule`).
 
     ``ignored_params`` are left alone: not sharded, not gathered, their gradients not reduced."""
-    _check_arguments(module, mesh, reshard_after_forward, offload_policy)
+    init.check_arguments(module, mesh, reshard_after_forward, offload_policy)
     ignored = {id(p) for p in ignored_params or ()}
-    owners = _owners(module)
-    params = []
-    for param in module.parameters():
-        if isinstance(param, ShardedParameter) or id(param) in ignored:
-            continue
-        if param.dim() == 0 or param.is_meta:
-            raise NotImplementedError(
-                f"parameter {owners[id(param)][0][2]!r} is "
-                f"{'a 0-d scalar' if param.dim() == 0 else 'on the meta device'}: miniddp's "
-                "fully_shard shards materialized parameters along dim 0. Give it a dimension "
-                "(shape [1]), materialize it, or pass it in ignored_params.")
-        where = owners[id(param)]
-        params.append(FSDPParam(param, [(m, n) for m, n, _ in where], where[0][2],
-                                mp_policy.param_dtype, mp_policy.reduce_dtype))
+    holders = init.owners(module)
+    params = [FSDPParam(param, holders[id(param)], name, mp_policy.param_dtype,
+                        mp_policy.reduce_dtype)
+              for param, name in init.managed_params(module, ignored)]
     group = None
     if params:
         group = ParamGroup(params, reshard_after_forward is not False)
         for p in params:
             p.register(p.sharded)
-    module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward)
+    module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward is None)
     module.__class__ = _fsdp_class(type(module))
     return module

@@ -1,4 +1,6 @@
-"""FSDP's two collectives on flat buffers, and the divide factors that decide their bits.
+"""FSDP's two collectives (torch's ``_fsdp_collectives``): a unit's shards gathered in one
+all-gather, its gradients laid out for one reduce-scatter, and the divide factors that decide
+the bits.
 
 torch 2.13 names them ``all_gather_single`` and ``reduce_scatter_single`` (the older
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` warn there); torch before 2.13 lacks the
@@ -91,3 +93,51 @@ def average(buffer: torch.Tensor, group=None) -> torch.Tensor:
     if post != 1:
         output.div_(post)
     return output
+
+
+def all_gather_params(params, group=None) -> torch.Tensor:
+    """Every rank's padded shards of ``params``, rank-major in one flat buffer: each padded
+    shard, cast to the compute dtype on the way, into this rank's piece, then one all-gather
+    (torch's ``foreach_all_gather``)."""
+    world_size = params[0].spec.world_size
+    with torch.no_grad():
+        flat = torch.cat([p.padded.reshape(-1).to(p.compute_dtype) for p in params])
+        gathered = flat.new_empty((world_size * flat.numel(),))
+        all_gather_flat(gathered, flat, group)
+    return gathered
+
+
+def copy_out(params, gathered: torch.Tensor) -> None:
+    """Each parameter's full rows from the gathered buffer into its (re-allocated) unsharded
+    leaf (torch's ``foreach_all_gather_copy_out``)."""
+    world_size = params[0].spec.world_size
+    by_rank = gathered.view(world_size, -1)
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            numel = p.padded.numel()
+            rows = by_rank[:, offset:offset + numel].reshape(
+                world_size * p.spec.chunk_rows, *p.spec.full_shape[1:])
+            p.allocate()
+            # through .data: autograd must not count the refill as an in-place edit of a tensor
+            # it saved in forward
+            p.unsharded.data.copy_(rows[: p.spec.full_shape[0]])
+            offset += numel
+
+
+def chunk_cat(with_grad) -> torch.Tensor:
+    """The reduce-scatter's input (torch's ``chunk_cat``): a ``(W, n)`` buffer in the reduce
+    dtype whose row r holds, for every parameter in the group's order, chunk r of its gradient
+    padded with zeros to the chunk size."""
+    world_size = with_grad[0][0].spec.world_size
+    reduce_dtype = with_grad[0][0].reduce_dtype or with_grad[0][1].dtype
+    widths = [p.padded.numel() for p, _ in with_grad]
+    buffer = torch.zeros((world_size, sum(widths)), dtype=reduce_dtype,
+                         device=with_grad[0][1].device)
+    offset = 0
+    for (p, grad), width in zip(with_grad, widths):
+        for rank in range(world_size):
+            rows = grad[p.spec.chunk_rows * rank:][: p.spec.chunk_rows].reshape(-1)
+            buffer[rank, offset:offset + rows.numel()].copy_(rows)
+        offset += width
+    return buffer

@@ -1,104 +1,60 @@
-"""One ``fully_shard`` call's parameters: gathered together, freed together, reduced together.
+"""One ``fully_shard`` call's parameters (torch's ``FSDPParamGroup``): gathered together, freed
+together, their gradients reduced together.
 
-The life of a group in one training step (ZeRO-3; ZeRO-2 skips the middle free and gather):
+The life of a group in one training step (ZeRO-3; ZeRO-2 skips the free after forward and the
+gather for backward):
 
 1. at rest each parameter is registered on its module as a :class:`ShardedParameter`;
-2. :meth:`ParamGroup.unshard` (before the module's forward): every padded shard, cast to the
-   compute dtype, goes into one flat buffer, one all-gather fills ``W`` such buffers, and each
-   parameter's full rows are copied into its *unsharded* parameter, a leaf that the module now
-   holds under the same name;
-3. :meth:`ParamGroup.reshard` (after forward, when ``reshard_after_forward``): the unsharded
-   parameters' memory is released and the shards registered again. Autograd keeps the unsharded
-   parameters it saved; their memory comes back at the next gather;
-4. unshard again in backward, before the module's gradients are computed;
-5. :meth:`ParamGroup.reduce_gradients` (once every gradient of the group has arrived): one
-   rank-major buffer, row r holding chunk r of every gradient padded to its chunk size, averaged
-   with torch's factors (``collectives.average``); row r of the result, cut back into parameters
-   and cast to the parameters' dtype, becomes (or is added to) each shard's ``.grad``.
+2. :meth:`ParamGroup.pre_forward`: :meth:`unshard` (one all-gather of every padded shard, cast to
+   the compute dtype, copied into each parameter's *unsharded* leaf, which the module now holds),
+   and an identity autograd function on the forward's inputs that need a gradient: its backward
+   runs once autograd is done with the whole unit (its gradients *and* the gradients of its
+   inputs), and that is when the unit's post-backward runs;
+3. :meth:`ParamGroup.post_forward`: :meth:`reshard` when ``reshard_after_forward`` (the unsharded
+   parameters' memory released, the shards registered again; autograd keeps the unsharded
+   leaves it saved, and their memory comes back at the next gather);
+4. :meth:`ParamGroup.pre_backward` (the first gradient to reach the unit's output): gather again;
+5. :meth:`ParamGroup.post_backward`: one rank-major buffer, row r holding chunk r of every
+   gradient padded to its chunk size, averaged with torch's factors (``collectives.average``);
+   row r of the result, cut back into parameters and cast to the parameters' dtype, becomes (or
+   is added to) each shard's ``.grad``. Without sync the gradients are kept instead. A unit
+   whose inputs need no gradient (an embedding fed token ids) or that autograd never reached is
+   finished at the end of the backward (``state``).
 
-The buffer layout and the averaging decide the bits (not the order or the timing), so both follow
-torch FSDP2 exactly: another layout of the same numbers sums them in another order on gloo from 3
-ranks on.
+Each step is named in profiler traces as torch names it (``FSDP::pre_forward``, ...). Selective
+activation checkpointing counts those calls among a region's operations and refuses a
+recomputation that makes more of them than the forward did, so they are made where torch makes
+them: miniddp then trains where torch's FSDP2 does and refuses where it refuses.
+
+A unit called twice in a forward gets two post-backwards, each reducing what has arrived by then,
+as torch's does. The buffer layout and the averaging decide the bits, so both follow torch FSDP2
+exactly: another layout of the same numbers sums them in another order on gloo from 3 ranks on.
 """
 
 from __future__ import annotations
 
+import contextlib
+from enum import Enum, auto
+
 import torch
-from torch import nn
+from torch.profiler import record_function
 
-from miniddp.fsdp import collectives
-from miniddp.fsdp.shard import ShardedParameter, ShardedTensor, ShardSpec, padded_shard, world
+from miniddp.fsdp import collectives, tree
+from miniddp.fsdp.param import FSDPParam
 
 
-class FSDPParam:
-    """One parameter: its padded shard, the shard the optimizer sees, its unsharded form."""
+class TrainingState(Enum):
+    """Where a unit (or its group) is in the step, as torch's ``TrainingState``."""
 
-    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
-                 param_dtype, reduce_dtype):
-        world_size, rank = world()
-        self.owners, self.fqn = owners, fqn
-        self.spec = ShardSpec(param.shape, world_size, rank)
-        self.orig_dtype = param.dtype
-        # torch's clamps: a cast to the dtype one already has is no cast
-        if reduce_dtype == param_dtype:
-            reduce_dtype = None
-        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
-            param_dtype = None
-        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
-        self.compute_dtype = param_dtype or self.orig_dtype
-        with torch.no_grad():
-            self.padded = padded_shard(param.detach(), self.spec)
-        self.sharded = ShardedParameter(self.padded[: self.spec.rows], param.requires_grad,
-                                        self.spec)
-        self.unsharded = nn.Parameter(
-            torch.empty(param.shape, dtype=self.compute_dtype, device=param.device),
-            requires_grad=param.requires_grad)
-        self.free()
-        #: The gradient accumulated without sync, in ``reduce_dtype`` when that differs.
-        self.accumulated: torch.Tensor | None = None
+    IDLE = auto()
+    FORWARD = auto()
+    PRE_BACKWARD = auto()
+    POST_BACKWARD = auto()
 
-    def register(self, tensor: nn.Parameter) -> None:
-        for module, name in self.owners:
-            module._parameters[name] = tensor
 
-    def free(self) -> None:
-        self.unsharded.untyped_storage().resize_(0)
-
-    def allocate(self) -> None:
-        storage = self.unsharded.untyped_storage()
-        wanted = self.unsharded.numel() * self.unsharded.element_size()
-        if storage.size() != wanted:
-            storage.resize_(wanted)
-
-    def take_unsharded_gradient(self) -> torch.Tensor | None:
-        """The gradient to reduce (this backward's, plus what no-sync steps accumulated)."""
-        grad, self.unsharded.grad = self.unsharded.grad, None
-        if self.accumulated is not None:
-            if grad is not None:
-                self.accumulated += grad
-            grad, self.accumulated = self.accumulated, None
-        return grad
-
-    def keep_unsharded_gradient(self) -> None:
-        """Without sync: keep this backward's gradient for the next one, in ``reduce_dtype``
-        when that differs from the compute dtype (as torch does, so that the sum of
-        micro-batches rounds the same)."""
-        grad = self.unsharded.grad
-        if grad is None:
-            return
-        if self.accumulated is not None:
-            self.accumulated += grad
-            self.unsharded.grad = None
-        elif self.reduce_dtype is not None and grad.dtype != self.reduce_dtype:
-            self.accumulated = grad.to(self.reduce_dtype)
-            self.unsharded.grad = None
-
-    def add_sharded_gradient(self, local: torch.Tensor) -> None:
-        grad = self.sharded.grad
-        if grad is None:
-            self.sharded.grad = ShardedTensor.wrap(local, self.spec)
-        else:
-            grad += local
+def in_backward() -> bool:
+    """Whether autograd is running a backward now (a forward then is a recomputation)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 class ParamGroup:
@@ -113,84 +69,119 @@ class ParamGroup:
                 "submodules separately or cast the module first.")
         self.params, self.group = params, group
         self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_backward = True
         self.requires_gradient_sync = True
         self.is_unsharded = False
-        self.expected_grads = self.arrived = 0
-        self._hooked: set[int] = set()
-        #: Set by the forward hooks: run ``reduce_gradients`` when all gradients have arrived.
-        self.on_all_gradients = None
-
-    def _follow_requires_grad(self) -> None:
-        """The unsharded parameters need a gradient where the shards do, as the shards are now
-        (a layer may be frozen or unfrozen after ``fully_shard``)."""
-        self.expected_grads = 0
-        for p in self.params:
-            p.unsharded.requires_grad_(p.sharded.requires_grad)
-            if p.sharded.requires_grad:
-                self.expected_grads += 1
-                if id(p) not in self._hooked:
-                    p.unsharded.register_post_accumulate_grad_hook(self._gradient_arrived)
-                    self._hooked.add(id(p))
+        self.gathered: torch.Tensor | None = None  # all-gathered, not yet copied out
+        self.training_state = TrainingState.IDLE
+        #: Every unit's post-forwards in this forward, in order (the list is the root's, shared
+        #: by all its units from the first forward on), and where this unit's calls sit in it
+        self.post_forward_order: list[ParamGroup] = []
+        self.post_forward_indices: list[int] = []
 
     def unshard(self) -> None:
-        if self.is_unsharded:
+        """All-gather the shards; :meth:`wait_for_unshard` copies them out (a prefetch stops
+        between the two, as torch's does)."""
+        if self.is_unsharded or self.gathered is not None:
             return
-        self._follow_requires_grad()
-        world_size = self.params[0].spec.world_size
-        dtype = self.params[0].compute_dtype
-        with torch.no_grad():
-            flat = self.params[0].padded.new_empty((sum(p.padded.numel() for p in self.params),),
-                                                   dtype=dtype)
-            offset = 0
-            for p in self.params:  # the cast to the compute dtype happens in this copy
-                flat[offset:offset + p.padded.numel()].copy_(p.padded.reshape(-1))
-                offset += p.padded.numel()
-            gathered = flat.new_empty((world_size * flat.numel(),))
-            collectives.all_gather_flat(gathered, flat, self.group)
-            by_rank = gathered.view(world_size, -1)
-            offset = 0
-            for p in self.params:
-                numel = p.padded.numel()
-                rows = by_rank[:, offset:offset + numel].reshape(
-                    world_size * p.spec.chunk_rows, *p.spec.full_shape[1:])
-                p.allocate()
-                # through .data: autograd must not count the refill as an in-place edit of a
-                # tensor it saved in forward
-                p.unsharded.data.copy_(rows[: p.spec.full_shape[0]])
-                p.register(p.unsharded)
-                offset += numel
+        if self.params[0].spec.world_size == 1:
+            self.gathered = collectives.all_gather_params(self.params)
+            return
+        with record_function("FSDP::all_gather"):
+            self.gathered = collectives.all_gather_params(self.params, self.group)
+
+    def wait_for_unshard(self) -> None:
+        """The gathered rows into the unsharded parameters, which the modules now hold."""
+        if self.gathered is None:
+            return
+        gathered, self.gathered = self.gathered, None
+        with (record_function("FSDP::all_gather_copy_out")
+              if self.params[0].spec.world_size > 1 else contextlib.nullcontext()):
+            collectives.copy_out(self.params, gathered)
+        for p in self.params:
+            p.to_unsharded()
         self.is_unsharded = True
 
     def reshard(self) -> None:
-        if not self.is_unsharded:
+        """Free the gathered parameters; in forward, only when ``reshard_after_forward``."""
+        if self.training_state is TrainingState.FORWARD and not self.reshard_after_forward:
             return
-        for p in self.params:
-            p.free()
-            p.register(p.sharded)
-        self.is_unsharded = False
-
-    def _gradient_arrived(self, _param) -> None:
-        self.arrived += 1
-        if self.arrived == self.expected_grads and self.on_all_gradients is not None:
-            self.on_all_gradients()
-
-    def reduce_gradients(self) -> None:
-        """Post-backward: reduce-scatter this backward's gradients (or keep them, without sync)
-        and free the unsharded parameters."""
-        self.arrived = 0
-        if not self.requires_gradient_sync:
-            self.reshard()
+        if self.is_unsharded:
             for p in self.params:
-                p.keep_unsharded_gradient()
+                p.free()
+                p.register(p.sharded)
+            self.is_unsharded = False
+
+    # ----- the hooks' work -----
+
+    def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        with record_function("FSDP::pre_forward"):
+            self.training_state = TrainingState.FORWARD
+            self.unshard()
+            self.wait_for_unshard()
+            return self._call_post_backward_from_inputs(args, kwargs)
+
+    def post_forward(self) -> None:
+        with record_function("FSDP::post_forward"):
+            if not in_backward():  # a recomputation's backward still needs the parameters
+                self.reshard()
+                self.post_forward_indices.append(len(self.post_forward_order))
+                self.post_forward_order.append(self)
+            self.training_state = TrainingState.IDLE
+
+    def pre_backward(self) -> None:
+        if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        with_grad = [(p, g) for p in self.params
-                     if (g := p.take_unsharded_gradient()) is not None]
-        self.reshard()
+        with record_function("FSDP::pre_backward"):
+            self.training_state = TrainingState.PRE_BACKWARD
+            self.unshard()
+            self.wait_for_unshard()
+            self._backward_prefetch()
+
+    def _backward_prefetch(self) -> None:
+        """All-gather the unit whose forward ran before this call's, as torch does by default:
+        its backward comes next, and copies the rows out. (No bit changes; on a GPU it overlaps;
+        and it decides what a recomputation inside selective checkpointing finds.)"""
+        if not self.post_forward_indices:
+            return
+        index = self.post_forward_indices.pop()
+        if index > 0:
+            target = self.post_forward_order[index - 1]
+            with record_function("FSDP::backward_prefetch"):
+                state, target.training_state = target.training_state, TrainingState.PRE_BACKWARD
+                target.unshard()
+                target.training_state = state
+
+    def post_backward(self) -> None:
+        """Reduce-scatter what this unit's backward gave (or keep it, without sync), and free
+        the gathered parameters. Safe to call when the unit took no part in the backward."""
+        self.training_state = TrainingState.POST_BACKWARD
+        for p in self.params:
+            p.accumulate_unsharded_grad_if_needed()
+        if not self.requires_gradient_sync:
+            if self.reshard_after_backward:
+                self.reshard()
+            for p in self.params:
+                p.to_accumulated_grad_if_needed()
+            return
+        with_grad = [(p, g) for p in self.params if (g := p.take_unsharded_grad()) is not None]
+        if self.reshard_after_backward:
+            self.reshard()
         if not with_grad:
             return
         params = [p for p, _ in with_grad]
-        for p, local in zip(params, self.reduce_scatter(with_grad)):
-            p.add_sharded_gradient(local)
+        with record_function("FSDP::post_backward_reduce"):
+            for p, local in zip(params, self.reduce_scatter(with_grad)):
+                p.add_sharded_grad(local)
+
+    def _call_post_backward_from_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        inputs = tree.grad_tensors((args, kwargs))
+        if not inputs:
+            return args, kwargs
+        outputs = iter(PostBackward.apply(self, *inputs))
+        return tree.map_grad_tensors((args, kwargs), lambda _: next(outputs))
 
     def reduce_scatter(self, with_grad: list[tuple[FSDPParam, torch.Tensor]]
                        ) -> list[torch.Tensor]:
@@ -198,23 +189,29 @@ class ParamGroup:
         in the parameters' dtype: one rank-major buffer in ``reduce_dtype``, whose row r holds
         chunk r of every gradient, padded to its chunk size (torch's ``chunk_cat``).
         Empties ``with_grad``, so that the full gradients are freed before the collective."""
-        world_size = with_grad[0][0].spec.world_size
-        reduce_dtype = with_grad[0][0].reduce_dtype or with_grad[0][1].dtype
         params = [p for p, _ in with_grad]
-        widths = [p.padded.numel() for p in params]
-        buffer = torch.zeros((world_size, sum(widths)), dtype=reduce_dtype,
-                             device=with_grad[0][1].device)
-        offset = 0
-        for (p, grad), width in zip(with_grad, widths):
-            for rank in range(world_size):
-                rows = grad[p.spec.chunk_rows * rank:][: p.spec.chunk_rows].reshape(-1)
-                buffer[rank, offset:offset + rows.numel()].copy_(rows)
-            offset += width
-        del grad, rows
+        buffer = collectives.chunk_cat(with_grad)
         with_grad.clear()  # the caller's references to the full gradients: free them now
         output = collectives.average(buffer, self.group).to(self.params[0].orig_dtype)
         shards, offset = [], 0
-        for p, width in zip(params, widths):
+        for p in params:
+            width = p.padded.numel()
             shards.append(output[offset:offset + width].view(p.spec.padded_shape)[: p.spec.rows])
             offset += width
         return shards
+
+
+class PostBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward, which autograd runs once it has finished
+    everything the unit's forward computed from them, is the unit's post-backward (torch's
+    ``RegisterPostBackwardFunction``)."""
+
+    @staticmethod
+    def forward(ctx, group: ParamGroup, *inputs: torch.Tensor):
+        ctx.group = group
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        ctx.group.post_backward()
+        return (None, *grads)

@@ -11,7 +11,7 @@ and the padding stays zero.
 Code written for torch's FSDP2 calls ``p.full_tensor()`` and ``p.to_local()`` on the sharded
 parameters (torch's are DTensors); :class:`ShardedParameter` and :class:`ShardedTensor` (its
 gradients) offer those two over a plain tensor. Gradient clipping needs the norm of the whole
-gradient, so the norms of a :class:`ShardedTensor` are taken over every rank.
+gradient, so the norms of a :class:`ShardedTensor` are taken over every rank (``norms``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.fsdp import collectives
+from miniddp.fsdp import collectives, norms
 
 
 @dataclass(frozen=True)
@@ -131,45 +131,15 @@ class ShardedTensor(_ShardMethods, torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
-            if func is torch.linalg.vector_norm:
-                return _whole_norms([args[0]], [result], _norm_order(args, kwargs))[0]
-            if func is torch._foreach_norm:
-                return _whole_norms(list(args[0]), list(result), _norm_order(args, kwargs))
-            return result
+            if func is torch.linalg.vector_norm or func is torch._foreach_norm:
+                return norms.partial_norms(func, args, kwargs, ShardedTensor)
+            return func(*args, **kwargs)
 
     @staticmethod
     def wrap(local: torch.Tensor, spec: ShardSpec) -> ShardedTensor:
         tensor = local.as_subclass(ShardedTensor)
         tensor._spec = spec
         return tensor
-
-
-def _norm_order(args, kwargs) -> float:
-    return float(kwargs.get("ord", args[1] if len(args) > 1 else 2.0))
-
-
-def _whole_norms(tensors: list, local_norms: list, order: float) -> list:
-    """Each sharded tensor's norm over every rank's rows, from each rank's own norms: the largest
-    for the inf-norm, else the p-th root of the all-reduced sum of p-th powers (for p = 0 and 1,
-    the plain sum), as a DTensor's partial norm is reduced. One all-reduce for the lot."""
-    sharded = [i for i, t in enumerate(tensors) if isinstance(t, ShardedTensor)]
-    if not sharded:
-        return local_norms
-    stacked = torch.stack([local_norms[i] for i in sharded])
-    if order in (math.inf, -math.inf):
-        op = dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN
-        dist.all_reduce(stacked, op=op)
-    elif order in (0.0, 1.0):
-        dist.all_reduce(stacked)
-    else:
-        stacked = stacked ** order
-        dist.all_reduce(stacked)
-        stacked = stacked ** (1.0 / order)
-    whole = list(local_norms)
-    for k, i in enumerate(sharded):
-        whole[i] = stacked[k]
-    return whole
 
 
 def world() -> tuple[int, int]:

@@ -1,124 +1,170 @@
-"""The hooks that move a ``fully_shard`` unit through forward and backward.
+"""The hooks that move a ``fully_shard`` unit through forward and backward (torch's
+``FSDPState``).
 
-* forward pre-hook: the first unit to run a forward becomes the *root* (as in torch, whatever the
-  user passed, the root keeps its parameters gathered from forward to backward: it is needed
-  again first); then cast the inputs to the compute dtype and gather the parameters;
-* forward hook: free the parameters (``reshard_after_forward``), and hook every output that
-  needs a gradient: the first gradient to reach an output gathers the parameters again
-  (the pre-backward);
-* post-backward: when the last of the unit's parameter gradients has been accumulated
-  (``register_post_accumulate_grad_hook``), reduce-scatter them (``ParamGroup``). A unit some of
-  whose parameters got no gradient in this backward is finished by a callback that the autograd
-  engine runs at the end of the backward (queued by the first hook of that backward).
+* forward pre-hook: the first unit to run a forward becomes the *root* of every unit below it
+  (and, unless the user chose, keeps its parameters gathered from forward to backward: it is
+  needed again first); then cast the inputs and let the group gather and hook its inputs;
+* forward hook: the group frees the parameters (``reshard_after_forward``); every output that
+  needs a gradient is hooked, and the first gradient to reach one gathers them again (the
+  pre-backward);
+* post-backward: run by the group's identity function on the unit's inputs (``param_group``),
+  once autograd is done with the unit; and at the end of the backward, in a callback the first
+  pre-backward queues, for every unit that autograd did not reach through its inputs.
 
-A forward that runs inside a backward (activation checkpointing recomputing a unit) gathers the
-parameters and leaves them gathered for the backward that follows.
-
-Torch reaches its post-backward through an autograd function on the module's inputs instead; the
-moment differs, the arithmetic does not.
+A forward that runs while its unit is in pre-backward is activation checkpointing recomputing it:
+the parameters are gathered for it and stay so for the backward that follows. Reentrant
+checkpointing runs the first forward without gradients, so the recomputation inside backward is
+the unit's real forward: hooked as any, its post-backward runs when the recomputed part's
+backward is done.
 """
 
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.profiler import record_function
 
-from miniddp.fsdp.param_group import ParamGroup
-
-
-def _cast(dtype, x):
-    if isinstance(x, torch.Tensor) and torch.is_floating_point(x) and x.dtype != dtype:
-        return x.to(dtype)
-    return x
+from miniddp.fsdp import tree
+from miniddp.fsdp.param_group import ParamGroup, TrainingState
 
 
-def _in_backward() -> bool:
-    """Whether autograd is running a backward now (a forward then is a recomputation)."""
-    return torch._C._current_graph_task_id() != -1
+def _cast(dtype, x: torch.Tensor) -> torch.Tensor:
+    return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
+
+
+class StateContext:
+    """Shared by every unit under one root: the units in ``named_modules`` order, whether this
+    backward's final callback is queued, the order of this forward's post-forwards (for the
+    backward prefetch) and the unit whose forward this is."""
+
+    def __init__(self):
+        self.all_states: list[FSDPState] = []
+        self.callback_queued = False
+        self.post_forward_order: list = []  # the groups' post-forwards (ParamGroup)
+        #: The unit whose forward holds this forward's others (the root's, but for a unit run
+        #: on its own, as in a recomputation), as torch's ``iter_forward_root``
+        self.iter_forward_root: FSDPState | None = None
 
 
 class FSDPState:
     """One ``fully_shard`` call: its module, its parameter group (if it has parameters), its
-    mixed-precision policy, and, on the root, the units still waiting for their post-backward."""
+    mixed-precision policy and where it is in the step."""
 
-    def __init__(self, module, group: ParamGroup | None, mp_policy, reshard_after_forward):
+    def __init__(self, module, group: ParamGroup | None, mp_policy, auto_reshard: bool):
         self.module, self.group, self.mp_policy = module, group, mp_policy
-        self.reshard_after_forward = reshard_after_forward
-        self.root: FSDPState | None = None
-        self.waiting: list[FSDPState] = []  # on the root: units to finish in this backward
-        self.callback_queued = False
-        if group is not None:
-            group.on_all_gradients = self._all_gradients_arrived
-        self.pending_backward = False
-        module.register_forward_pre_hook(self.pre_forward, with_kwargs=True)
-        module.register_forward_hook(self.post_forward)
+        #: ``reshard_after_forward=None``: the root, once known, keeps its parameters gathered
+        self.auto_reshard = auto_reshard
+        self.is_root: bool | None = None
+        self.ctx = StateContext()
+        self.training_state = TrainingState.IDLE
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
 
     def _lazy_init(self) -> None:
-        """The first unit to run a forward is the root of every unit below it."""
-        for sub in self.module.modules():
+        """At its first forward, the first unit to run one becomes the root of all below it."""
+        if self.is_root is not None:
+            return
+        self.is_root = True
+        for name, sub in self.module.named_modules():
             state = getattr(sub, "_fsdp_state", None)
-            if state is not None and state.root is None:
-                state.root = self
-        if self.group is not None:
+            if state is None:
+                continue
+            if sub is not self.module:
+                if state.is_root is not None:
+                    raise RuntimeError(
+                        f"the fully_shard unit {name!r} already ran a forward on its own, as a "
+                        "root: run the first forward through the outermost module "
+                        f"({type(self.module).__name__}), as torch's FSDP2 requires.")
+                state.is_root = False
+            state.ctx = self.ctx
+            self.ctx.all_states.append(state)
+            if state.group is not None:
+                state.group.post_forward_order = self.ctx.post_forward_order
+        if self.auto_reshard and self.group is not None:
             self.group.reshard_after_forward = False
+        _check_no_parameter_in_two_units(self.ctx.all_states)
 
-    def pre_forward(self, module, args, kwargs):
-        if self.root is None:
-            self._lazy_init()
+    def _cast_inputs(self, args, kwargs):
         policy = self.mp_policy
-        if policy.cast_forward_inputs and policy.param_dtype is not None:
-            args = tree_map(lambda x: _cast(policy.param_dtype, x), args)
-            kwargs = tree_map(lambda x: _cast(policy.param_dtype, x), kwargs)
-        if self.group is not None:
-            self.group.unshard()
-            if _in_backward():  # activation checkpointing's re-forward: backward still to come
-                return args, kwargs
-            if torch.is_grad_enabled() and not self.pending_backward:
-                self.pending_backward = True
-                self.root.waiting.append(self)
-        return args, kwargs
-
-    def post_forward(self, module, args, output):
-        if _in_backward():  # a re-forward: its backward needs the parameters gathered
-            return self._cast_output(output)
-        if self.group is not None and (self.group.reshard_after_forward
-                                       or not torch.is_grad_enabled()):
-            self.group.reshard()
-        if torch.is_grad_enabled():
-            for tensor in tree_flatten(output)[0]:
-                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward)
-        return self._cast_output(output)
+        if not (policy.cast_forward_inputs and policy.param_dtype is not None):
+            return args, kwargs
+        with record_function("FSDP::cast_forward_inputs"):
+            return tree.map_tensors((args, kwargs), lambda x: _cast(policy.param_dtype, x))
 
     def _cast_output(self, output):
-        if self.mp_policy.output_dtype is not None:
-            output = tree_map(lambda x: _cast(self.mp_policy.output_dtype, x), output)
-        return output
+        if self.mp_policy.output_dtype is None:
+            return output
+        with record_function("FSDP::cast_forward_outputs"):
+            return tree.map_tensors(output, lambda x: _cast(self.mp_policy.output_dtype, x))
+
+    def _root_pre_forward(self) -> None:
+        self._lazy_init()
+        if self.ctx.iter_forward_root is None:
+            self.ctx.iter_forward_root = self
+            with record_function("FSDP::root_pre_forward"):
+                pass  # (torch orders its streams here, on a GPU)
+
+    def _pre_forward(self, module, args, kwargs):
+        if self.training_state is TrainingState.PRE_BACKWARD:  # recomputed in backward
+            if self.group is not None and not self.group.is_unsharded:
+                self.group.unshard()
+                self.group.wait_for_unshard()
+            return self._cast_inputs(args, kwargs)
+        if self.training_state is not TrainingState.FORWARD:  # not a call from within itself
+            self._root_pre_forward()
+        self.training_state = TrainingState.FORWARD
+        args, kwargs = self._cast_inputs(args, kwargs)
+        if self.group is not None:
+            args, kwargs = self.group.pre_forward(args, kwargs)
+        return args, kwargs
+
+    def _post_forward(self, module, args, output):
+        if self.training_state is TrainingState.PRE_BACKWARD:  # recomputed in backward
+            return self._cast_output(output)
+        if self.group is not None:
+            self.group.post_forward()
+        if torch.is_grad_enabled():
+            for tensor in tree.grad_tensors(output):
+                tensor.register_hook(self._pre_backward)
+        self.training_state = TrainingState.IDLE
+        if self.ctx.iter_forward_root is self:
+            self.ctx.iter_forward_root = None
+        return self._cast_output(output)
 
     def _pre_backward(self, grad):
-        self._queue_final_callback()
-        if self.group is not None and self.pending_backward:
-            self.group.unshard()
+        self.training_state = TrainingState.PRE_BACKWARD
+        if not self.ctx.callback_queued:
+            self.ctx.callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        if self.group is not None:
+            self.group.pre_backward()
         return grad
 
-    def _queue_final_callback(self) -> None:
-        root = self.root
-        if not root.callback_queued:
-            root.callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(root._finish_backward)
-
-    def _all_gradients_arrived(self) -> None:
-        self._queue_final_callback()
-        self.post_backward()
-
-    def post_backward(self) -> None:
-        if self.pending_backward:
-            self.pending_backward = False
-            self.group.reduce_gradients()
-
     def _finish_backward(self) -> None:
-        """End of backward: finish the units whose gradients did not all arrive."""
-        waiting, self.waiting = self.waiting, []
-        self.callback_queued = False
-        for state in reversed(waiting):
-            state.post_backward()
+        """End of backward: the post-backward of every unit that autograd did not reach through
+        its inputs (or never reached), then every unit back to idle."""
+        self.ctx.iter_forward_root = None
+        for state in self.ctx.all_states:
+            group = state.group
+            if group is not None:
+                if group.training_state is not TrainingState.POST_BACKWARD:
+                    group.post_backward()
+                group.training_state = TrainingState.IDLE
+                group.post_forward_indices.clear()
+                group.gathered = None  # prefetched for a backward that did not come
+            state.training_state = TrainingState.IDLE
+        self.ctx.post_forward_order.clear()
+        self.ctx.callback_queued = False
+
+
+def _check_no_parameter_in_two_units(states: list[FSDPState]) -> None:
+    """A parameter tied across two units (``head.weight = embed.weight`` with ``embed`` a unit
+    and ``head`` in another) would be sharded twice: refused, as torch refuses it."""
+    seen: dict[int, str] = {}
+    for state in states:
+        for p in state.group.params if state.group is not None else ():
+            if p.uid in seen:
+                raise ValueError(
+                    f"parameter {p.fqn!r} is also parameter {seen[p.uid]!r} of another "
+                    "fully_shard unit: a tied parameter must belong to one unit. Apply "
+                    "fully_shard to a module that holds both uses, or to neither user alone.")
+            seen[p.uid] = p.fqn

@@ -1,0 +1,113 @@
+"""One sharded parameter (torch's ``FSDPParam``): its padded shard, the shard the optimizer sees,
+its unsharded form, and where its gradient waits between micro-batches.
+
+At rest the module holds :attr:`FSDPParam.sharded`; while the unit is gathered it holds
+:attr:`FSDPParam.unsharded`, one leaf ``nn.Parameter`` made once and refilled at every gather (its
+memory released in between), so that autograd accumulates the unit's gradient into one tensor
+however often the unit runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch import nn
+
+from miniddp.fsdp.shard import ShardedParameter, ShardedTensor, ShardSpec, padded_shard, world
+
+_uids = itertools.count()
+
+
+def original_uid(param: nn.Parameter) -> int:
+    """A number that stays with the user's parameter object, to find one parameter claimed by
+    two units (torch marks the parameter the same way: ``id()`` would be reused once freed)."""
+    if not hasattr(param, "_miniddp_fsdp_uid"):
+        param._miniddp_fsdp_uid = next(_uids)
+    return param._miniddp_fsdp_uid
+
+
+class FSDPParam:
+    """One parameter of a unit, in its three forms."""
+
+    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
+                 param_dtype, reduce_dtype):
+        world_size, rank = world()
+        self.owners, self.fqn, self.uid = owners, fqn, original_uid(param)
+        self.spec = ShardSpec(param.shape, world_size, rank)
+        self.orig_dtype = param.dtype
+        # torch's clamps: a cast to the dtype one already has is no cast
+        if reduce_dtype == param_dtype:
+            reduce_dtype = None
+        if param_dtype == self.orig_dtype or not self.orig_dtype.is_floating_point:
+            param_dtype = None
+        self.param_dtype, self.reduce_dtype = param_dtype, reduce_dtype
+        self.compute_dtype = param_dtype or self.orig_dtype
+        with torch.no_grad():
+            self.padded = padded_shard(param.detach(), self.spec)
+        self.sharded = ShardedParameter(self.padded[: self.spec.rows], param.requires_grad,
+                                        self.spec)
+        self.unsharded = nn.Parameter(
+            torch.empty(param.shape, dtype=self.compute_dtype, device=param.device),
+            requires_grad=param.requires_grad)
+        self.free()
+        #: The gradient kept without sync, in ``reduce_dtype`` when that differs from the compute
+        #: dtype (torch's ``unsharded_accumulated_grad``); else it stays in ``unsharded.grad``.
+        self.accumulated: torch.Tensor | None = None
+
+    def register(self, tensor: nn.Parameter) -> None:
+        for module, name in self.owners:
+            module._parameters[name] = tensor
+
+    def free(self) -> None:
+        self.unsharded.untyped_storage().resize_(0)
+
+    def allocate(self) -> None:
+        storage = self.unsharded.untyped_storage()
+        wanted = self.unsharded.numel() * self.unsharded.element_size()
+        if storage.size() != wanted:
+            storage.resize_(wanted)
+
+    def to_unsharded(self) -> None:
+        """The module now holds the gathered parameter, which needs a gradient where the shard
+        does, as the shard is now (a layer may be frozen or unfrozen after ``fully_shard``)."""
+        if self.unsharded.requires_grad != self.sharded.requires_grad:
+            self.unsharded.requires_grad_(self.sharded.requires_grad)
+        self.register(self.unsharded)
+
+    # ----- gradients, as torch's FSDPParam keeps them -----
+
+    def accumulate_unsharded_grad_if_needed(self) -> None:
+        """Add this backward's gradient into the one kept in ``reduce_dtype``, if one is kept."""
+        if self.accumulated is not None and self.unsharded.grad is not None:
+            self.accumulated += self.unsharded.grad
+            self.unsharded.grad = None
+
+    def to_accumulated_grad_if_needed(self) -> None:
+        """Without sync: keep the gradient in ``reduce_dtype`` when that differs from the compute
+        dtype, so that micro-batches are summed in it (as torch does)."""
+        grad = self.unsharded.grad
+        if self.reduce_dtype is None or grad is None or grad.dtype == self.reduce_dtype:
+            return
+        self.unsharded.grad = None
+        self.accumulated = grad.to(self.reduce_dtype)
+
+    def take_unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient to reduce-scatter now (the kept one first), and forget it here."""
+        if self.accumulated is not None:
+            grad, self.accumulated = self.accumulated, None
+        else:
+            grad, self.unsharded.grad = self.unsharded.grad, None
+        return grad
+
+    def add_sharded_grad(self, local: torch.Tensor) -> None:
+        """This rank's rows of the reduced gradient become the shard's ``.grad``, or are added to
+        it (a second synchronized backward accumulates); then the shard's post-accumulate-grad
+        hooks run, as torch runs them (an optimizer stepped in backward)."""
+        grad = self.sharded.grad
+        if grad is None:
+            self.sharded.grad = ShardedTensor.wrap(local, self.spec)
+        else:
+            grad += local
+        for hook in (getattr(self.sharded, "_post_accumulate_grad_hooks", None) or {}).values():
+            hook(self.sharded)
