@@ -336,3 +336,24 @@ def test_no_import_sets_a_class_attribute(tmp_path):
     root = write_package(tmp_path, {"checks/__init__.py":
                                     "from miniddp.ddp import DDP\nDDP.checks = object()\n"})
     assert class_attributes_set_from_outside(root) == ["checks/__init__.py:2"]
+
+
+@pytest.mark.slow
+def test_importing_miniddp_leaves_torchs_lists_alone():
+    """``import miniddp`` changes nothing of torch's; the first ``fully_shard`` puts its sharded
+    types on torch's foreach lists (a fresh interpreter: this one has sharded already)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch, torch.distributed as dist, torch.optim.optimizer as o\n"
+        "before = list(o._foreach_supported_types)\n"
+        "import miniddp\n"
+        "assert o._foreach_supported_types == before, o._foreach_supported_types\n"
+        "dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)\n"
+        "miniddp.fully_shard(torch.nn.Linear(2, 2))\n"
+        "assert len(o._foreach_supported_types) == len(before) + 1\n"
+        "dist.destroy_process_group()\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -26,7 +26,7 @@ from torch import nn
 from miniddp.fsdp import init
 from miniddp.fsdp.param import FSDPParam
 from miniddp.fsdp.param_group import ParamGroup
-from miniddp.fsdp.shard import ShardedParameter
+from miniddp.fsdp.shard import ShardedParameter, count_as_plain_tensors_for_foreach
 from miniddp.fsdp.state import FSDPState
 
 
@@ -133,6 +133,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | N
 
     ``ignored_params`` are left alone: not sharded, not gathered, their gradients not reduced."""
     init.check_arguments(module, mesh, reshard_after_forward, offload_policy)
+    count_as_plain_tensors_for_foreach()
     ignored = {id(p) for p in ignored_params or ()}
     holders = init.owners(module)
     params = [FSDPParam(param, holders[id(param)], name, mp_policy.param_dtype,

@@ -147,11 +147,13 @@ def world() -> tuple[int, int]:
     return dist.get_world_size(), dist.get_rank()
 
 
-def _count_as_plain_tensors_for_foreach() -> None:
+def count_as_plain_tensors_for_foreach() -> None:
     """torch's optimizers and ``clip_grad_norm_`` choose their multi-tensor (foreach) kernels
     only for tensor types on a list, and torch puts DTensor on it: without this, an optimizer of
     sharded parameters on a GPU would take the one-tensor-at-a-time path that torch's FSDP2 does
-    not, and round differently (seen with Adam in bf16 on CUDA)."""
+    not, and round differently (seen with Adam in bf16 on CUDA). Done at the first
+    ``fully_shard``, not when miniddp is imported: a program that never shards keeps torch's
+    lists as torch made them."""
     import importlib
 
     for module, types in (("torch.optim.optimizer", (ShardedParameter,)),
@@ -164,6 +166,3 @@ def _count_as_plain_tensors_for_foreach() -> None:
         for kind in types if isinstance(supported, list) else ():
             if kind not in supported:
                 supported.append(kind)
-
-
-_count_as_plain_tensors_for_foreach()
