@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -155,12 +156,14 @@ class AllReduceSum:
     averages = False  # the reducer scales gradients into the bucket; a comm hook does not
 
     def __init__(self, group=None):
-        self.group = group  # None: the default group, looked up at each launch (sync.held)
+        self.group = group  # None: the default group, held weakly (see sync.held)
+        self._world = weakref.ref(dist.group.WORLD)  # (looked up again if it was replaced)
 
     def launch(self, bucket: Bucket, bucket_count: int):
         """Start the sum. Through the group's own ``allreduce``: ``dist.all_reduce``'s checks
-        cost about 3 us a call."""
-        return (self.group or dist.group.WORLD).allreduce([bucket.buffer])  # async, SUM
+        cost about 3 us a call, and ``dist.group.WORLD`` two Python calls."""
+        group = self.group or self._world() or dist.group.WORLD
+        return group.allreduce([bucket.buffer])  # async, SUM
 
     def finish(self, bucket: Bucket) -> None:
         """Nothing to do once it is waited for: the all_reduce summed the bucket in place."""
@@ -173,8 +176,8 @@ class Bucket:
 
     1. :meth:`fill`: a member's gradient is ready. It is copied into its view at once, scaled
        on the way (``copy_in``), or, in a bucket that ``waits``, kept for the last one;
-    2. :meth:`complete`: the last one is in. The kept gradients are copied in with one call,
-       and a bucket that ``defers`` its scaling is scaled whole, with one more;
+    2. :meth:`complete`: in a bucket that ``defers``, the last one is in. The kept gradients
+       are copied in with one call, and the whole bucket scaled with one more;
     3. :meth:`launch`: its reduction starts, asynchronously (an all_reduce, or a comm hook's);
     4. :meth:`wait`, then :meth:`write_back`: the averages into ``.grad``;
     5. :meth:`reset`: ready for the next backward.
@@ -215,12 +218,11 @@ class Bucket:
         return self.pending == 0
 
     def complete(self, scale) -> None:
-        """The last gradient is in: copy in those that waited with one call, and scale the
-        whole bucket (``scale(buffer)``) if it defers."""
+        """The last gradient of a bucket that defers is in: copy in those that waited with one
+        call, and scale the whole bucket (``scale(buffer)``)."""
         if self.waiting:
             torch._foreach_copy_([view for _, view in self.waiting], [g for g, _ in self.waiting])
-        if self.defers:
-            scale(self.buffer)
+        scale(self.buffer)
 
     def launch(self, reduction, bucket_count: int) -> None:
         """Start reducing the bucket across ranks (:class:`AllReduceSum`, or a comm hook)."""
