@@ -14,7 +14,7 @@ compute. Done by hand first (each layer compiled on its own), then by torch's co
 ``DDPOptimizer`` cuts the traced graph from its end whenever the parameters reach DDP's
 ``bucket_bytes_cap`` (the first piece at 1 MiB), for the DDP module that is running, which it
 finds through ``DistributedDataParallel._active_ddp_module``. miniddp sets that same attribute
-(``miniddp/options/compiled.py``) and so gets torch's pieces, ready order, rebuilt buckets and
+(``miniddp/compat/compiled.py``) and so gets torch's pieces, ready order, rebuilt buckets and
 bits, in both orders: ``DDP(torch.compile(model))`` and ``torch.compile(DDP(model))``.
 
 The proof, on the reducer's timeline (``ddp.trace()``) with hooks on each compiled node marking
