@@ -1,6 +1,6 @@
-"""FSDP's two collectives (torch's ``_fsdp_collectives``): a unit's shards gathered in one
-all-gather, its gradients laid out for one reduce-scatter, and the divide factors that decide
-the bits.
+"""FSDP's collectives (torch's ``_fsdp_collectives``): a unit's shards gathered in one
+all-gather, its gradients laid out for one reduce-scatter (and, under HSDP, all-reduced across
+the replicas), and the divide factors that decide the bits.
 
 torch 2.13 names them ``all_gather_single`` and ``reduce_scatter_single`` (the older
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` warn there); torch before 2.13 lacks the
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from miniddp.fsdp.mesh import EVERY_RANK, MeshInfo
 
 
 def _is_gloo(group) -> bool:
@@ -81,18 +83,50 @@ def fp16_divide_factors(world_size: int) -> tuple[float, float]:
     return pre, world_size / pre
 
 
-def average(buffer: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's row of the average of every rank's ``buffer``, with torch FSDP2's arithmetic
-    for ``buffer``'s dtype: AVG for fp32 and bf16, the pre/post split for anything else."""
-    if buffer.dtype in (torch.float32, torch.bfloat16):
-        return reduce_scatter_mean(buffer, group)
-    pre, post = fp16_divide_factors(dist.get_world_size(group))
+def all_reduce_mean(tensor: torch.Tensor, group) -> None:
+    """``tensor`` becomes the average of every rank's in ``group``: summed, then divided (gloo's
+    ``ReduceOp.AVG``, measured bit for bit; NCCL's AVG is its own)."""
+    if _is_gloo(group):
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(dist.get_world_size(group))
+    else:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+
+
+def average(buffer: torch.Tensor, mesh: MeshInfo = EVERY_RANK, partial=None,
+            all_reduce: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """This rank's row of the average of every rank's ``buffer`` (``W`` rows, rank-major), with
+    torch FSDP2's arithmetic for its dtype and in its order (``foreach_reduce``):
+
+    1. fp16 (anything but fp32 and bf16): divide by ``pre``, a power of two near the square
+       root of every rank's count, so that the sums stay in fp16's range;
+    2. reduce-scatter over the shard group: fp32 and bf16 averaged there (``AVG``), fp16 summed;
+    3. HSDP: add the sum kept from micro-batches without all-reduce (``partial``), then
+       all-reduce across the replicate group, averaged again for fp32 and bf16, summed for fp16.
+       Without ``all_reduce`` (torch's ``set_requires_all_reduce(False)``), stop here: the row
+       is added into ``partial``, and returned as the second value, to keep;
+    4. fp16: divide by ``post``, the rest of the count.
+
+    So an fp32 gradient is divided by the shard group's size, then by the replicate group's, each
+    after its sum: not once by the count of all the ranks. Returns ``(row, None)``, or
+    ``(None, partial)`` without all-reduce."""
+    averaged = buffer.dtype in (torch.float32, torch.bfloat16)
+    pre, post = (1, 1) if averaged else fp16_divide_factors(mesh.data_parallel_size)
     if pre != 1:
         buffer.div_(pre)
-    output = reduce_scatter_sum(buffer, group)
+    output = (reduce_scatter_mean if averaged else reduce_scatter_sum)(buffer, mesh.shard_group)
+    if mesh.replicate_group is not None:
+        if not all_reduce:
+            return None, output if partial is None else partial.add_(output)
+        if partial is not None:
+            output += partial
+        if averaged:
+            all_reduce_mean(output, mesh.replicate_group)
+        else:
+            dist.all_reduce(output, group=mesh.replicate_group)
     if post != 1:
         output.div_(post)
-    return output
+    return output, None
 
 
 def all_gather_params(params, group=None) -> torch.Tensor:
