@@ -209,3 +209,97 @@ def test_each_hsdp_bit_deciding_detail_broken_differs_from_torch_at_2x2(ranks):
 def test_fp16s_hsdp_factors_broken_differ_from_torch_at_6_ranks(ranks):
     results = ranks(6).run(beside_torch_broken, NEGATIVE_6, timeout=240)
     check_all_differ(results, [f"{name}: {case}" for name, case in NEGATIVE_6])
+
+
+# ----- checkpoints: a full state dict saved at one mesh shape loads at another -----
+
+def _model_at(mesh: tuple[int, int] | None, impl: str, seed: int):
+    from test_fsdp import Net, TorchPolicy, meshes, shard_model, torch_fully_shard
+
+    import miniddp
+
+    torch.manual_seed(seed)
+    case = Case(mesh=mesh)
+    ours, theirs = meshes(case)
+    if impl == "torch":
+        return shard_model(Net(), torch_fully_shard, TorchPolicy(), case, mesh=theirs)
+    return shard_model(Net(), miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), case,
+                       **({} if ours is None else {"mesh": ours}))
+
+
+def _step_beside(models: dict, step: int) -> list[str]:
+    """One SGD step of each model on this rank's batch; what differs from torch's."""
+    from test_fsdp import count_differences
+
+    gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    x = torch.randn(8, 12, generator=gen)
+    for model in models.values():
+        model(x).pow(2).mean().backward()
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    problems: list[str] = []
+    count_differences(f"step {step} param", list(models["miniddp"].named_parameters()),
+                      list(models["torch"].named_parameters()), problems)
+    return problems
+
+
+def checkpoint_across_meshes(saved_at: tuple[int, int], loaded_at: list) -> list[str]:
+    """Trained a step at ``saved_at`` under both, miniddp's full state dict saved (it must be
+    torch's, gathered), loaded at each mesh of ``loaded_at`` into a fresh model of each (torch's
+    through its own ``set_model_state_dict``), then a step more beside torch's there."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    import miniddp
+
+    models = {impl: _model_at(saved_at, impl, 0) for impl in ("miniddp", "torch")}
+    problems = _step_beside(models, 0)
+    saved = miniddp.fsdp.full_state_dict(models["miniddp"])
+    torchs = {k: v.full_tensor() for k, v in models["torch"].state_dict().items()}
+    problems += [f"saved {k} differs from torch's" for k in torchs
+                 if not torch.equal(saved[k], torchs[k])]
+    for mesh in loaded_at:
+        fresh = {impl: _model_at(mesh, impl, 1) for impl in ("miniddp", "torch")}
+        miniddp.fsdp.load_full_state_dict(fresh["miniddp"], saved)
+        set_model_state_dict(fresh["torch"], dict(saved), options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=True))
+        problems += [f"loaded at {mesh}: {p}" for p in _step_beside(fresh, 1)]
+    return problems
+
+
+@needs_torch_fsdp2
+def test_a_full_state_dict_saved_at_2x2_loads_at_other_meshes(ranks):
+    for rank, problems in enumerate(ranks(4).run(checkpoint_across_meshes, (2, 2),
+                                                 [None, (4, 1), (1, 4)])):
+        assert not problems, (rank, problems[:4])
+
+
+# ----- reshard_after_forward as an int -----
+
+def _int_reshard() -> dict:
+    import warnings
+
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import miniddp
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    found = {}
+    try:
+        miniddp.fully_shard(nn.Linear(4, 4), reshard_after_forward=2)  # 2 of 4 ranks
+    except NotImplementedError as error:
+        found["smaller_group"] = str(error)
+    whole = miniddp.fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=2)
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        one = miniddp.fully_shard(nn.Linear(4, 4), mesh=mesh, reshard_after_forward=1)
+    found["whole_shard_group"] = whole._fsdp_state.group.reshard_after_forward
+    found["one"] = (one._fsdp_state.group.reshard_after_forward, [str(w.message) for w in warned])
+    return found
+
+
+def test_reshard_after_forward_as_an_int_is_read_as_torch_reads_it_or_refused(ranks):
+    for found in ranks(4).run(_int_reshard):
+        assert "Use True" in found["smaller_group"] and "or False" in found["smaller_group"]
+        assert found["whole_shard_group"] is True  # the shard group's size: True
+        kept, warned = found["one"]
+        assert kept is False and any("as with reshard_after_forward=False" in w for w in warned)

@@ -112,8 +112,8 @@ class ParamGroup:
         between the two, as torch's does)."""
         if self.is_unsharded or self.gathered is not None:
             return
-        if self.params[0].spec.world_size == 1:
-            self.gathered = collectives.all_gather_params(self.params)
+        if self.params[0].spec.world_size == 1:  # (a shard group of one: nothing to name)
+            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
             return
         with self.span("all_gather", self.ctx.profiling and self.gathered_bytes()):
             self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
