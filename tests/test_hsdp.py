@@ -13,7 +13,7 @@ torch's; each was found by measurement (docs/fsdp.md says where each shows first
 
 from __future__ import annotations
 
-import contextlib
+import sys
 from dataclasses import replace
 
 import pytest
@@ -27,8 +27,8 @@ from test_fsdp import (
     needs_torch_fsdp2,
 )
 
-from miniddp.fsdp import collectives, norms
-from miniddp.fsdp.mesh import MeshInfo
+import miniddp.fsdp.collectives  # noqa: F401  (so the breakages patch it at once)
+import miniddp.fsdp.norms  # noqa: F401
 
 HSDP_2x2 = Case(mesh=(2, 2), steps=2)
 PRECISIONS = [{}, {"param_dtype": "fp16"}, {"param_dtype": "fp16", "reduce_dtype": "fp32"},
@@ -90,98 +90,22 @@ def test_hsdp_at_6_ranks_bit_identical_to_torch(ranks, mesh):
 
 # ----- the details that decide the bits, broken one at a time (negative controls) -----
 
-_average = collectives.average
-
-
-def _one_division(buffer, mesh, partial=None, all_reduce=True):
-    """Both sums first, then one division by every rank's count (not by the shard group's
-    size after the reduce-scatter and by the replicate group's after the all-reduce)."""
-    if buffer.dtype != torch.float32 or mesh.replicate_group is None:
-        return _average(buffer, mesh, partial, all_reduce)
-    output = collectives.reduce_scatter_sum(buffer, mesh.shard_group)
-    dist.all_reduce(output, group=mesh.replicate_group)
-    return output.div_(mesh.data_parallel_size), None
-
-
-def _replicas_first(buffer, mesh, partial=None, all_reduce=True):
-    """The groups in the other order: all-reduced across the replicas first, then
-    reduce-scattered within the shard group."""
-    if buffer.dtype != torch.float32 or mesh.replicate_group is None:
-        return _average(buffer, mesh, partial, all_reduce)
-    collectives.all_reduce_mean(buffer, mesh.replicate_group)
-    return collectives.reduce_scatter_mean(buffer, mesh.shard_group), None
-
-
-def _no_all_reduce(buffer, mesh, partial=None, all_reduce=True):
-    """No all-reduce across the replicas: each replica keeps its own shard group's average."""
-    return _average(buffer, MeshInfo(mesh.shard_group), partial, all_reduce)
-
-
-def _fp16_factors_of_the_shard_group(buffer, mesh, partial=None, all_reduce=True):
-    """fp16's pre and post factors from the shard group's size, the replicas' division after
-    the all-reduce (torch splits the count of every rank)."""
-    if buffer.dtype != torch.float16 or mesh.replicate_group is None:
-        return _average(buffer, mesh, partial, all_reduce)
-    output, _ = _average(buffer, MeshInfo(mesh.shard_group))
-    dist.all_reduce(output, group=mesh.replicate_group)
-    return output.div_(mesh.replicate_size), None
-
-
-def _fp16_post_before_all_reduce(buffer, mesh, partial=None, all_reduce=True):
-    """fp16 divided by ``post`` right after the reduce-scatter, before the all-reduce."""
-    if buffer.dtype != torch.float16 or mesh.replicate_group is None:
-        return _average(buffer, mesh, partial, all_reduce)
-    pre, post = collectives.fp16_divide_factors(mesh.data_parallel_size)
-    output = collectives.reduce_scatter_sum(buffer.div_(pre), mesh.shard_group).div_(post)
-    dist.all_reduce(output, group=mesh.replicate_group)
-    return output, None
-
-
-def _all_reduce_each_micro_batch(buffer, mesh, partial=None, all_reduce=True):
-    """``set_requires_all_reduce(False)`` ignored in the arithmetic: each micro-batch's row
-    all-reduced at once and the averages added up, instead of the rows added up and the sum
-    all-reduced once."""
-    output, _ = _average(buffer, mesh)
-    if not all_reduce:
-        return None, output if partial is None else partial.add_(output)
-    return (output if partial is None else output.add_(partial)), None
-
-
-def _norms_over_every_rank(local, order, group=None):
-    """Clipping's norms reduced over every rank, the replicas too (a DTensor reduces a partial
-    norm over its shard dim only)."""
-    return _reduce_over_ranks(local, order, None)
-
-
-_reduce_over_ranks = norms.reduce_over_ranks
-HSDP_BREAKAGES = {
-    "one_division": (collectives, "average", _one_division),
-    "replicas_first": (collectives, "average", _replicas_first),
-    "no_all_reduce": (collectives, "average", _no_all_reduce),
-    "fp16_factors_of_the_shard_group": (collectives, "average", _fp16_factors_of_the_shard_group),
-    "fp16_post_before_all_reduce": (collectives, "average", _fp16_post_before_all_reduce),
-    "all_reduce_each_micro_batch": (collectives, "average", _all_reduce_each_micro_batch),
-    "norms_over_every_rank": (norms, "reduce_over_ranks", _norms_over_every_rank),
-}
-
-
-@contextlib.contextmanager
-def hsdp_broken(name: str):
-    owner, attribute, wrong = HSDP_BREAKAGES[name]
-    right = vars(owner)[attribute]
-    setattr(owner, attribute, wrong)
-    try:
-        yield
-    finally:
-        setattr(owner, attribute, right)
-
-
 def beside_torch_broken(named_cases: list[tuple[str, Case]]) -> list[list[str]]:
-    """On every rank: each case's differences from torch's, miniddp broken as named."""
+    """On every rank: each case's differences from torch's, with miniddp broken by the named
+    breakage of ``tests/breakage`` (``sharding.HSDP``; lesson 18's tests apply the same)."""
+    from test_lesson_breakage import BREAKAGE_DIR
+
+    if str(BREAKAGE_DIR) not in sys.path:
+        sys.path.insert(0, str(BREAKAGE_DIR))
+    import breakages
+
     results = []
     for name, case in named_cases:
-        with hsdp_broken(name):
+        breakages.apply(f"hsdp_{name}")
+        try:
             results += beside_torch([case])
+        finally:
+            breakages.undo()
     return results
 
 

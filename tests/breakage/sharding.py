@@ -208,6 +208,94 @@ def fsdp_clip_foreach_norm_local(module):
     breakages._patch(module.ShardedTensor, "__torch_function__", _local_norm("foreach_norm"))
 
 
+# ----- miniddp/fsdp: HSDP (lesson 18; tests/test_hsdp.py's negative controls) -----
+
+
+def _one_division(c, buffer, mesh, partial, all_reduce):
+    import torch.distributed as dist
+
+    output = c.reduce_scatter_sum(buffer, mesh.shard_group)
+    dist.all_reduce(output, group=mesh.replicate_group)
+    return output.div_(mesh.data_parallel_size), None
+
+
+def _replicas_first(c, buffer, mesh, partial, all_reduce):
+    c.all_reduce_mean(buffer, mesh.replicate_group)
+    return c.reduce_scatter_mean(buffer, mesh.shard_group), None
+
+
+def _no_all_reduce(c, buffer, mesh, partial, all_reduce):
+    return c.average.__wrapped__(buffer, c.MeshInfo(mesh.shard_group), partial, all_reduce)
+
+
+def _fp16_factors_of_the_shard_group(c, buffer, mesh, partial, all_reduce):
+    import torch.distributed as dist
+
+    output, _ = c.average.__wrapped__(buffer, c.MeshInfo(mesh.shard_group))
+    dist.all_reduce(output, group=mesh.replicate_group)
+    return output.div_(mesh.replicate_size), None
+
+
+def _fp16_post_before_all_reduce(c, buffer, mesh, partial, all_reduce):
+    import torch.distributed as dist
+
+    pre, post = c.fp16_divide_factors(mesh.data_parallel_size)
+    output = c.reduce_scatter_sum(buffer.div_(pre), mesh.shard_group).div_(post)
+    dist.all_reduce(output, group=mesh.replicate_group)
+    return output, None
+
+
+def _all_reduce_each_micro_batch(c, buffer, mesh, partial, all_reduce):
+    output, _ = c.average.__wrapped__(buffer, mesh)
+    if not all_reduce:
+        return None, output if partial is None else partial.add_(output)
+    return (output if partial is None else output.add_(partial)), None
+
+
+def _hsdp(dtypes, wrong, doc):
+    def breakage(module):
+        def patch(original):
+            def average(buffer, mesh=module.EVERY_RANK, partial=None, all_reduce=True):
+                if mesh.replicate_group is None or str(buffer.dtype)[6:] not in dtypes:
+                    return original(buffer, mesh, partial, all_reduce)
+                return wrong(module, buffer, mesh, partial, all_reduce)
+            average.__wrapped__ = original
+            return average
+        breakages._patch(module, "average", patch)
+    breakage.__doc__ = doc
+    return breakage
+
+
+HSDP = {
+    "hsdp_one_division": _hsdp(("float32",), _one_division, """Lesson 18: both sums first,
+        then one division by every rank's count, instead of / S after the reduce-scatter and
+        / R after the all-reduce (equal while S is a power of two)."""),
+    "hsdp_replicas_first": _hsdp(("float32",), _replicas_first, """Lesson 18: the groups in
+        the other order: all-reduced across the replicas first, then reduce-scattered."""),
+    "hsdp_no_all_reduce": _hsdp(("float32", "bfloat16", "float16"), _no_all_reduce, """Lesson
+        18: no all-reduce across the replicas: each keeps its own shard group's average."""),
+    "hsdp_fp16_factors_of_the_shard_group": _hsdp(
+        ("float16",), _fp16_factors_of_the_shard_group, """Lesson 18: fp16's pre and post
+        factors from the shard group's size, the replicas' count divided after the
+        all-reduce (torch splits the count of every rank)."""),
+    "hsdp_fp16_post_before_all_reduce": _hsdp(("float16",), _fp16_post_before_all_reduce,
+                                              """Lesson 18: fp16 divided by post right after
+        the reduce-scatter, before the all-reduce across the replicas."""),
+    "hsdp_all_reduce_each_micro_batch": _hsdp(
+        ("float32", "bfloat16", "float16"), _all_reduce_each_micro_batch, """Lesson 18:
+        set_requires_all_reduce(False) ignored: each micro-batch all-reduced at once and the
+        averages added up, instead of the rows added up and all-reduced once."""),
+}
+
+
+def hsdp_norms_over_every_rank(module):
+    """Lesson 18: clipping's norms reduced over every rank, the replicas too (a DTensor reduces
+    a partial norm over its shard dim only)."""
+    def everywhere(original):
+        return lambda local, order, group=None: original(local, order, None)
+    breakages._patch(module, "reduce_over_ranks", everywhere)
+
+
 #: name -> (module it patches, the patch)
 SHARDING = {
     "zero_partition_by_count": ("miniddp.optim.zero", zero_partition_by_count),
@@ -226,4 +314,6 @@ SHARDING = {
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
     "fsdp_clip_norm_local": ("miniddp.fsdp.shard", fsdp_clip_norm_local),
     "fsdp_clip_foreach_norm_local": ("miniddp.fsdp.shard", fsdp_clip_foreach_norm_local),
+    **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
+    "hsdp_norms_over_every_rank": ("miniddp.fsdp.norms", hsdp_norms_over_every_rank),
 }
