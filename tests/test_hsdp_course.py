@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lesson_modules import load_lesson
+from test_grade import problems_in_one_run
 from test_lesson_breakage import failure_with_the_library_broken
 
 hsdp = load_lesson("18")
@@ -60,3 +61,72 @@ def test_lesson_18_fails_where_it_teaches_what_the_library_broke(ranks, breakage
     world, part, argument, message = LIBRARY[breakage]
     said = failure_with_the_library_broken(ranks, world, breakage, part, argument)
     assert message in said, said[-3000:]
+
+
+# ----- exercise 18: the gradient path across the two groups -----
+
+DIVISIONS = "divisions: torch's places for the averaging"
+SHARDS = "every rank's gradient shards equal torch's fully_shard on the 2-D mesh bit for bit"
+AVERAGED = "        return 1, shard_size, replicate_size\n"
+SCATTER = "    reduce_scatter(out, buffer, shard_group)\n    out.div_(after_scatter)\n"
+ACROSS = "    all_reduce(out, replicate_group)\n    out.div_(after_all_reduce)\n"
+CAST = "    buffer = layout(grads, world).to(reduce_dtype)\n    buffer.div_(before)\n"
+WRONG_18 = {
+    "one division by W": ("18", [(AVERAGED, "        return 1, 1, shard_size * replicate_size\n")],
+                          DIVISIONS, ["one division by every rank's count"], []),
+    "the shard group's size only": ("18", [(AVERAGED, "        return 1, shard_size, 1\n")],
+                                    DIVISIONS, ["the shard group's size only"], []),
+    "the sizes swapped": ("18", [(AVERAGED, "        return 1, replicate_size, shard_size\n")],
+                          DIVISIONS, ["the two sizes swapped"], []),
+    "fp16 split of S": (
+        "18", [("    world = shard_size * replicate_size\n", "    world = shard_size\n"),
+               ("    return before, 1, world / before\n",
+                "    return before, 1, world / before * replicate_size\n")],
+        DIVISIONS, ["fp16 split from the shard group's size only"], []),
+    "both divisions after the all-reduce": (
+        "18", [(SCATTER, "    reduce_scatter(out, buffer, shard_group)\n"),
+               (ACROSS, "    all_reduce(out, replicate_group)\n"
+                        "    out.div_(after_scatter * after_all_reduce)\n")],
+        SHARDS, ["2 nodes of 3", "nothing was divided between the two sums",
+                 "by 3 there"], []),
+    "W after the reduce-scatter": (
+        "18", [(SCATTER, "    reduce_scatter(out, buffer, shard_group)\n"
+                         "    out.div_(world * dist.get_world_size(replicate_group))\n")],
+        SHARDS, ["you divided by every rank's count W after the reduce-scatter"], []),
+    "across nodes first": (
+        "18", [(CAST, CAST + "    all_reduce(buffer, replicate_group)\n"
+                             "    buffer.div_(after_all_reduce)\n"), (ACROSS, "")],
+        SHARDS, ["the groups in the other order", "S times the bytes"], []),
+    "the groups swapped": (
+        "18", [(SCATTER + ACROSS, "    reduce_scatter(out, buffer, replicate_group)\n"
+                                  "    out.div_(after_scatter)\n"
+                                  "    all_reduce(out, shard_group)\n"
+                                  "    out.div_(after_all_reduce)\n")],
+        SHARDS, ["the groups swapped"], []),
+    "no all-reduce across the replicas": (
+        "18", [(ACROSS, "    out.div_(after_all_reduce)\n")],
+        SHARDS, ["no all-reduce across the replicate group", "drift apart"], []),
+    "an all-reduce over every rank": (
+        "18", [(ACROSS, "    all_reduce(out, None)\n    out.div_(after_all_reduce)\n")],
+        SHARDS, ["a collective over every rank"], []),
+    "nothing divided after the all-reduce": (
+        "18", [(ACROSS, "    all_reduce(out, replicate_group)\n")],
+        SHARDS, ["nothing was divided after the all-reduce"], []),
+}
+RIGHT_18 = {
+    "AVG in both groups for fp32 and bf16": ("18", [(SCATTER + ACROSS, (
+        "    if reduce_dtype == torch.float16:\n"
+        "        reduce_scatter(out, buffer, shard_group)\n"
+        "        all_reduce(out, replicate_group)\n"
+        "        out.div_(after_all_reduce)\n    else:\n"
+        "        dist.reduce_scatter_single(out, buffer, op=dist.ReduceOp.AVG, group=shard_group)\n"
+        "        dist.all_reduce(out, op=dist.ReduceOp.AVG, group=replicate_group)\n"))]),
+    "divided out of place": ("18", [("    out.div_(after_all_reduce)\n",
+                                     "    out = out / after_all_reduce\n")]),
+}
+
+
+@pytest.mark.slow
+def test_exercise_18_names_each_mistake_and_passes_other_right_solutions(tmp_path):
+    problems = problems_in_one_run(WRONG_18, RIGHT_18, tmp_path)
+    assert not problems, "\n\n".join(problems)
