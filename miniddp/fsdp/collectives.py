@@ -51,14 +51,14 @@ def reduce_scatter_mean(buffer: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def reduce_scatter_sum(buffer: torch.Tensor, group=None) -> torch.Tensor:
-    """Rank r's row of the sum of every rank's ``buffer`` (``W`` rows, rank-major)."""
+    """Rank r's row of the sum of every rank's ``buffer`` (``W`` rows, rank-major). On gloo the
+    sum is made in ``buffer`` itself (the caller's scratch), and this rank's row copied out."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size == 1:
         return buffer[0].clone()
     if _is_gloo(group):
-        whole = buffer.clone()
-        dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
-        return whole[rank].clone()
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        return buffer[rank].clone()
     output = buffer.new_empty(buffer.shape[1:])
     _reduce_scatter(output, buffer, dist.ReduceOp.SUM, group)
     return output
@@ -149,14 +149,26 @@ def copy_out(params, gathered: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in params:
-            numel = p.padded.numel()
-            rows = by_rank[:, offset:offset + numel].reshape(
-                world_size * p.spec.chunk_rows, *p.spec.full_shape[1:])
             p.allocate()
             # through .data: autograd must not count the refill as an in-place edit of a tensor
             # it saved in forward
-            p.unsharded.data.copy_(rows[: p.spec.full_shape[0]])
-            offset += numel
+            _copy_chunks(by_rank[:, offset:offset + p.padded.numel()], p.unsharded.data, p.spec)
+            offset += p.padded.numel()
+
+
+def _copy_chunks(chunks: torch.Tensor, full: torch.Tensor, spec) -> None:
+    """``full``'s rows from ``chunks`` (one padded chunk per rank, a strided view), each copied
+    once: the ranks whose chunk is whole in one copy, the one cut short (if any) in another."""
+    rows, chunk_rows = spec.full_shape[0], spec.chunk_rows
+    if full.numel() == 0:
+        return
+    whole, left = divmod(rows, chunk_rows)
+    flat = full.view(rows, -1)
+    if whole:
+        flat[: whole * chunk_rows].view(whole, -1).copy_(chunks[:whole])
+    if left:
+        flat[whole * chunk_rows:].view(1, -1).copy_(chunks[whole:whole + 1, : flat[0].numel()
+                                                           * left])
 
 
 def chunk_cat(with_grad) -> torch.Tensor:
