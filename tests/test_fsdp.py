@@ -373,9 +373,31 @@ BREAKAGES = {
 
 
 @contextlib.contextmanager
+def shared_breakage(name: str):
+    """One of ``tests/breakage``'s breakages (those lessons' tests apply too), then undone."""
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent / "breakage")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import breakages
+
+    breakages.apply(name)
+    try:
+        yield
+    finally:
+        breakages.undo()
+
+
+@contextlib.contextmanager
 def broken(breakage: str | None):
     """miniddp with one of :data:`BREAKAGES` (one patch, or a list) patched in, for the time of
-    the block."""
+    the block; or, for a name of ``tests/breakage`` (HSDP's: ``hsdp_...``), that breakage."""
+    if breakage and breakage not in BREAKAGES:
+        with shared_breakage(breakage):
+            yield
+        return
     patches = BREAKAGES[breakage] if breakage else []
     patches = patches if isinstance(patches, list) else [patches]
     rights = [vars(owner)[name] for owner, name, _ in patches]

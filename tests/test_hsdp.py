@@ -13,7 +13,6 @@ torch's; each was found by measurement (docs/fsdp.md says where each shows first
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
 
 import pytest
@@ -93,20 +92,8 @@ def test_hsdp_at_6_ranks_bit_identical_to_torch(ranks, mesh):
 def beside_torch_broken(named_cases: list[tuple[str, Case]]) -> list[list[str]]:
     """On every rank: each case's differences from torch's, with miniddp broken by the named
     breakage of ``tests/breakage`` (``sharding.HSDP``; lesson 18's tests apply the same)."""
-    from test_lesson_breakage import BREAKAGE_DIR
-
-    if str(BREAKAGE_DIR) not in sys.path:
-        sys.path.insert(0, str(BREAKAGE_DIR))
-    import breakages
-
-    results = []
-    for name, case in named_cases:
-        breakages.apply(f"hsdp_{name}")
-        try:
-            results += beside_torch([case])
-        finally:
-            breakages.undo()
-    return results
+    return [beside_torch([replace(case, breakage=f"hsdp_{name}")])[0]
+            for name, case in named_cases]
 
 
 NEGATIVE_2x2 = [("replicas_first", HSDP_2x2),
