@@ -119,15 +119,15 @@ def fsdp_never_frees_after_forward(module):
             with _resharding(self.group, False):
                 return original(self, module_, args, output)
         return post_forward
-    breakages._patch(module.FSDPState, "post_forward", kept)
+    breakages._patch(module.FSDPState, "_post_forward", kept)
 
 
 def fsdp_zero2_ignored(module):
     """Lessons 15 and 17: ``reshard_after_forward=False`` is ignored: ZeRO-2 frees after forward
     and gathers again for backward, as ZeRO-3 does."""
     def always(original):
-        def init(self, params, reshard_after_forward, group=None):
-            original(self, params, True, group)
+        def init(self, params, reshard_after_forward, *mesh):
+            original(self, params, True, *mesh)
         return init
     breakages._patch(module.ParamGroup, "__init__", always)
 
@@ -135,32 +135,27 @@ def fsdp_zero2_ignored(module):
 def fsdp_no_gather_for_backward(module):
     """Lesson 17: the pre-backward does not gather a freed unit again: its backward reads
     parameters whose memory is gone."""
-    def no_gather(original):
-        def pre_backward(self, grad):
-            self._queue_final_callback()
-            return grad
-        return pre_backward
-    breakages._patch(module.FSDPState, "_pre_backward", no_gather)
+    breakages._patch(module.ParamGroup, "pre_backward", lambda original: lambda self: None)
 
 
 def fsdp_gradient_overwritten(module):
     """Lesson 17: a second backward with sync before the step replaces the shard's ``.grad``
     instead of adding to it."""
     def replaced(original):
-        def add_sharded_gradient(self, local):
+        def add_sharded_grad(self, local):
             self.sharded.grad = module.ShardedTensor.wrap(local, self.spec)
-        return add_sharded_gradient
-    breakages._patch(module.FSDPParam, "add_sharded_gradient", replaced)
+        return add_sharded_grad
+    breakages._patch(module.FSDPParam, "add_sharded_grad", replaced)
 
 
 def fsdp_sync_always(module):
     """Lesson 17: ``set_requires_gradient_sync(False)`` is ignored: every backward reduces."""
     def synced(original):
-        def reduce_gradients(self):
+        def post_backward(self):
             self.requires_gradient_sync = True
             return original(self)
-        return reduce_gradients
-    breakages._patch(module.ParamGroup, "reduce_gradients", synced)
+        return post_backward
+    breakages._patch(module.ParamGroup, "post_backward", synced)
 
 
 def fsdp_kept_in_compute_dtype(module):
@@ -168,15 +163,15 @@ def fsdp_kept_in_compute_dtype(module):
     the reduction's (fp32), as torch keeps them."""
     def in_compute_dtype(original):
         return lambda self: None  # left in .grad, where autograd adds the next one, in bf16
-    breakages._patch(module.FSDPParam, "keep_unsharded_gradient", in_compute_dtype)
+    breakages._patch(module.FSDPParam, "to_accumulated_grad_if_needed", in_compute_dtype)
 
 
 def fsdp_reduce_dtype_ignored(module):
     """Lesson 17: ``MixedPrecisionPolicy.reduce_dtype`` is ignored: gradients are averaged in
     the compute dtype (bf16) instead of fp32."""
     def without(original):
-        def init(self, param, owners, fqn, param_dtype, reduce_dtype):
-            original(self, param, owners, fqn, param_dtype, None)
+        def init(self, param, owners, fqn, param_dtype, reduce_dtype, *mesh):
+            original(self, param, owners, fqn, param_dtype, None, *mesh)
         return init
     breakages._patch(module.FSDPParam, "__init__", without)
 
@@ -307,8 +302,8 @@ SHARDING = {
     "fsdp_root_resharded": ("miniddp.fsdp.state", fsdp_root_resharded),
     "fsdp_never_frees_after_forward": ("miniddp.fsdp.state", fsdp_never_frees_after_forward),
     "fsdp_zero2_ignored": ("miniddp.fsdp.param_group", fsdp_zero2_ignored),
-    "fsdp_no_gather_for_backward": ("miniddp.fsdp.state", fsdp_no_gather_for_backward),
-    "fsdp_gradient_overwritten": ("miniddp.fsdp.param_group", fsdp_gradient_overwritten),
+    "fsdp_no_gather_for_backward": ("miniddp.fsdp.param_group", fsdp_no_gather_for_backward),
+    "fsdp_gradient_overwritten": ("miniddp.fsdp.param", fsdp_gradient_overwritten),
     "fsdp_sync_always": ("miniddp.fsdp.param_group", fsdp_sync_always),
     "fsdp_kept_in_compute_dtype": ("miniddp.fsdp.param_group", fsdp_kept_in_compute_dtype),
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
