@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.grader import fsdp
 from course.grader.checks import NotWritten, on_ranks
 from course.grader.fsdp import DTYPES, flat, fully_shard, make_model, smallest_difference
 from course.grader.fsdp_verdicts import fp16_loop
@@ -30,7 +31,6 @@ except ImportError:
     from torch.distributed._composable.fsdp import MixedPrecisionPolicy
 
 MESHES = ((2, 3), (3, 2), (2, 2))  # (nodes, ranks per node): one division by W shows at 3 a node
-SPIED = ("reduce_scatter_single", "reduce_scatter_tensor", "reduce_scatter", "all_reduce")
 
 
 def exercise():
@@ -110,21 +110,9 @@ def same(a, b) -> bool:
 
 # ----- one backward beside torch's fully_shard on a 2-D mesh -----
 
-class Spy:
-    """Stands in for torch's reduce-scatters and all_reduce during the learner's call: records
-    each call's name, group (its ranks), input and output, then makes it."""
-
-    def __init__(self):
-        self.calls, self.originals = [], {n: getattr(dist, n) for n in SPIED if hasattr(dist, n)}
-
-    def __enter__(self):
-        for name, original in self.originals.items():
-            setattr(dist, name, self.wrapped(name, original))
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(dist, name, original)
+class Spy(fsdp.Spy):
+    """Exercise 17's spy on torch's reduce-scatters and all_reduce, recording each call's group
+    (its ranks) too."""
 
     def wrapped(self, name, original):
         def call(*args, **kwargs):
