@@ -647,6 +647,15 @@ def test_the_benchmark_runs_checks_bits_and_saves_its_results(tmp_path, monkeypa
     assert len(run["memory_mib_per_rank"]["miniddp"]) == 3
     assert max(run["memory_mib_per_rank"]["miniddp"]) < whole / 2
     assert run["memory_mib_per_rank"]["miniddp"] == run["memory_mib_per_rank"]["torch"]
+    # HSDP on 2 x 2: bits checked, torch's timed twice (the A/A control), FSDP over 4 beside it
+    hsdp = benchmark.main(["--hsdp", "--quick", "--device", "cpu", "--pairs", "2", "--out",
+                           str(tmp_path)])["runs"][0]
+    assert '"bit_identical": true' in (tmp_path / "fsdp-hsdp-cpu-gloo-ws4.json").read_text()
+    assert hsdp["mesh"] == [2, 2] and hsdp["step"]["torch HSDP again"]["ratio"] > 0
+    memory = hsdp["memory_mib_per_rank"]
+    assert memory["miniddp HSDP"] == memory["torch HSDP"]
+    assert memory["miniddp FSDP"] == memory["torch FSDP"]
+    assert min(memory["torch HSDP"]) > max(memory["torch FSDP"])  # 1/2 of the state, not 1/4
 
 
 def _gathers_per_step(checkpointed: bool) -> int:
