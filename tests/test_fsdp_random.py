@@ -152,7 +152,7 @@ def test_random_models_train_bit_for_bit_as_torch_on_a_2x2_mesh(ranks, run):
 @needs_torch_fsdp2
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
-@settings(max_examples=3, deadline=None, database=None, derandomize=True,
+@settings(max_examples=2, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(data=st.data())
 def test_more_random_models_on_meshes_train_bit_for_bit_as_torch(ranks, shape, data):

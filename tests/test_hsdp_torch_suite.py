@@ -2,7 +2,7 @@
 
 The whole of both (their every subtest, against miniddp and, as the port's control, against
 torch's FSDP2: about 90 s here) runs with ``MINIDDP_TORCH_HSDP_SUITE=1``; the suite's slow tier
-runs a covering sample against miniddp (every value of every parameter at least once).
+runs a sample against miniddp (each value of each parameter, but an even width 16).
 
 From torch's ``test/distributed/_composable/fsdp/`` (read at pytorch main, late 2026; the CPU
 wheel ships no tests, and torch's test helpers need ``expecttest``, so the two tests are
@@ -125,15 +125,16 @@ def train_parity_hsdp(impl: str, subtests: list) -> int:
 
 WHOLE = pytest.mark.skipif("MINIDDP_TORCH_HSDP_SUITE" not in os.environ,
                            reason="the whole port (about 90 s): set MINIDDP_TORCH_HSDP_SUITE=1")
-#: Every value of each of the test's parameters at least once
-TRAIN_PARITY_SAMPLE = [(False, False, 3, True), (True, True, 16, False), (True, False, 17, True)]
+#: Each value of each of the test's parameters at least once, but width 16 (cut evenly: the
+#: easy case; widths 3 and 17 leave chunks short or empty)
+TRAIN_PARITY_SAMPLE = [(False, True, 17, True), (True, False, 3, False)]
 
 
 @needs_torch_fsdp2
 @pytest.mark.slow
 def test_train_parity_hsdp_sample(ranks):
     assert ranks(4).run(train_parity_hsdp, "miniddp", TRAIN_PARITY_SAMPLE,
-                        timeout=300) == [3] * 4
+                        timeout=300) == [2] * 4
 
 
 @needs_torch_fsdp2
@@ -253,8 +254,8 @@ def gradient_accumulation(impl: str, subtests: list) -> int:
     return len(subtests)
 
 
-GRAD_ACC_SAMPLE = [(True, "all", True, True), (False, "root_only", False, False),
-                   (2, "some_mlps", True, False), (False, "all", False, True)]
+GRAD_ACC_SAMPLE = [(2, "all", True, True), (False, "root_only", False, False),
+                   (True, "some_mlps", True, False)]
 
 
 @needs_torch_fsdp2
@@ -262,7 +263,7 @@ GRAD_ACC_SAMPLE = [(True, "all", True, True), (False, "root_only", False, False)
 def test_gradient_accumulation_hsdp_sample(ranks):
     assert all(case in GRAD_ACC for case in GRAD_ACC_SAMPLE)
     assert ranks(4).run(gradient_accumulation, "miniddp", GRAD_ACC_SAMPLE,
-                        timeout=300) == [4] * 4
+                        timeout=300) == [3] * 4
 
 
 @needs_torch_fsdp2
