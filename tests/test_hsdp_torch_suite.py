@@ -14,14 +14,14 @@ rewritten here from what they check, with their parameters):
   3, 16 and 17, and gradient sync at the last micro-batch only or at every one: losses equal,
   every shard equal to its rows of DDP's parameter and gradient (torch's tolerances). Its CPU
   offload subtests do not apply (miniddp refuses ``offload_policy``).
-* ``test_fully_shard_grad_acc.py`` (``TestFullyShardGradientAccumulation``) on its 2-D mesh:
-  accumulation over 3 micro-batches with sync or all-reduce off for all units, the root only or
-  some MLPs, ZeRO-2/3 and ``reshard_after_forward=2`` (the shard group's size: ZeRO-3),
+* the same file's ``TestFullyShardGradientAccumulation.test_gradient_accumulation`` on its 2-D mesh
+  (4 ranks, 2 x 2): accumulation over 3 micro-batches with sync or all-reduce off for all units, the
+  root only or some MLPs, ZeRO-2/3 and ``reshard_after_forward=2`` (the shard group's size: ZeRO-3),
   resharding after backward or not, and HSDP's reduce-scatter-only accumulation: the counts of
-  all-gathers, reduce-scatters and all-reduces per step, and the shards beside DDP's. Counted
-  here by group (a reduction over the shard group is a reduce-scatter, gloo's included; an
-  all-reduce over the replicate group is HSDP's), where torch counts its own c10d ops. Its CPU
-  offload subtests do not apply.
+  all-gathers, reduce-scatters and all-reduces per step, and the shards beside DDP's. Counted here
+  by group (a reduction over the shard group is a reduce-scatter, gloo's included; an all-reduce
+  over the replicate group is HSDP's), where torch counts its own c10d ops. Its CPU offload subtests
+  do not apply.
 
 Not ported, and why: ``TestFullyShardHSDP3DTraining`` and ``TestFullyShardNDTraining`` (tensor
 parallelism: DTensor parameters on a 3-D mesh, which miniddp does not take), the
