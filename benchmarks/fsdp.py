@@ -11,13 +11,20 @@ timing); on the CPU, which has no allocator statistics, the bytes held at rest a
 parameter shards, gradient shards and optimizer state (each storage once). ZeRO-3 divides those
 by the world size, which is what the figure shows.
 
+``--hsdp``: HSDP on 2 "nodes" of W/2 ranks (default W = 4), miniddp's beside torch's on the
+same 2-D mesh, with torch's timed twice in the same rounds (an A/A control: the ratio of torch's
+to itself says how far a ratio is to be trusted here), and both FSDPs over all W ranks beside
+them; bits checked first, each HSDP's and each FSDP's against torch's.
+
     python benchmarks/fsdp.py                 # 2 and 3 gloo ranks on the CPU, a few minutes
+    python benchmarks/fsdp.py --hsdp          # 2 x 2 gloo ranks on the CPU
     python benchmarks/fsdp.py --quick         # smoke run, seconds
     python benchmarks/fsdp.py --device cuda   # NCCL, one rank per GPU (bash benchmarks/gpu.sh)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from dataclasses import asdict
@@ -53,12 +60,12 @@ def blocks_model(setup: harness.Setup, device: torch.device) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(widths[-1], harness.OUT_FEATURES)).to(device)
 
 
-def sharded(model: nn.Module, shard, device: torch.device) -> nn.Module:
-    """Each block, then the root, over a 1-D mesh of every rank on ``device`` (torch's default
-    mesh is the GPU wherever there is one, even for a CPU run)."""
+def sharded(model: nn.Module, shard, device: torch.device, mesh=None) -> nn.Module:
+    """Each block, then the root, over ``mesh``, by default a 1-D mesh of every rank on
+    ``device`` (torch's default mesh is the GPU wherever there is one, even for a CPU run)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = mesh or init_device_mesh(device.type, (dist.get_world_size(),))
     for block in list(model)[:-1]:
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
@@ -132,6 +139,62 @@ def measure(setup: harness.Setup) -> dict:
                                    "torch": round(everyone[1] / MIB, 3)}}
 
 
+def per_rank_mib(values: dict, device: torch.device) -> dict[str, list[float]]:
+    """Every rank's ``values`` (name -> bytes), in MiB, rank by rank."""
+    mine = torch.tensor([float(v) for v in values.values()], dtype=torch.float64,
+                        device=harness.collective_device(device))
+    everyone = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return {name: [round(r[i].item() / MIB, 3) for r in everyone]
+            for i, name in enumerate(values)}
+
+
+HSDP_RUNS = ("miniddp HSDP", "torch HSDP", "torch HSDP again", "miniddp FSDP", "torch FSDP")
+
+
+def measure_hsdp(setup: harness.Setup) -> dict:
+    """HSDP on 2 nodes of W/2 ranks, miniddp's beside torch's (twice: the A/A control), and
+    both FSDPs over every rank, timed in the same rounds."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device, world = harness.rank_device(setup), dist.get_world_size()
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    batches = harness.make_batches(setup, device, dist.get_rank())
+    shards = {"miniddp": miniddp.fully_shard, "torch": torch_fully_shard}
+    trainers = {name: harness.Trainer(sharded(blocks_model(setup, device),
+                                              shards[name.split()[0]], device,
+                                              mesh if "HSDP" in name else None), batches)
+                for name in HSDP_RUNS}
+    times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
+                              label=f"hsdp 2x{world // 2}")
+    params = {name: list(t.model.parameters()) for name, t in trainers.items()}
+    equal = all(harness.bits_equal(local(a).detach(), local(b).detach())
+                for ours, theirs in (("miniddp HSDP", "torch HSDP"), ("torch HSDP again",
+                                                                      "torch HSDP"),
+                                     ("miniddp FSDP", "torch FSDP"))
+                for a, b in zip(params[ours], params[theirs]))
+    check(harness.max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0,
+          f"an HSDP or FSDP differs from torch's after training at 2 x {world // 2} ranks")
+    full = blocks_model(setup, torch.device("cpu"))
+    return {"model": {**harness.model_info(full), "widths": [*harness.WIDTHS[setup.size],
+                                                             harness.OUT_FEATURES]},
+            **harness.rank_facts(device), "world_size": world, "mesh": [2, world // 2],
+            "backend": setup.backend, "bit_identical": True,
+            "step": harness.summarize(times, baseline="torch HSDP"),
+            "memory_kind": "bytes at rest: parameter and gradient shards, optimizer state",
+            "memory_mib_per_rank": per_rank_mib({n: bytes_at_rest(t)
+                                                 for n, t in trainers.items()}, device)}
+
+
+def hsdp_report(run: dict) -> str:
+    step, memory = run["step"], run["memory_mib_per_rank"]
+    rows = [[name, round(step[name]["median_ms"], 2),
+             round(step[name]["ratio"], 3) if "ratio" in step[name] else 1.0,
+             ", ".join(f"{v:.2f}" for v in step[name].get("ratio_ci95", [1, 1])),
+             max(memory[name])] for name in HSDP_RUNS]
+    return harness.table(["", "step ms", "/ torch HSDP", "95% interval", "MiB/rank"], rows)
+
+
 def plot(result: dict, ax) -> None:
     runs = result["runs"]
     ws = [r["world_size"] for r in runs]
@@ -158,11 +221,33 @@ def report(result: dict) -> str:
                           "miniddp MiB/rank", "torch MiB/rank"], rows)
 
 
+def main_hsdp(args, base: harness.Setup) -> dict:
+    world_size = args.world_size or 4
+    setup = harness.Setup(**{**asdict(base), "world_size": world_size, "backend": "gloo",
+                             "launcher": "fork", "benchmark": "fsdp-hsdp"})
+    print0(f"== hsdp: {setup.device}, gloo, 2 x {world_size // 2} ranks")
+    run = launch(measure_hsdp, world_size, args=(setup,), backend="gloo", timeout=args.timeout,
+                 pg_timeout=120.0)[0]
+    env = {**harness.environment(), "load_average_after": list(os.getloadavg())}
+    result = {"benchmark": "fsdp-hsdp", "setup": asdict(setup), "device": setup.device,
+              "machine": env, "model": run["model"], "runs": [run]}
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"{setup.tag}.json"
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    print0(f"saved {path}\n{hsdp_report(run)}")
+    return result
+
+
 def main(argv=None) -> dict:
-    args = harness.parse_args(__doc__.splitlines()[0], argv, pairs=12)
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--hsdp", action="store_true")
+    known, rest = mode.parse_known_args(argv)
+    args = harness.parse_args(__doc__.splitlines()[0], rest, pairs=12)
     if torch_fully_shard is None:
         raise SystemExit("this torch has no FSDP2 (fully_shard) to compare with")
     base = harness.setups("fsdp", args)[0]
+    if known.hsdp:
+        return main_hsdp(args, base)
     gpus = torch.cuda.device_count() if base.device == "cuda" else 0
     if launched_by_torchrun():
         sizes = [int(os.environ["WORLD_SIZE"])]

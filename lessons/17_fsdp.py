@@ -90,14 +90,16 @@ def padded(piece: torch.Tensor, rows: int) -> torch.Tensor:
 class Unit:
     """One module's parameters, cut on dim 0: gathered, and reduce-scattered, in one collective."""
 
+    group = None  # the ranks that shard: every rank (lesson 18 shards inside a node)
+
     def __init__(self, module: nn.Module):
-        self.rank, self.world, self.module = dist.get_rank(), dist.get_world_size(), module
+        self.rank, self.world = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.names, self.shapes = zip(*[(n, p.shape) for n, p in module.named_parameters()])
         self.rows = [-(-s[0] // self.world) for s in self.shapes]  # every chunk padded to these
         self.sizes = [r * s[1:].numel() for r, s in zip(self.rows, self.shapes)]
         self.shards = [nn.Parameter(chunk(module._parameters.pop(n).detach(), self.world,
                                           self.rank).clone()) for n in self.names]
-        self.full, self.gathers = None, 0
+        self.module, self.full, self.gathers = module, None, 0
         module.forward = self.sharded(module.forward)
 
     def gather(self) -> list[torch.Tensor]:
@@ -105,7 +107,7 @@ class Unit:
         self.gathers += 1
         mine = torch.cat([padded(s.detach(), r) for s, r in zip(self.shards, self.rows)])
         out = mine.new_empty(self.world, mine.numel())
-        gather_into(out.view(-1), mine)
+        gather_into(out.view(-1), mine, group=self.group)
         parts = zip(*[row.split(self.sizes) for row in out])  # per parameter, per rank
         return [torch.cat(p).view(-1, *s[1:])[:s[0]] for p, s in zip(parts, self.shapes)]
 
@@ -122,7 +124,7 @@ class Unit:
         """This rank's shard of every gradient, summed over the ranks, then divided by W."""
         buffer = self.layout(grads)
         out = buffer.new_empty(buffer.numel() // self.world)
-        reduce_scatter_into(out, buffer)
+        reduce_scatter_into(out, buffer, group=self.group)
         return self.mine(out.div_(self.world))  # after the sum, as gloo's AVG does
 
     def sharded(self, forward):
@@ -334,16 +336,14 @@ def main():
     parser.add_argument("--nproc", type=int, default=3, help="ranks to fork (not under torchrun)")
     args = parser.parse_args()
     if torch_fully_shard is None:
-        return print(f"SKIPPED: lesson 17 needs torch's FSDP2 (fully_shard), {torch.__version__} "
-                     "has none")
+        return print(f"SKIPPED: lesson 17 needs torch's FSDP2, {torch.__version__} has none")
     memory = {} if launched_by_torchrun() else {  # measured first, shown in section 3
         w: launch(memory_per_rank, w, backend="gloo")[0] for w in MEMORY_WORLDS if w != args.nproc}
     result = launch(on_every_rank, args.nproc, args=(memory,), backend="gloo")[0]
     first, last = result["losses"]
     ok(f"on {result['world']} ranks FSDP by hand equals torch's fully_shard bit for bit (loss "
        f"{first:.3f} -> {last:.4f}); each broken detail differs from 3 ranks on; FSDP holds 1/W of "
-       "the bytes at "
-       f"{', '.join(map(str, result['memory']))} ranks")
+       f"the bytes at {', '.join(map(str, result['memory']))} ranks")
 
 
 if __name__ == "__main__":

@@ -60,6 +60,9 @@ class Case:
     model: str = "mlp"  # or "tokens": TokenNet
     checkpointed: bool = False  # activation checkpointing inside each block
     composable_checkpoint: bool = False  # torch's checkpoint(block) on each block
+    mesh: tuple[int, ...] | None = None  # (replicas, shards): HSDP; both on torch's DeviceMesh
+    hybrid_mesh: bool = False  # miniddp's on miniddp.fsdp.HybridMesh(replicas, shards) instead
+    skip_all_reduce: bool = False  # HSDP: the micro-batches but the last without all-reduce
 
     def __str__(self):
         return ", ".join(f"{k}={v}" for k, v in self.__dict__.items() if v != getattr(Case, k))
@@ -140,12 +143,22 @@ def shard_model(model, shard, policy, case, **mesh):
     return model
 
 
-def device_mesh(device: str):
-    """A 1-D mesh of every rank on ``device``: torch's default would be the GPU wherever there
-    is one, and move CPU parameters there."""
+def device_mesh(device: str, shape: tuple[int, ...] | None = None):
+    """A mesh of every rank on ``device`` (torch's default would be the GPU wherever there is
+    one, and move CPU parameters there): 1-D, or of ``shape`` (replicas, shards) for HSDP."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device, (dist.get_world_size(),))
+    if shape is None or len(shape) == 1:
+        return init_device_mesh(device, shape or (dist.get_world_size(),))
+    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def meshes(case):
+    """(miniddp's mesh, torch's mesh) for ``case``: the same DeviceMesh, or miniddp's own."""
+    theirs = device_mesh(case.device, case.mesh)
+    if case.mesh is None:
+        return None, theirs
+    return (miniddp.fsdp.HybridMesh(*case.mesh) if case.hybrid_mesh else theirs), theirs
 
 
 def make_optimizer(model, name):
@@ -187,9 +200,11 @@ def _train_beside_torch(case: Case) -> list[str]:
         for block in [*model.blocks, *reference.blocks]:
             checkpoint(block)
     dtypes = dict(param_dtype=DTYPES[case.param_dtype], reduce_dtype=DTYPES[case.reduce_dtype])
-    ours = shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(**dtypes), case)
+    our_mesh, their_mesh = meshes(case)
+    ours = shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(**dtypes), case,
+                       **({} if our_mesh is None else {"mesh": our_mesh}))
     theirs = shard_model(reference, torch_fully_shard, TorchPolicy(**dtypes), case,
-                         mesh=device_mesh(case.device))
+                         mesh=their_mesh)
     if case.frozen_after_sharding:
         ours.blocks[1].requires_grad_(False)
         theirs.blocks[1].requires_grad_(False)
@@ -200,8 +215,11 @@ def _train_beside_torch(case: Case) -> list[str]:
     for step in range(case.steps):
         for micro in range(case.micro_batches):
             last = micro == case.micro_batches - 1
-            ours.set_requires_gradient_sync(last or case.sync_micro_batches)
-            theirs.set_requires_gradient_sync(last or case.sync_micro_batches)
+            for model_ in (ours, theirs):
+                model_.set_requires_gradient_sync(last or case.sync_micro_batches
+                                                  or case.skip_all_reduce)
+                if case.skip_all_reduce:
+                    model_.set_requires_all_reduce(last)
             gen = torch.Generator().manual_seed(1000 * step + 10 * micro + rank)
             x, loss = batch_and_loss(case, gen)
             for model_ in (ours, theirs):
@@ -229,12 +247,12 @@ def _train_beside_torch(case: Case) -> list[str]:
 
 # ----- the details that decide the bits, broken one at a time (negative controls) -----
 
-def _scale_before_sum(buffer, group=None):
-    """DDP's arithmetic: every rank divides by W, then the sum."""
+def _scale_before_sum(buffer, mesh=collectives.EVERY_RANK, partial=None, all_reduce=True):
+    """DDP's arithmetic: every rank divides by W, then the sum (plain FSDP only)."""
     if buffer.dtype in (torch.float32, torch.bfloat16):
-        buffer.div_(dist.get_world_size(group))
-        return collectives.reduce_scatter_sum(buffer, group)
-    return _average(buffer, group)
+        buffer.div_(dist.get_world_size(mesh.shard_group))
+        return collectives.reduce_scatter_sum(buffer, mesh.shard_group), None
+    return _average(buffer, mesh, partial, all_reduce)
 
 
 def _avg_in_fp16(world_size):
@@ -255,7 +273,7 @@ def _flat_layout(self, with_grad):
     of each."""
     dtype = with_grad[0][0].reduce_dtype or with_grad[0][1].dtype
     summed = _all_reduce_mean(torch.cat([g.reshape(-1).to(dtype) for _, g in with_grad]),
-                              self.group)
+                              self.mesh.shard_group)
     shards, offset = [], 0
     for p, g in with_grad:
         full = summed[offset:offset + g.numel()].view(g.shape).to(p.orig_dtype)
@@ -273,7 +291,7 @@ def _no_padding(self, with_grad):
                               replace(p.spec, rank=r).rows))
               for r in range(world_size) for p, g in with_grad]
     summed = _all_reduce_mean(torch.cat([c.reshape(-1).to(dtype) for _, _, c in pieces]),
-                              self.group)
+                              self.mesh.shard_group)
     shards, offset = [], 0
     for r, p, chunk in pieces:
         if r == p.spec.rank:
@@ -283,7 +301,7 @@ def _no_padding(self, with_grad):
     return shards
 
 
-def _local_norms(local, order):
+def _local_norms(local, order, group=None):
     """Each rank's norm of its own rows only: every rank clips by its own factor."""
     return local.clone()
 
@@ -355,9 +373,31 @@ BREAKAGES = {
 
 
 @contextlib.contextmanager
+def shared_breakage(name: str):
+    """One of ``tests/breakage``'s breakages (those lessons' tests apply too), then undone."""
+    import sys
+    from pathlib import Path
+
+    here = str(Path(__file__).resolve().parent / "breakage")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import breakages
+
+    breakages.apply(name)
+    try:
+        yield
+    finally:
+        breakages.undo()
+
+
+@contextlib.contextmanager
 def broken(breakage: str | None):
     """miniddp with one of :data:`BREAKAGES` (one patch, or a list) patched in, for the time of
-    the block."""
+    the block; or, for a name of ``tests/breakage`` (HSDP's: ``hsdp_...``), that breakage."""
+    if breakage and breakage not in BREAKAGES:
+        with shared_breakage(breakage):
+            yield
+        return
     patches = BREAKAGES[breakage] if breakage else []
     patches = patches if isinstance(patches, list) else [patches]
     rights = [vars(owner)[name] for owner, name, _ in patches]
@@ -512,9 +552,9 @@ def _no_sync_facts() -> dict:
     counted = {"calls": 0}
     right = collectives.average
 
-    def counting(buffer, group=None):
+    def counting(*args, **kwargs):
         counted["calls"] += 1
-        return right(buffer, group)
+        return right(*args, **kwargs)
 
     collectives.average = counting
     try:
@@ -607,6 +647,15 @@ def test_the_benchmark_runs_checks_bits_and_saves_its_results(tmp_path, monkeypa
     assert len(run["memory_mib_per_rank"]["miniddp"]) == 3
     assert max(run["memory_mib_per_rank"]["miniddp"]) < whole / 2
     assert run["memory_mib_per_rank"]["miniddp"] == run["memory_mib_per_rank"]["torch"]
+    # HSDP on 2 x 2: bits checked, torch's timed twice (the A/A control), FSDP over 4 beside it
+    hsdp = benchmark.main(["--hsdp", "--quick", "--device", "cpu", "--pairs", "2", "--out",
+                           str(tmp_path)])["runs"][0]
+    assert '"bit_identical": true' in (tmp_path / "fsdp-hsdp-cpu-gloo-ws4.json").read_text()
+    assert hsdp["mesh"] == [2, 2] and hsdp["step"]["torch HSDP again"]["ratio"] > 0
+    memory = hsdp["memory_mib_per_rank"]
+    assert memory["miniddp HSDP"] == memory["torch HSDP"]
+    assert memory["miniddp FSDP"] == memory["torch FSDP"]
+    assert min(memory["torch HSDP"]) > max(memory["torch FSDP"])  # 1/2 of the state, not 1/4
 
 
 def _gathers_per_step(checkpointed: bool) -> int:

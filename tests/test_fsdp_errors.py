@@ -25,6 +25,10 @@ def _message(fn) -> str:
     return "no error"
 
 
+class _Mesh3D:
+    ndim = 3
+
+
 class Mixed(nn.Module):
     def __init__(self):
         super().__init__()
@@ -44,7 +48,9 @@ def _errors() -> dict[str, str]:
         "offload": _message(lambda: miniddp.fully_shard(
             nn.Linear(2, 2), offload_policy=offload() if offload else object())),
         "int_reshard": _message(lambda: miniddp.fully_shard(nn.Linear(2, 2),
-                                                            reshard_after_forward=2)),
+                                                            reshard_after_forward=3)),
+        "hybrid_mesh_too_big": _message(lambda: miniddp.fsdp.HybridMesh(replicas=3, shards=1)),
+        "mesh_3d": _message(lambda: miniddp.fully_shard(nn.Linear(2, 2), mesh=_Mesh3D())),
         "twice": _message(lambda: miniddp.fully_shard(sharded)),
         "list": _message(lambda: miniddp.fully_shard([nn.Linear(2, 2)])),
         "scalar": _message(lambda: miniddp.fully_shard(scalar)),
@@ -60,9 +66,11 @@ def _errors() -> dict[str, str]:
 
 
 EXPECTED = {
-    "mesh": ("NotImplementedError", "leave mesh=None"),
+    "mesh": ("NotImplementedError", "miniddp.fsdp.HybridMesh(replicas, shards)"),
+    "mesh_3d": ("NotImplementedError", "a 2-D one, replicate dim first"),
+    "hybrid_mesh_too_big": ("ValueError", "replicas x shards must be the world size"),
     "offload": ("NotImplementedError", "offload_policy=None"),
-    "int_reshard": ("NotImplementedError", "an int"),
+    "int_reshard": ("ValueError", "a factor of the shard group's 2 ranks"),
     "twice": ("ValueError", "apply it once"),
     "list": ("NotImplementedError", "one nn.Module"),
     "scalar": ("ValueError", "'s' is a 0-d scalar"),  # torch's type

@@ -92,6 +92,7 @@ class Run:
     zero_to_none: bool = True  # optimizer.zero_grad(set_to_none=...)
     two_forwards: bool = False  # two forwards, their losses summed, one backward
     seed: int = 0
+    mesh: tuple[int, int] | None = None  # (replicas, shards): HSDP, on torch's DeviceMesh
 
 
 class Block(nn.Module):
@@ -224,10 +225,11 @@ def shard(model: Net, impl: str, run: Run) -> Net:
     """``fully_shard`` bottom-up: inner units, blocks, the stem, then the root."""
     spec = model.spec
     if impl == "torch":
-        fully_shard, extra = torch_fully_shard, {"mesh": device_mesh("cpu")}
+        fully_shard, extra = torch_fully_shard, {"mesh": device_mesh("cpu", run.mesh)}
         policy_type = TorchPolicy
     else:
-        fully_shard, extra, policy_type = miniddp.fully_shard, {}, miniddp.MixedPrecisionPolicy
+        fully_shard, policy_type = miniddp.fully_shard, miniddp.MixedPrecisionPolicy
+        extra = {"mesh": device_mesh("cpu", run.mesh)} if run.mesh else {}
     policy = policy_type(param_dtype=DTYPES[run.param_dtype],
                          reduce_dtype=DTYPES[run.reduce_dtype])
     for block, b in zip(model.blocks, spec.blocks):

@@ -1,5 +1,9 @@
 """miniddp.fully_shard beside torch's FSDP2 on random models and training loops, bit for bit.
 
+On 2-D meshes too (HSDP): a few drawn runs at 2 x 2 in the fast tier, more at 2 x 2, 2 x 3 and
+3 x 2 in the slow one, and a negative control the fixed 2 x 2 runs must find (slow: about 10
+examples find it).
+
 hypothesis draws what users build (``test_fsdp_models``' descriptions): widths 1 to 23 (many
 cut unevenly, or not at all on some rank, at 3 ranks), 1 to 5 blocks, some or all of them units,
 units nested in units, frozen layers, tied embeddings, parameters of the root's own, dropout,
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, Phase, find, given, settings
@@ -132,11 +137,37 @@ def test_control_torch_beside_itself_is_bit_for_bit(ranks, run):
     check_identical(ranks(3).run(compare, run, second="torch", timeout=120), [run])
 
 
-def _found_by_random_runs(ranks, breakage: str, examples: int) -> Run:
+def on_mesh(shape: tuple[int, int]):
+    """The runs of :func:`runs`, on a 2-D mesh (HSDP) of ``shape`` (replicas, shards)."""
+    return runs().map(lambda run: replace(run, mesh=shape))
+
+
+@needs_torch_fsdp2
+@_fixed(2)
+@given(run=on_mesh((2, 2)))
+def test_random_models_train_bit_for_bit_as_torch_on_a_2x2_mesh(ranks, run):
+    check_identical(ranks(4).run(compare, run, timeout=120), [run])
+
+
+@needs_torch_fsdp2
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
+@settings(max_examples=2, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(data=st.data())
+def test_more_random_models_on_meshes_train_bit_for_bit_as_torch(ranks, shape, data):
+    run = data.draw(on_mesh(shape))
+    check_identical(ranks(shape[0] * shape[1]).run(compare, run, timeout=120), [run])
+
+
+def _found_by_random_runs(ranks, breakage: str, examples: int, shape=None) -> Run:
     """The first run hypothesis draws (fixed seed) that tells miniddp, broken so, from torch's
-    FSDP2 at 3 ranks, not shrunk; NoSuchExample if none of ``examples`` does."""
-    return find(runs(), lambda run: any(ranks(3).run(compare, run, breakage=breakage,
-                                                     timeout=120)),
+    FSDP2 at 3 ranks (or on a mesh of ``shape``), not shrunk; NoSuchExample if none of
+    ``examples`` does."""
+    world = shape[0] * shape[1] if shape else 3
+    return find(on_mesh(shape) if shape else runs(),
+                lambda run: any(ranks(world).run(compare, run, breakage=breakage,
+                                                 timeout=120)),
                 settings=settings(max_examples=examples, derandomize=True, database=None,
                                   deadline=None, phases=[Phase.generate],
                                   suppress_health_check=list(HealthCheck)))
@@ -156,3 +187,10 @@ def test_random_runs_find_a_broken_mechanism(ranks, breakage):
     backward overwriting the shard's grad. (The parameter order, broken, takes the random runs
     about 60 examples to find: ``test_fsdp_models`` checks it on its minimal model.)"""
     _found_by_random_runs(ranks, breakage, examples=60)
+
+
+@needs_torch_fsdp2
+@pytest.mark.slow
+def test_random_runs_on_a_2x2_mesh_find_the_groups_in_the_other_order(ranks):
+    """Negative control: HSDP all-reducing across the replicas first, then reduce-scattering."""
+    _found_by_random_runs(ranks, "hsdp_replicas_first", examples=12, shape=(2, 2))

@@ -16,7 +16,7 @@ from warm_python import warm_python
 GRADE = LESSONS_DIR / "grade.py"
 SOLUTIONS = LESSONS_DIR / "exercises" / "solutions"
 NUMBERS = ["03", "04", "05", "06", "07", "15"] + ([] if "17_fsdp" in CANNOT_RUN_HERE
-                                                  else ["17", "17b"])
+                                                  else ["17", "17b", "18"])
 
 
 GRADER_WARM = ("grade", "torch._dynamo")  # the grader's own imports, with its settings

@@ -7,7 +7,7 @@ DistributedDataParallel or DistributedSampler, and says which check failed and w
 expected. Where torch's bits cannot be expected, the check says why and what it asks instead.
 
     python lessons/grade.py                # grade your exercises as they stand
-    python lessons/grade.py 06             # grade one (03 04 05 06 07 15 17 17b)
+    python lessons/grade.py 06             # grade one (03 04 05 06 07 15 17 17b 18)
     python lessons/grade.py --hint 06      # if you are stuck: the idea behind one
     python lessons/grade.py --hint 06 --step 2   # then the shape of its code; --step 3 the lines
     python lessons/grade.py --dir D        # grade the files NN_*.py of directory D
@@ -35,6 +35,7 @@ from course.grader import checks, hints  # noqa: E402
 from course.grader.buckets import grade_05  # noqa: E402
 from course.grader.fsdp import fully_shard, grade_17  # noqa: E402
 from course.grader.fsdp_unit import grade_17b  # noqa: E402
+from course.grader.hsdp import grade_18  # noqa: E402
 from course.grader.no_sync import grade_07  # noqa: E402
 from course.grader.reducer import grade_06  # noqa: E402
 from course.grader.sampler import grade_04  # noqa: E402
@@ -45,7 +46,7 @@ EXERCISES = Path(__file__).resolve().parents[2] / "lessons" / "exercises"
 GRADERS = {"03": checks.grade_03, "04": grade_04, "05": grade_05, "06": grade_06,
            "07": grade_07, "15": grade_15}
 if fully_shard is not None:  # exercise 17 is graded against torch's FSDP2 (torch >= 2.4)
-    GRADERS.update({"17": grade_17, "17b": grade_17b})
+    GRADERS.update({"17": grade_17, "17b": grade_17b, "18": grade_18})
 
 # Each exercise's hint in steps: the idea, the shape of the code, its lines (hints.py)
 HINTS = hints.HINTS

@@ -145,6 +145,37 @@ reduce_scatter_gradients:
     shards = [chunk(g, world_size, rank) for g in grads]
     return [part[:s.numel()].view_as(s).to(g.dtype)
             for part, s, g in zip(out.split(sizes), shards, grads)]"""),
+    "18": (
+        "Two sums, each in its own group, each averaged where it is made: inside the node a "
+        "reduce-scatter of exercise 17's buffer leaves each rank its row summed over the node's "
+        "S ranks (divide by S); across nodes an all-reduce of that row alone sums the R "
+        "replicas' rows (divide by R). fp16 is split as in exercise 17, but of every rank's count "
+        "S x R: a power of two before the first sum, the rest after the second.",
+        "divisions: (1, S, R) unless the reduction is in fp16; there, exercise 17's loop on "
+        "W = S x R gives (before, 1, W / before). reduce_gradients: the shard group's size and "
+        "this rank's place in it; the layout over it, cast, divided; reduce_scatter into one "
+        "row's length in shard_group; divide; all_reduce the row in replicate_group; divide; "
+        "shards_of.",
+        """divisions:
+    if reduce_dtype != torch.float16:
+        return 1, shard_size, replicate_size
+    world = shard_size * replicate_size
+    before = 1
+    while world % before == 0 and world / before > before:
+        before *= 2
+    return before, 1, world / before
+reduce_gradients:
+    world, rank = dist.get_world_size(shard_group), dist.get_rank(shard_group)
+    before, after_scatter, after_all_reduce = divisions(
+        world, dist.get_world_size(replicate_group), reduce_dtype)
+    buffer = layout(grads, world).to(reduce_dtype)
+    buffer.div_(before)
+    out = buffer.new_empty(buffer.numel() // world)
+    reduce_scatter(out, buffer, shard_group)
+    out.div_(after_scatter)
+    all_reduce(out, replicate_group)
+    out.div_(after_all_reduce)
+    return shards_of(out, grads, world, rank)"""),
     "17b": (
         "A unit's full parameters exist only while its forward or its backward runs: gathered just"
         " before, freed just after, except where torch keeps them: the root (the backward needs it"

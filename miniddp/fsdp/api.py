@@ -1,4 +1,5 @@
-"""``fully_shard`` and ``MixedPrecisionPolicy``: torch FSDP2's call shape, over the default group.
+"""``fully_shard`` and ``MixedPrecisionPolicy``: torch FSDP2's call shape, over the default group
+or a mesh (HSDP: sharded within groups of ranks, replicated across them; see ``mesh``).
 
 Used as torch's is: apply it to each block, bottom-up, then to the root; build the optimizer
 afterwards (it must see the sharded parameters)::
@@ -24,6 +25,7 @@ import torch
 from torch import nn
 
 from miniddp.fsdp import init
+from miniddp.fsdp.mesh import mesh_info
 from miniddp.fsdp.param import FSDPParam
 from miniddp.fsdp.param_group import ParamGroup
 from miniddp.fsdp.shard import ShardedParameter, count_as_plain_tensors_for_foreach
@@ -64,10 +66,21 @@ class FSDPModule:
                                    recurse: bool = True) -> None:
         """``False``: backward accumulates full gradients on each rank, with no communication
         (gradient accumulation over micro-batches); the next backward with ``True`` reduces the
-        sum. Costs the memory of unsharded gradients meanwhile."""
+        sum. Costs the memory of unsharded gradients meanwhile. Under HSDP it sets
+        :meth:`set_requires_all_reduce` too, as torch's does."""
         for state in _states(self, recurse):
             if state.group is not None:
                 state.group.requires_gradient_sync = requires_gradient_sync
+                state.group.requires_all_reduce = requires_gradient_sync
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP: ``False`` reduce-scatters each backward's gradients inside the shard group but
+        skips the all-reduce across the replicas (the slow links): the reduce-scattered rows add
+        up, in the reduce dtype, and the next backward with ``True`` all-reduces the sum. Costs
+        a shard's memory, not a whole gradient's; ``.grad`` stays as it was meanwhile."""
+        for state in _states(self, recurse):
+            if state.group is not None:
+                state.group.requires_all_reduce = requires_all_reduce
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, *,
                                   recurse: bool = True) -> None:
@@ -122,26 +135,31 @@ def _fsdp_class(cls: type) -> type:
     return _FSDP_CLASSES[cls]
 
 
-def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | None = None,
+def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | int | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(), offload_policy=None,
                 ignored_params: set[nn.Parameter] | None = None) -> nn.Module:
-    """Shard ``module``'s parameters (those no inner call claimed) across the default group, as
-    one unit: gathered before its forward, freed after it when ``reshard_after_forward`` (ZeRO-3;
-    ``False`` is ZeRO-2, torch's SHARD_GRAD_OP; ``None``, the default, is ``True`` except on the
-    root), gathered again for its backward, and its gradients reduce-scattered in one collective.
+    """Shard ``module``'s parameters (those no inner call claimed) as one unit: gathered before
+    its forward, freed after it when ``reshard_after_forward`` (ZeRO-3; ``False`` is ZeRO-2,
+    torch's SHARD_GRAD_OP; ``None``, the default, is ``True`` except on the root), gathered
+    again for its backward, and its gradients reduce-scattered in one collective.
     Returns ``module``, whose class becomes ``FSDP<Class>`` (see :class:`FSDPModule`).
 
+    ``mesh``: ``None`` shards over every rank; a 1-D ``DeviceMesh`` over its ranks; a 2-D one
+    (replicate dim first) or a :class:`~miniddp.fsdp.mesh.HybridMesh` is HSDP: sharded over each
+    shard group, its gradients all-reduced across the replicate group after the reduce-scatter.
     ``ignored_params`` are left alone: not sharded, not gathered, their gradients not reduced."""
-    init.check_arguments(module, mesh, reshard_after_forward, offload_policy)
+    init.check_arguments(module, offload_policy)
+    mesh = mesh_info(mesh)
+    reshard_after_forward = init.reshard_choice(reshard_after_forward, mesh)
     count_as_plain_tensors_for_foreach()
     ignored = {id(p) for p in ignored_params or ()}
     holders = init.owners(module)
     params = [FSDPParam(param, holders[id(param)], name, mp_policy.param_dtype,
-                        mp_policy.reduce_dtype)
+                        mp_policy.reduce_dtype, mesh)
               for param, name in init.managed_params(module, ignored)]
     group = None
     if params:
-        group = ParamGroup(params, reshard_after_forward is not False)
+        group = ParamGroup(params, reshard_after_forward is not False, mesh)
         for p in params:
             p.register(p.sharded)
     module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward is None)

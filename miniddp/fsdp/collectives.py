@@ -1,6 +1,6 @@
-"""FSDP's two collectives (torch's ``_fsdp_collectives``): a unit's shards gathered in one
-all-gather, its gradients laid out for one reduce-scatter, and the divide factors that decide
-the bits.
+"""FSDP's collectives (torch's ``_fsdp_collectives``): a unit's shards gathered in one
+all-gather, its gradients laid out for one reduce-scatter (and, under HSDP, all-reduced across
+the replicas), and the divide factors that decide the bits.
 
 torch 2.13 names them ``all_gather_single`` and ``reduce_scatter_single`` (the older
 ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` warn there); torch before 2.13 lacks the
@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+
+from miniddp.fsdp.mesh import EVERY_RANK, MeshInfo
 
 
 def _is_gloo(group) -> bool:
@@ -49,14 +51,14 @@ def reduce_scatter_mean(buffer: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def reduce_scatter_sum(buffer: torch.Tensor, group=None) -> torch.Tensor:
-    """Rank r's row of the sum of every rank's ``buffer`` (``W`` rows, rank-major)."""
+    """Rank r's row of the sum of every rank's ``buffer`` (``W`` rows, rank-major). On gloo the
+    sum is made in ``buffer`` itself (the caller's scratch), and this rank's row copied out."""
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     if world_size == 1:
         return buffer[0].clone()
     if _is_gloo(group):
-        whole = buffer.clone()
-        dist.all_reduce(whole, op=dist.ReduceOp.SUM, group=group)
-        return whole[rank].clone()
+        dist.all_reduce(buffer, op=dist.ReduceOp.SUM, group=group)
+        return buffer[rank].clone()
     output = buffer.new_empty(buffer.shape[1:])
     _reduce_scatter(output, buffer, dist.ReduceOp.SUM, group)
     return output
@@ -81,18 +83,50 @@ def fp16_divide_factors(world_size: int) -> tuple[float, float]:
     return pre, world_size / pre
 
 
-def average(buffer: torch.Tensor, group=None) -> torch.Tensor:
-    """This rank's row of the average of every rank's ``buffer``, with torch FSDP2's arithmetic
-    for ``buffer``'s dtype: AVG for fp32 and bf16, the pre/post split for anything else."""
-    if buffer.dtype in (torch.float32, torch.bfloat16):
-        return reduce_scatter_mean(buffer, group)
-    pre, post = fp16_divide_factors(dist.get_world_size(group))
+def all_reduce_mean(tensor: torch.Tensor, group) -> None:
+    """``tensor`` becomes the average of every rank's in ``group``: summed, then divided (gloo's
+    ``ReduceOp.AVG``, measured bit for bit; NCCL's AVG is its own)."""
+    if _is_gloo(group):
+        dist.all_reduce(tensor, group=group)
+        tensor.div_(dist.get_world_size(group))
+    else:
+        dist.all_reduce(tensor, op=dist.ReduceOp.AVG, group=group)
+
+
+def average(buffer: torch.Tensor, mesh: MeshInfo = EVERY_RANK, partial=None,
+            all_reduce: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """This rank's row of the average of every rank's ``buffer`` (``W`` rows, rank-major), with
+    torch FSDP2's arithmetic for its dtype and in its order (``foreach_reduce``):
+
+    1. fp16 (anything but fp32 and bf16): divide by ``pre``, a power of two near the square
+       root of every rank's count, so that the sums stay in fp16's range;
+    2. reduce-scatter over the shard group: fp32 and bf16 averaged there (``AVG``), fp16 summed;
+    3. HSDP: add the sum kept from micro-batches without all-reduce (``partial``), then
+       all-reduce across the replicate group, averaged again for fp32 and bf16, summed for fp16.
+       Without ``all_reduce`` (torch's ``set_requires_all_reduce(False)``), stop here: the row
+       is added into ``partial``, and returned as the second value, to keep;
+    4. fp16: divide by ``post``, the rest of the count.
+
+    So an fp32 gradient is divided by the shard group's size, then by the replicate group's, each
+    after its sum: not once by the count of all the ranks. Returns ``(row, None)``, or
+    ``(None, partial)`` without all-reduce."""
+    averaged = buffer.dtype in (torch.float32, torch.bfloat16)
+    pre, post = (1, 1) if averaged else fp16_divide_factors(mesh.data_parallel_size)
     if pre != 1:
         buffer.div_(pre)
-    output = reduce_scatter_sum(buffer, group)
+    output = (reduce_scatter_mean if averaged else reduce_scatter_sum)(buffer, mesh.shard_group)
+    if mesh.replicate_group is not None:
+        if not all_reduce:
+            return None, output if partial is None else partial.add_(output)
+        if partial is not None:
+            output += partial
+        if averaged:
+            all_reduce_mean(output, mesh.replicate_group)
+        else:
+            dist.all_reduce(output, group=mesh.replicate_group)
     if post != 1:
         output.div_(post)
-    return output
+    return output, None
 
 
 def all_gather_params(params, group=None) -> torch.Tensor:
@@ -115,14 +149,26 @@ def copy_out(params, gathered: torch.Tensor) -> None:
     offset = 0
     with torch.no_grad():
         for p in params:
-            numel = p.padded.numel()
-            rows = by_rank[:, offset:offset + numel].reshape(
-                world_size * p.spec.chunk_rows, *p.spec.full_shape[1:])
             p.allocate()
             # through .data: autograd must not count the refill as an in-place edit of a tensor
             # it saved in forward
-            p.unsharded.data.copy_(rows[: p.spec.full_shape[0]])
-            offset += numel
+            _copy_chunks(by_rank[:, offset:offset + p.padded.numel()], p.unsharded.data, p.spec)
+            offset += p.padded.numel()
+
+
+def _copy_chunks(chunks: torch.Tensor, full: torch.Tensor, spec) -> None:
+    """``full``'s rows from ``chunks`` (one padded chunk per rank, a strided view), each copied
+    once: the ranks whose chunk is whole in one copy, the one cut short (if any) in another."""
+    rows, chunk_rows = spec.full_shape[0], spec.chunk_rows
+    if full.numel() == 0:
+        return
+    whole, left = divmod(rows, chunk_rows)
+    flat = full.view(rows, -1)
+    if whole:
+        flat[: whole * chunk_rows].view(whole, -1).copy_(chunks[:whole])
+    if left:
+        flat[whole * chunk_rows:].view(1, -1).copy_(chunks[whole:whole + 1, : flat[0].numel()
+                                                           * left])
 
 
 def chunk_cat(with_grad) -> torch.Tensor:

@@ -11,16 +11,18 @@ its own; each module contributes the parameters it holds itself. So a root's own
 
 from __future__ import annotations
 
-import torch
+import warnings
+
 import torch.distributed as dist
 from torch import nn
 
+from miniddp.fsdp.mesh import MeshInfo
 from miniddp.fsdp.shard import ShardedParameter
 
 
-def check_arguments(module, mesh, reshard_after_forward, offload_policy) -> None:
+def check_arguments(module, offload_policy) -> None:
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("miniddp.fully_shard shards over the default process group: call "
+        raise RuntimeError("miniddp.fully_shard shards over process groups: call "
                            "torch.distributed.init_process_group first.")
     if not isinstance(module, nn.Module):
         raise NotImplementedError(
@@ -29,27 +31,39 @@ def check_arguments(module, mesh, reshard_after_forward, offload_policy) -> None
     if hasattr(module, "_fsdp_state"):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}: "
                          "apply it once per module.")
-    if mesh is not None and not _is_the_whole_world(mesh):
-        raise NotImplementedError(
-            f"miniddp.fully_shard shards over the default process group only, not over {mesh}: "
-            "leave mesh=None, or pass a 1-D mesh of every rank in order (2-D meshes, HSDP, and "
-            "subgroups are not supported).")
-    if not (reshard_after_forward is None or isinstance(reshard_after_forward, bool)):
-        raise NotImplementedError(
-            f"reshard_after_forward={reshard_after_forward!r}: miniddp supports True (ZeRO-3), "
-            "False (ZeRO-2) or None; resharding to a smaller group after forward (an int) is "
-            "not supported.")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         raise NotImplementedError(
             f"offload_policy={offload_policy!r}: miniddp does not offload parameters to the "
             "CPU. Leave offload_policy=None.")
 
 
-def _is_the_whole_world(mesh) -> bool:
-    """A 1-D device mesh of ranks 0..W-1: the default group, which is torch's default mesh."""
-    ranks = getattr(mesh, "mesh", None)
-    return (getattr(mesh, "ndim", None) == 1 and isinstance(ranks, torch.Tensor)
-            and ranks.tolist() == list(range(dist.get_world_size())))
+def reshard_choice(reshard_after_forward, mesh: MeshInfo) -> bool | None:
+    """torch's reading of ``reshard_after_forward``: ``None`` and booleans as they are; an int
+    is the size of a smaller group to reshard to after forward, a divisor of the shard group's
+    size: 1 means ``False`` (kept whole, torch warns so) and the whole size ``True``. Resharding
+    to a group in between is torch's only; miniddp says what to use instead."""
+    if reshard_after_forward is None or isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    size = mesh.shard_size
+    if (not isinstance(reshard_after_forward, int) or not 1 <= reshard_after_forward <= size
+            or size % reshard_after_forward):
+        raise ValueError(f"reshard_after_forward={reshard_after_forward!r}: as an int, it is the "
+                         f"size of the group to reshard to after forward, a factor of the shard "
+                         f"group's {size} ranks (or a bool).")
+    if reshard_after_forward == 1:
+        warnings.warn("reshard_after_forward=1 (int) reshards the parameters to 1 rank after "
+                      "forward: they stay gathered, as with reshard_after_forward=False (bool).",
+                      stacklevel=3)
+        return False
+    if reshard_after_forward == size:
+        return True
+    raise NotImplementedError(
+        f"reshard_after_forward={reshard_after_forward}: miniddp does not reshard to a group of "
+        f"{reshard_after_forward} of the shard group's {size} ranks after forward (torch's "
+        "FSDP2 does). Use True (reshard over all of them: the same bits, its backward gathers "
+        f"from {size} ranks instead of {reshard_after_forward}) or False (keep the parameters "
+        "gathered until backward, ZeRO-2), or a 2-D mesh whose shard dim has "
+        f"{reshard_after_forward} ranks (HSDP: gathers stay inside that group).")
 
 
 def managed_modules(root: nn.Module) -> list[nn.Module]:

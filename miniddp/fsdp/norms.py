@@ -62,6 +62,7 @@ class PartialNorm(torch.Tensor):
     first. ``repr`` shows this rank's value without a collective."""
 
     _order: float
+    _group: object  # the shard group the norm's rows were cut over (None: the default group)
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -73,7 +74,8 @@ class PartialNorm(torch.Tensor):
         if pending:
             with torch._C.DisableTorchFunctionSubclass():
                 result = func(*args, **kwargs)
-            return partial(result, _first_partial(args)._order)
+            first = _first_partial(args)
+            return partial(result, first._order, first._group)
         if func is torch.Tensor.__repr__:
             return f"PartialNorm({args[0].as_subclass(torch.Tensor)!r}, ord={args[0]._order})"
         args, kwargs = tree_map(_reduced, (args, kwargs))
@@ -84,10 +86,10 @@ _METADATA = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.numel, torch.Tens
              torch.Tensor.is_floating_point}
 
 
-def partial(local: torch.Tensor, order: float) -> PartialNorm:
+def partial(local: torch.Tensor, order: float, group=None) -> PartialNorm:
     with torch._C.DisableTorchFunctionSubclass():
         tensor = local.as_subclass(PartialNorm)
-    tensor._order = order
+    tensor._order, tensor._group = order, group
     return tensor
 
 
@@ -97,7 +99,7 @@ def _first_partial(args) -> PartialNorm:
 
 def _one_order(tensors) -> bool:
     return (all(isinstance(t, PartialNorm) for t in tensors)
-            and len({t._order for t in tensors}) == 1)
+            and len({(t._order, id(t._group)) for t in tensors}) == 1)
 
 
 def _reduced(x):
@@ -105,7 +107,7 @@ def _reduced(x):
         return x
     with torch._C.DisableTorchFunctionSubclass():
         local = x.as_subclass(torch.Tensor)
-        return reduce_over_ranks(local, x._order).as_subclass(WholeNorm)
+        return reduce_over_ranks(local, x._order, x._group).as_subclass(WholeNorm)
 
 
 def partial_norms(func, args, kwargs, sharded_type):
@@ -117,7 +119,7 @@ def partial_norms(func, args, kwargs, sharded_type):
     _refuse_an_empty_shards_infinity_norm(tensors, order, sharded_type)
     result = func(*args, **kwargs)
     norms = [result] if func is torch.linalg.vector_norm else list(result)
-    norms = [partial(n, order) if isinstance(t, sharded_type) else n
+    norms = [partial(n, order, t._spec.group) if isinstance(t, sharded_type) else n
              for t, n in zip(tensors, norms)]
     return norms[0] if func is torch.linalg.vector_norm else norms
 
@@ -142,17 +144,19 @@ def _refuse_an_empty_shards_infinity_norm(tensors: list, order: float, sharded_t
                 "holds rows of it.")
 
 
-def reduce_over_ranks(local: torch.Tensor, order: float) -> torch.Tensor:
+def reduce_over_ranks(local: torch.Tensor, order: float, group=None) -> torch.Tensor:
     """The norms over every rank's rows, from each rank's own (``local``, any shape): the largest
     for the inf-norm, else the p-th root of the all-reduced sum of p-th powers (for p = 0 and 1,
-    the plain sum), as a DTensor's partial norm is reduced."""
+    the plain sum), as a DTensor's partial norm is reduced. Over the shard ``group`` only: under
+    HSDP every replica holds the same rows (a DTensor's replicate dim needs no reduction)."""
     whole = local.clone()
     if order in (math.inf, -math.inf):
-        dist.all_reduce(whole, op=dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN)
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX if order > 0 else dist.ReduceOp.MIN,
+                        group=group)
     elif order in (0.0, 1.0):
-        dist.all_reduce(whole)
+        dist.all_reduce(whole, group=group)
     else:
         whole = whole ** order
-        dist.all_reduce(whole)
+        dist.all_reduce(whole, group=group)
         whole = whole ** (1.0 / order)
     return whole

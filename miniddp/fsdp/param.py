@@ -14,7 +14,8 @@ import itertools
 import torch
 from torch import nn
 
-from miniddp.fsdp.shard import ShardedParameter, ShardedTensor, ShardSpec, padded_shard, world
+from miniddp.fsdp.mesh import EVERY_RANK, MeshInfo
+from miniddp.fsdp.shard import ShardedParameter, ShardedTensor, ShardSpec, padded_shard
 
 _uids = itertools.count()
 
@@ -31,10 +32,9 @@ class FSDPParam:
     """One parameter of a unit, in its three forms."""
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], fqn: str,
-                 param_dtype, reduce_dtype):
-        world_size, rank = world()
+                 param_dtype, reduce_dtype, mesh: MeshInfo = EVERY_RANK):
         self.owners, self.fqn, self.uid = owners, fqn, original_uid(param)
-        self.spec = ShardSpec(param.shape, world_size, rank)
+        self.spec = ShardSpec(param.shape, mesh.shard_size, mesh.shard_rank, mesh.shard_group)
         self.orig_dtype = param.dtype
         # torch's clamps: a cast to the dtype one already has is no cast
         if reduce_dtype == param_dtype:

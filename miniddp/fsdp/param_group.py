@@ -15,16 +15,20 @@ gather for backward):
    leaves it saved, and their memory comes back at the next gather);
 4. :meth:`ParamGroup.pre_backward` (the first gradient to reach the unit's output): gather again;
 5. :meth:`ParamGroup.post_backward`: one rank-major buffer, row r holding chunk r of every
-   gradient padded to its chunk size, averaged with torch's factors (``collectives.average``);
+   gradient padded to its chunk size, averaged with torch's factors (``collectives.average``:
+   reduce-scattered over the shard group and, under HSDP, all-reduced across the replicas);
    row r of the result, cut back into parameters and cast to the parameters' dtype, becomes (or
-   is added to) each shard's ``.grad``. Without sync the gradients are kept instead. A unit
-   whose inputs need no gradient (an embedding fed token ids) or that autograd never reached is
-   finished at the end of the backward (``state``).
+   is added to) each shard's ``.grad``. Without sync the gradients are kept instead; under HSDP
+   without all-reduce, the reduce-scattered row is (``partial``). A unit whose inputs need no
+   gradient (an embedding fed token ids) or that autograd never reached is finished at the end
+   of the backward (``state``).
 
-Each step is named in profiler traces as torch names it (``FSDP::pre_forward``, ...). Selective
-activation checkpointing counts those calls among a region's operations and refuses a
-recomputation that makes more of them than the forward did, so they are made where torch makes
-them: miniddp then trains where torch's FSDP2 does and refuses where it refuses.
+Each step is named in profiler traces as torch names it (``FSDP::pre_forward``, ...), and while
+a profiler records, with the unit and the bytes it moves after it (``FSDP::all_gather (unit
+blocks.1, 4096 bytes)``). Selective activation checkpointing counts those calls among a
+region's operations and refuses a recomputation that makes more of them than the forward did,
+so they are made where torch makes them, profiled or not: miniddp then trains where torch's
+FSDP2 does and refuses where it refuses.
 
 A unit called twice in a forward gets two post-backwards, each reducing what has arrived by then,
 as torch's does. The buffer layout and the averaging decide the bits, so both follow torch FSDP2
@@ -40,6 +44,8 @@ import torch
 from torch.profiler import record_function
 
 from miniddp.fsdp import collectives, tree
+from miniddp.fsdp.context import StateContext
+from miniddp.fsdp.mesh import EVERY_RANK, MeshInfo
 from miniddp.fsdp.param import FSDPParam
 
 
@@ -60,42 +66,65 @@ def in_backward() -> bool:
 class ParamGroup:
     """The parameters of one ``fully_shard`` call, and the state of their memory."""
 
-    def __init__(self, params: list[FSDPParam], reshard_after_forward: bool, group=None):
+    def __init__(self, params: list[FSDPParam], reshard_after_forward: bool,
+                 mesh: MeshInfo = EVERY_RANK):
         if len({(p.orig_dtype, p.compute_dtype) for p in params}) > 1:
             names = ", ".join(f"{p.fqn} ({p.orig_dtype})" for p in params)
             raise NotImplementedError(
                 f"miniddp.fully_shard gathers one module's parameters in one buffer, so they "
                 f"must share a dtype; these do not: {names}. Apply fully_shard to the "
                 "submodules separately or cast the module first.")
-        self.params, self.group = params, group
+        self.params, self.mesh = params, mesh
         self.reshard_after_forward = reshard_after_forward
         self.reshard_after_backward = True
         self.requires_gradient_sync = True
+        self.requires_all_reduce = True  # HSDP: all-reduce across the replicas after the sum
+        self.partial: torch.Tensor | None = None  # HSDP: reduce-scattered, not yet all-reduced
         self.is_unsharded = False
         self.gathered: torch.Tensor | None = None  # all-gathered, not yet copied out
         self.training_state = TrainingState.IDLE
-        #: Every unit's post-forwards in this forward, in order (the list is the root's, shared
-        #: by all its units from the first forward on), and where this unit's calls sit in it
-        self.post_forward_order: list[ParamGroup] = []
+        #: Shared by every unit under the root from its first forward on (``state``): the order
+        #: of this forward's post-forwards, whether a profiler records. Where this unit's calls
+        #: sit in that order:
+        self.ctx = StateContext()
         self.post_forward_indices: list[int] = []
+        self.fqn = ""  # the unit's module, named from the root (at the root's first forward)
+
+    def span(self, step: str, nbytes: int | None = None):
+        """torch's name for ``step`` (``FSDP::all_gather``), followed while a profiler records
+        by this unit's name and the bytes it moves. Always a ``record_function``, as torch
+        makes one: selective checkpointing counts them."""
+        if not self.ctx.profiling:
+            return record_function(f"FSDP::{step}")
+        unit = f"unit {self.fqn}" if self.fqn else "root unit"
+        return record_function(f"FSDP::{step} ({unit}"
+                               + (f", {nbytes} bytes)" if nbytes is not None else ")"))
+
+    def gathered_bytes(self) -> int:
+        """The bytes of this unit's all-gather: every rank's padded shards, in the compute
+        dtype (as many as its reduce-scatter takes in, in the reduce dtype)."""
+        p = self.params[0]
+        return (p.spec.world_size * sum(q.padded.numel() for q in self.params)
+                * p.unsharded.element_size())
 
     def unshard(self) -> None:
         """All-gather the shards; :meth:`wait_for_unshard` copies them out (a prefetch stops
         between the two, as torch's does)."""
         if self.is_unsharded or self.gathered is not None:
             return
-        if self.params[0].spec.world_size == 1:
-            self.gathered = collectives.all_gather_params(self.params)
+        if self.params[0].spec.world_size == 1:  # (a shard group of one: nothing to name)
+            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
             return
-        with record_function("FSDP::all_gather"):
-            self.gathered = collectives.all_gather_params(self.params, self.group)
+        with self.span("all_gather", self.ctx.profiling and self.gathered_bytes()):
+            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
 
     def wait_for_unshard(self) -> None:
         """The gathered rows into the unsharded parameters, which the modules now hold."""
         if self.gathered is None:
             return
         gathered, self.gathered = self.gathered, None
-        with (record_function("FSDP::all_gather_copy_out")
+        with (self.span("all_gather_copy_out", self.ctx.profiling and gathered.numel()
+                        * gathered.element_size())
               if self.params[0].spec.world_size > 1 else contextlib.nullcontext()):
             collectives.copy_out(self.params, gathered)
         for p in self.params:
@@ -115,24 +144,24 @@ class ParamGroup:
     # ----- the hooks' work -----
 
     def pre_forward(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        with record_function("FSDP::pre_forward"):
+        with self.span("pre_forward"):
             self.training_state = TrainingState.FORWARD
             self.unshard()
             self.wait_for_unshard()
             return self._call_post_backward_from_inputs(args, kwargs)
 
     def post_forward(self) -> None:
-        with record_function("FSDP::post_forward"):
+        with self.span("post_forward"):
             if not in_backward():  # a recomputation's backward still needs the parameters
                 self.reshard()
-                self.post_forward_indices.append(len(self.post_forward_order))
-                self.post_forward_order.append(self)
+                self.post_forward_indices.append(len(self.ctx.post_forward_order))
+                self.ctx.post_forward_order.append(self)
             self.training_state = TrainingState.IDLE
 
     def pre_backward(self) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
-        with record_function("FSDP::pre_backward"):
+        with self.span("pre_backward"):
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
             self.wait_for_unshard()
@@ -146,8 +175,8 @@ class ParamGroup:
             return
         index = self.post_forward_indices.pop()
         if index > 0:
-            target = self.post_forward_order[index - 1]
-            with record_function("FSDP::backward_prefetch"):
+            target = self.ctx.post_forward_order[index - 1]
+            with target.span("backward_prefetch"):
                 state, target.training_state = target.training_state, TrainingState.PRE_BACKWARD
                 target.unshard()
                 target.training_state = state
@@ -170,7 +199,7 @@ class ParamGroup:
         if not with_grad:
             return
         params = [p for p, _ in with_grad]
-        with record_function("FSDP::post_backward_reduce"):
+        with self.span("post_backward_reduce", self.ctx.profiling and _reduced_bytes(with_grad)):
             for p, local in zip(params, self.reduce_scatter(with_grad)):
                 p.add_sharded_grad(local)
 
@@ -187,18 +216,30 @@ class ParamGroup:
                        ) -> list[torch.Tensor]:
         """This rank's rows of the average of every rank's gradients, one tensor per parameter,
         in the parameters' dtype: one rank-major buffer in ``reduce_dtype``, whose row r holds
-        chunk r of every gradient, padded to its chunk size (torch's ``chunk_cat``).
+        chunk r of every gradient, padded to its chunk size (torch's ``chunk_cat``). Under HSDP
+        without all-reduce, none: the reduce-scattered row is kept in ``partial``.
         Empties ``with_grad``, so that the full gradients are freed before the collective."""
         params = [p for p, _ in with_grad]
         buffer = collectives.chunk_cat(with_grad)
         with_grad.clear()  # the caller's references to the full gradients: free them now
-        output = collectives.average(buffer, self.group).to(self.params[0].orig_dtype)
+        output, self.partial = collectives.average(buffer, self.mesh, self.partial,
+                                                   self.requires_all_reduce)
+        if output is None:
+            return []
+        output = output.to(self.params[0].orig_dtype)
         shards, offset = [], 0
         for p in params:
             width = p.padded.numel()
             shards.append(output[offset:offset + width].view(p.spec.padded_shape)[: p.spec.rows])
             offset += width
         return shards
+
+
+def _reduced_bytes(with_grad) -> int:
+    """The bytes of the reduce-scatter's buffer: every padded chunk, in the reduce dtype."""
+    return sum(p.padded.numel() * p.spec.world_size
+               * torch.empty((), dtype=p.reduce_dtype or g.dtype).element_size()
+               for p, g in with_grad)
 
 
 class PostBackward(torch.autograd.Function):

@@ -17,10 +17,9 @@ gradient, so the norms of a :class:`ShardedTensor` are taken over every rank (``
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from miniddp.fsdp import collectives, norms
@@ -28,11 +27,13 @@ from miniddp.fsdp import collectives, norms
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Where one rank's shard sits in the full tensor."""
+    """Where one rank's shard sits in the full tensor, and the group it was cut over (its shard
+    group: ``None``, the default group)."""
 
     full_shape: torch.Size
     world_size: int
     rank: int
+    group: object = field(default=None, compare=False)
 
     @property
     def chunk_rows(self) -> int:
@@ -68,12 +69,13 @@ def padded_shard(full: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
     return padded
 
 
-def gather_full(local: torch.Tensor, spec: ShardSpec, group=None) -> torch.Tensor:
-    """The full tensor from every rank's ``local`` rows (a collective: every rank calls it)."""
+def gather_full(local: torch.Tensor, spec: ShardSpec) -> torch.Tensor:
+    """The full tensor from every rank's ``local`` rows (a collective of the shard group: every
+    rank calls it)."""
     padded = local.new_zeros(spec.padded_shape)
     padded[: spec.rows].copy_(local)
     out = local.new_empty((spec.world_size * padded.numel(),))
-    collectives.all_gather_flat(out, padded.reshape(-1), group)
+    collectives.all_gather_flat(out, padded.reshape(-1), spec.group)
     rows = out.view(spec.world_size * spec.chunk_rows, *spec.full_shape[1:])
     return rows[: spec.full_shape[0]].clone()
 
@@ -140,11 +142,6 @@ class ShardedTensor(_ShardMethods, torch.Tensor):
         tensor = local.as_subclass(ShardedTensor)
         tensor._spec = spec
         return tensor
-
-
-def world() -> tuple[int, int]:
-    """(world size, rank) of the default process group."""
-    return dist.get_world_size(), dist.get_rank()
 
 
 def count_as_plain_tensors_for_foreach() -> None:

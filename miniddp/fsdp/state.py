@@ -23,26 +23,14 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from miniddp import profiling
 from miniddp.fsdp import tree
+from miniddp.fsdp.context import StateContext
 from miniddp.fsdp.param_group import ParamGroup, TrainingState
 
 
 def _cast(dtype, x: torch.Tensor) -> torch.Tensor:
     return x.to(dtype) if torch.is_floating_point(x) and x.dtype != dtype else x
-
-
-class StateContext:
-    """Shared by every unit under one root: the units in ``named_modules`` order, whether this
-    backward's final callback is queued, the order of this forward's post-forwards (for the
-    backward prefetch) and the unit whose forward this is."""
-
-    def __init__(self):
-        self.all_states: list[FSDPState] = []
-        self.callback_queued = False
-        self.post_forward_order: list = []  # the groups' post-forwards (ParamGroup)
-        #: The unit whose forward holds this forward's others (the root's, but for a unit run
-        #: on its own, as in a recomputation), as torch's ``iter_forward_root``
-        self.iter_forward_root: FSDPState | None = None
 
 
 class FSDPState:
@@ -78,7 +66,7 @@ class FSDPState:
             state.ctx = self.ctx
             self.ctx.all_states.append(state)
             if state.group is not None:
-                state.group.post_forward_order = self.ctx.post_forward_order
+                state.group.ctx, state.group.fqn = self.ctx, name
         if self.auto_reshard and self.group is not None:
             self.group.reshard_after_forward = False
         _check_no_parameter_in_two_units(self.ctx.all_states)
@@ -100,6 +88,7 @@ class FSDPState:
         self._lazy_init()
         if self.ctx.iter_forward_root is None:
             self.ctx.iter_forward_root = self
+            self.ctx.profiling = profiling.recording()  # once a forward, for every unit
             with record_function("FSDP::root_pre_forward"):
                 pass  # (torch orders its streams here, on a GPU)
 
@@ -134,6 +123,7 @@ class FSDPState:
         self.training_state = TrainingState.PRE_BACKWARD
         if not self.ctx.callback_queued:
             self.ctx.callback_queued = True
+            self.ctx.profiling = profiling.recording()  # once a backward
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if self.group is not None:
             self.group.pre_backward()

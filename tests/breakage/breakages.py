@@ -451,14 +451,15 @@ def fsdp_flat_layout(module):
     collectives = module.collectives
 
     def flat_average(widths):
-        def average(buffer, group=None):
+        def average(buffer, mesh=collectives.EVERY_RANK, partial=None, all_reduce=True):
+            group = mesh.shard_group
             world, rank = buffer.shape[0], dist.get_rank(group)
             parts = buffer.split(widths, dim=1)  # each (W, width): one gradient, whole
             flat = torch.cat([p.reshape(-1) for p in parts])
             dist.all_reduce(flat, group=group)
             flat.div_(world)
             whole = flat.split([p.numel() for p in parts])
-            return torch.cat([w.view(world, -1)[rank] for w in whole])
+            return torch.cat([w.view(world, -1)[rank] for w in whole]), None
         return average
 
     def reduce_scatter(original):

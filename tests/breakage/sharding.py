@@ -119,15 +119,15 @@ def fsdp_never_frees_after_forward(module):
             with _resharding(self.group, False):
                 return original(self, module_, args, output)
         return post_forward
-    breakages._patch(module.FSDPState, "post_forward", kept)
+    breakages._patch(module.FSDPState, "_post_forward", kept)
 
 
 def fsdp_zero2_ignored(module):
     """Lessons 15 and 17: ``reshard_after_forward=False`` is ignored: ZeRO-2 frees after forward
     and gathers again for backward, as ZeRO-3 does."""
     def always(original):
-        def init(self, params, reshard_after_forward, group=None):
-            original(self, params, True, group)
+        def init(self, params, reshard_after_forward, *mesh):
+            original(self, params, True, *mesh)
         return init
     breakages._patch(module.ParamGroup, "__init__", always)
 
@@ -135,32 +135,27 @@ def fsdp_zero2_ignored(module):
 def fsdp_no_gather_for_backward(module):
     """Lesson 17: the pre-backward does not gather a freed unit again: its backward reads
     parameters whose memory is gone."""
-    def no_gather(original):
-        def pre_backward(self, grad):
-            self._queue_final_callback()
-            return grad
-        return pre_backward
-    breakages._patch(module.FSDPState, "_pre_backward", no_gather)
+    breakages._patch(module.ParamGroup, "pre_backward", lambda original: lambda self: None)
 
 
 def fsdp_gradient_overwritten(module):
     """Lesson 17: a second backward with sync before the step replaces the shard's ``.grad``
     instead of adding to it."""
     def replaced(original):
-        def add_sharded_gradient(self, local):
+        def add_sharded_grad(self, local):
             self.sharded.grad = module.ShardedTensor.wrap(local, self.spec)
-        return add_sharded_gradient
-    breakages._patch(module.FSDPParam, "add_sharded_gradient", replaced)
+        return add_sharded_grad
+    breakages._patch(module.FSDPParam, "add_sharded_grad", replaced)
 
 
 def fsdp_sync_always(module):
     """Lesson 17: ``set_requires_gradient_sync(False)`` is ignored: every backward reduces."""
     def synced(original):
-        def reduce_gradients(self):
+        def post_backward(self):
             self.requires_gradient_sync = True
             return original(self)
-        return reduce_gradients
-    breakages._patch(module.ParamGroup, "reduce_gradients", synced)
+        return post_backward
+    breakages._patch(module.ParamGroup, "post_backward", synced)
 
 
 def fsdp_kept_in_compute_dtype(module):
@@ -168,15 +163,15 @@ def fsdp_kept_in_compute_dtype(module):
     the reduction's (fp32), as torch keeps them."""
     def in_compute_dtype(original):
         return lambda self: None  # left in .grad, where autograd adds the next one, in bf16
-    breakages._patch(module.FSDPParam, "keep_unsharded_gradient", in_compute_dtype)
+    breakages._patch(module.FSDPParam, "to_accumulated_grad_if_needed", in_compute_dtype)
 
 
 def fsdp_reduce_dtype_ignored(module):
     """Lesson 17: ``MixedPrecisionPolicy.reduce_dtype`` is ignored: gradients are averaged in
     the compute dtype (bf16) instead of fp32."""
     def without(original):
-        def init(self, param, owners, fqn, param_dtype, reduce_dtype):
-            original(self, param, owners, fqn, param_dtype, None)
+        def init(self, param, owners, fqn, param_dtype, reduce_dtype, *mesh):
+            original(self, param, owners, fqn, param_dtype, None, *mesh)
         return init
     breakages._patch(module.FSDPParam, "__init__", without)
 
@@ -208,6 +203,94 @@ def fsdp_clip_foreach_norm_local(module):
     breakages._patch(module.ShardedTensor, "__torch_function__", _local_norm("foreach_norm"))
 
 
+# ----- miniddp/fsdp: HSDP (lesson 18; tests/test_hsdp.py's negative controls) -----
+
+
+def _one_division(c, buffer, mesh, partial, all_reduce):
+    import torch.distributed as dist
+
+    output = c.reduce_scatter_sum(buffer, mesh.shard_group)
+    dist.all_reduce(output, group=mesh.replicate_group)
+    return output.div_(mesh.data_parallel_size), None
+
+
+def _replicas_first(c, buffer, mesh, partial, all_reduce):
+    c.all_reduce_mean(buffer, mesh.replicate_group)
+    return c.reduce_scatter_mean(buffer, mesh.shard_group), None
+
+
+def _no_all_reduce(c, buffer, mesh, partial, all_reduce):
+    return c.average.__wrapped__(buffer, c.MeshInfo(mesh.shard_group), partial, all_reduce)
+
+
+def _fp16_factors_of_the_shard_group(c, buffer, mesh, partial, all_reduce):
+    import torch.distributed as dist
+
+    output, _ = c.average.__wrapped__(buffer, c.MeshInfo(mesh.shard_group))
+    dist.all_reduce(output, group=mesh.replicate_group)
+    return output.div_(mesh.replicate_size), None
+
+
+def _fp16_post_before_all_reduce(c, buffer, mesh, partial, all_reduce):
+    import torch.distributed as dist
+
+    pre, post = c.fp16_divide_factors(mesh.data_parallel_size)
+    output = c.reduce_scatter_sum(buffer.div_(pre), mesh.shard_group).div_(post)
+    dist.all_reduce(output, group=mesh.replicate_group)
+    return output, None
+
+
+def _all_reduce_each_micro_batch(c, buffer, mesh, partial, all_reduce):
+    output, _ = c.average.__wrapped__(buffer, mesh)
+    if not all_reduce:
+        return None, output if partial is None else partial.add_(output)
+    return (output if partial is None else output.add_(partial)), None
+
+
+def _hsdp(dtypes, wrong, doc):
+    def breakage(module):
+        def patch(original):
+            def average(buffer, mesh=module.EVERY_RANK, partial=None, all_reduce=True):
+                if mesh.replicate_group is None or str(buffer.dtype)[6:] not in dtypes:
+                    return original(buffer, mesh, partial, all_reduce)
+                return wrong(module, buffer, mesh, partial, all_reduce)
+            average.__wrapped__ = original
+            return average
+        breakages._patch(module, "average", patch)
+    breakage.__doc__ = doc
+    return breakage
+
+
+HSDP = {
+    "hsdp_one_division": _hsdp(("float32",), _one_division, """Lesson 18: both sums first,
+        then one division by every rank's count, instead of / S after the reduce-scatter and
+        / R after the all-reduce (equal while S is a power of two)."""),
+    "hsdp_replicas_first": _hsdp(("float32",), _replicas_first, """Lesson 18: the groups in
+        the other order: all-reduced across the replicas first, then reduce-scattered."""),
+    "hsdp_no_all_reduce": _hsdp(("float32", "bfloat16", "float16"), _no_all_reduce, """Lesson
+        18: no all-reduce across the replicas: each keeps its own shard group's average."""),
+    "hsdp_fp16_factors_of_the_shard_group": _hsdp(
+        ("float16",), _fp16_factors_of_the_shard_group, """Lesson 18: fp16's pre and post
+        factors from the shard group's size, the replicas' count divided after the
+        all-reduce (torch splits the count of every rank)."""),
+    "hsdp_fp16_post_before_all_reduce": _hsdp(("float16",), _fp16_post_before_all_reduce,
+                                              """Lesson 18: fp16 divided by post right after
+        the reduce-scatter, before the all-reduce across the replicas."""),
+    "hsdp_all_reduce_each_micro_batch": _hsdp(
+        ("float32", "bfloat16", "float16"), _all_reduce_each_micro_batch, """Lesson 18:
+        set_requires_all_reduce(False) ignored: each micro-batch all-reduced at once and the
+        averages added up, instead of the rows added up and all-reduced once."""),
+}
+
+
+def hsdp_norms_over_every_rank(module):
+    """Lesson 18: clipping's norms reduced over every rank, the replicas too (a DTensor reduces
+    a partial norm over its shard dim only)."""
+    def everywhere(original):
+        return lambda local, order, group=None: original(local, order, None)
+    breakages._patch(module, "reduce_over_ranks", everywhere)
+
+
 #: name -> (module it patches, the patch)
 SHARDING = {
     "zero_partition_by_count": ("miniddp.optim.zero", zero_partition_by_count),
@@ -219,11 +302,13 @@ SHARDING = {
     "fsdp_root_resharded": ("miniddp.fsdp.state", fsdp_root_resharded),
     "fsdp_never_frees_after_forward": ("miniddp.fsdp.state", fsdp_never_frees_after_forward),
     "fsdp_zero2_ignored": ("miniddp.fsdp.param_group", fsdp_zero2_ignored),
-    "fsdp_no_gather_for_backward": ("miniddp.fsdp.state", fsdp_no_gather_for_backward),
-    "fsdp_gradient_overwritten": ("miniddp.fsdp.param_group", fsdp_gradient_overwritten),
+    "fsdp_no_gather_for_backward": ("miniddp.fsdp.param_group", fsdp_no_gather_for_backward),
+    "fsdp_gradient_overwritten": ("miniddp.fsdp.param", fsdp_gradient_overwritten),
     "fsdp_sync_always": ("miniddp.fsdp.param_group", fsdp_sync_always),
     "fsdp_kept_in_compute_dtype": ("miniddp.fsdp.param_group", fsdp_kept_in_compute_dtype),
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
     "fsdp_clip_norm_local": ("miniddp.fsdp.shard", fsdp_clip_norm_local),
     "fsdp_clip_foreach_norm_local": ("miniddp.fsdp.shard", fsdp_clip_foreach_norm_local),
+    **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
+    "hsdp_norms_over_every_rank": ("miniddp.fsdp.norms", hsdp_norms_over_every_rank),
 }

@@ -1,0 +1,288 @@
+"""The checks behind lessons/grade.py for exercise 18, HSDP's gradient path across two groups.
+
+First the divisions, against torch's own function for shard and replicate groups of 1 to 4 ranks
+(a wrong rule is named: ``DIVISION_RULES``). Then, on 2 nodes of 3, 3 of 2 and 2 of 2 ranks
+beside torch's ``fully_shard`` on the same 2-D mesh, model and batches, with fp32, bf16 and fp16
+reduction: every rank's shards, bit for bit. A solution whose shards are torch's passes, however
+it got them. When they differ, a spy standing in for torch's collectives says why: which
+collectives the learner made, in which group and in what order (a missing all-reduce across
+the replicas, the groups in the other order or swapped, a group of every rank), then what was
+divided between them, matched exactly against candidates computed from what the spy recorded;
+what none of these explains is said plainly, with the smallest difference.
+"""
+
+import math
+import sys
+from itertools import product
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+
+from course.grader import fsdp
+from course.grader.checks import NotWritten, on_ranks
+from course.grader.fsdp import DTYPES, flat, fully_shard, make_model, smallest_difference
+from course.grader.fsdp_verdicts import fp16_loop
+from miniddp.train.data import make_dataset
+
+try:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+except ImportError:
+    from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+
+MESHES = ((2, 3), (3, 2), (2, 2))  # (nodes, ranks per node): one division by W shows at 3 a node
+
+
+def exercise():
+    return sys.modules["exercise_18"]
+
+
+# ----- the divisions -----
+
+def torch_divisions(shards: int, replicas: int, dtype) -> tuple[float, float, float]:
+    """(before, after the reduce-scatter, after the all-reduce) as torch's fully_shard divides on
+    a 2-D mesh: its own function where this torch has it (AVG: a sum, then / the group's size)."""
+    try:
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            _get_gradient_divide_factors,
+        )
+        groups = [type("Group", (), {"size": lambda self, n=n: n})() for n in (shards, replicas)]
+        pre, post, op, _ = _get_gradient_divide_factors(*groups, dtype)
+    except (ImportError, TypeError):
+        return (1, shards, replicas) if dtype != torch.float16 else _fp16(shards * replicas)
+    if op == dist.ReduceOp.AVG:
+        return 1, shards, replicas
+    return pre or 1, 1, post or 1
+
+
+def _fp16(world: int) -> tuple[float, float, float]:
+    before, after = fp16_loop(world)
+    return before, 1, after
+
+
+#: Rules a learner may have followed instead, as functions of (S, R, dtype), each with what to
+#: say of it
+DIVISION_RULES = {
+    "one division by every rank's count (W = S x R) after both sums: torch averages each sum "
+    "where it is made, / S after the reduce-scatter and / R after the all-reduce (the same "
+    "while S is a power of two, not at 3 ranks a node)":
+        lambda s, r, d: (1, 1, s * r) if d != torch.float16 else _fp16(s * r),
+    "the shard group's size only: the replicas' count R is never divided out":
+        lambda s, r, d: (1, s, 1) if d != torch.float16 else _fp16(s * r),
+    "the two sizes swapped: torch divides by the shard group's size S after the reduce-scatter "
+    "(its sum is over S ranks) and by R after the all-reduce":
+        lambda s, r, d: (1, r, s) if d != torch.float16 else _fp16(s * r),
+    "fp16 split from the shard group's size only (exercise 17's factors of S), R after the "
+    "all-reduce: torch splits every rank's count, S x R":
+        lambda s, r, d: (1, s, r) if d != torch.float16 else (
+            fp16_loop(s)[0], 1, fp16_loop(s)[1] * r),
+    "fp16 averaged in each group as fp32 is: in fp16 a sum can leave its range, so torch "
+    "divides a power of two of S x R before the sum and the rest after the all-reduce":
+        lambda s, r, d: (1, s, r),
+    "fp16's split applied to fp32 or bf16 too: those are averaged in each group, / S after the "
+    "reduce-scatter and / R after the all-reduce":
+        lambda s, r, d: _fp16(s * r),
+}
+
+
+def grade_divisions() -> str | None:
+    shapes = sorted(((s, r, d) for s in range(1, 5) for r in range(1, 5) if s * r > 1
+                     for d in DTYPES.values()), key=lambda k: (min(k[:2]) < 2, k[:2]))
+    try:
+        got = {k: tuple(exercise().divisions(*k)) for k in shapes}
+    except NotImplementedError as todo:
+        raise NotWritten(str(todo)) from None
+    wrong = [k for k in shapes if not same(got[k], torch_divisions(*k))]
+    if not wrong:
+        return None
+    s, r, d = wrong[0]
+    shown = (f"with S = {s} ranks a node and R = {r} nodes, in {str(d)[6:]}, torch divides by "
+             f"{torch_divisions(s, r, d)}, yours by {got[wrong[0]]}")
+    for said, rule in DIVISION_RULES.items():
+        if all(same(got[k], rule(*k)) for k in shapes):
+            return f"{said}; {shown}"
+    return f"could not tell which rule yours follows; {shown}"
+
+
+def same(a, b) -> bool:
+    return len(a) == 3 and all(math.isclose(x, y) for x, y in zip(a, b))
+
+
+# ----- one backward beside torch's fully_shard on a 2-D mesh -----
+
+class Spy(fsdp.Spy):
+    """Exercise 17's spy on torch's reduce-scatters and all_reduce, recording each call's group
+    (its ranks) too."""
+
+    def wrapped(self, name, original):
+        def call(*args, **kwargs):
+            at = 2 if name == "all_reduce" else 3  # (tensor, op, group); (output, input, op, group)
+            group = kwargs.get("group", args[at] if len(args) > at else None)
+            given = args[0] if name == "all_reduce" else kwargs.get("input", args[1])
+            output = given if name == "all_reduce" else kwargs.get("output", args[0])
+            record = {"name": name, "ranks": ranks_of(group), "given": flat(given), "out": None}
+            self.calls.append(record)
+            done = original(*args, **kwargs)
+            record["out"] = flat(output)
+            return done
+        return call
+
+
+def ranks_of(group) -> tuple[int, ...]:
+    return tuple(range(dist.get_world_size()) if group is None
+                 else dist.get_process_group_ranks(group))
+
+
+def hsdp_task(nodes: int, dtype_name_: str) -> list[dict]:
+    """One report per unit (each Linear): what differs from torch's shards, and why."""
+    dtype, rank, world = DTYPES[dtype_name_], dist.get_rank(), dist.get_world_size()
+    x, y = make_dataset(n=16 * world, seed=0).tensors
+    x, y = x[16 * rank:16 * (rank + 1)], y[16 * rank:16 * (rank + 1)]
+    mesh = init_device_mesh("cpu", (nodes, world // nodes), mesh_dim_names=("replicate", "shard"))
+    theirs, plain = make_model(), make_model()
+    for m in [m for m in theirs if isinstance(m, torch.nn.Linear)] + [theirs]:
+        fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=dtype))
+    for model in (theirs, plain):
+        F.mse_loss(model(x), y).backward()
+    groups = {"shard": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}
+    reports = []
+    for unit, (mine, torchs) in enumerate(zip(plain, theirs)):
+        if isinstance(mine, torch.nn.Linear):
+            grads = [p.grad for p in mine.parameters()]
+            expected = [p.grad.to_local() for p in torchs.parameters()]
+            reports.append({"unit": unit, "problem": learner_problem(grads, expected, groups,
+                                                                     dtype)})
+    return reports
+
+
+def learner_problem(grads, expected, groups, dtype) -> str | None:
+    error, got = None, []
+    with Spy() as spy:
+        try:
+            got = list(exercise().reduce_gradients([g.clone() for g in grads], groups["shard"],
+                                                   groups["replicate"], dtype))
+        except NotImplementedError:
+            raise
+        except Exception as e:  # reported after the collectives, which may name the cause
+            error = f"{type(e).__name__}: {e}"
+    if not error and equal(got, expected):
+        return None
+    said = collectives_problem(spy.calls, {k: ranks_of(g) for k, g in groups.items()})
+    if said:
+        return said + (f" (then reduce_gradients raised {error})" if error else "")
+    if error:
+        return f"reduce_gradients raised {error}"
+    if [t.shape for t in got] != [t.shape for t in expected] or any(
+            a.dtype != b.dtype for a, b in zip(got, expected)):
+        return (f"your shards are {[(tuple(t.shape), str(t.dtype)[6:]) for t in got]}, torch's "
+                f"{[(tuple(t.shape), str(t.dtype)[6:]) for t in expected]}: use shards_of")
+    return division_problem(spy.calls, grads, got, expected, dtype, groups)
+
+
+def equal(got, expected) -> bool:
+    return len(got) == len(expected) and all(
+        a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+        for a, b in zip(got, expected))
+
+
+def collectives_problem(calls: list[dict], ranks: dict) -> str | None:
+    """The learner's collectives against torch's: one reduce-scatter inside the shard group,
+    then one all-reduce across the replicate group. None when they were those."""
+    seen = [("reduce-scatter" if c["name"] != "all_reduce" else "all-reduce",
+             next((k for k, r in ranks.items() if r == c["ranks"]), "every rank"))
+            for c in calls]
+    if seen == [("reduce-scatter", "shard"), ("all-reduce", "replicate")]:
+        return None
+    listed = ", ".join(f"{kind} in the {where} group" if where != "every rank"
+                       else f"{kind} over every rank" for kind, where in seen) or "none"
+    if any(where == "every rank" for _, where in seen):
+        return (f"a collective over every rank (you made: {listed}): pass the group, "
+                "shard_group for the reduce-scatter and replicate_group for the all-reduce")
+    if ("all-reduce", "replicate") not in seen and ("reduce-scatter", "replicate") not in seen:
+        return (f"no all-reduce across the replicate group (you made: {listed}): each node then "
+                "keeps its own node's average and the replicas drift apart; all_reduce this "
+                "rank's reduce-scattered row across replicate_group, the one collective that "
+                "crosses nodes")
+    if seen[:2] == [("all-reduce", "replicate"), ("reduce-scatter", "shard")]:
+        return (f"the groups in the other order (you made: {listed}): torch reduce-scatters "
+                "inside the shard group first, then all-reduces only this rank's row across the "
+                "replicate group; all-reducing the whole buffer first sums in another order and "
+                "sends S times the bytes across the slow links")
+    if ("reduce-scatter", "replicate") in seen or ("all-reduce", "shard") in seen:
+        return (f"the groups swapped (you made: {listed}): the reduce-scatter runs inside the "
+                "shard group (the node's ranks, which share the cut), the all-reduce across "
+                "the replicate group (the ranks holding the same rows)")
+    return (f"you made {listed}; torch makes one reduce-scatter in the shard group, then one "
+            "all-reduce in the replicate group, for all of a unit's gradients at once")
+
+
+def division_problem(calls, grads, got, expected, dtype, groups) -> str:
+    """The collectives were torch's: what was divided, where. Each candidate divides what the
+    spy recorded as torch would not, and is matched exactly against the learner's result."""
+    from course.grader.fsdp_verdicts import laid_out
+
+    shards, replicas = (dist.get_world_size(groups[k]) for k in ("shard", "replicate"))
+    before, middle, after = torch_divisions(shards, replicas, dtype)
+    scatter, reduce = calls
+    torchs_in = laid_out([g.float() for g in grads], shards, "rank-major", "below").to(dtype)
+    if not torch.equal(scatter["given"], torchs_in / before if before != 1 else torchs_in):
+        return ("the buffer handed to the reduce-scatter is not the layout cast to "
+                f"reduce_dtype and divided by before ({before})" + (
+                    ": cast first, then divide, in reduce_dtype" if dtype == torch.float16
+                    else ""))
+    row, summed = scatter["out"], reduce["out"]
+    between = [(middle, None)] + [(n, said) for n, said in (
+        (1, "nothing was divided between the two sums"),
+        (shards * replicas, "you divided by every rank's count W after the reduce-scatter"),
+        (replicas, "you divided by R after the reduce-scatter (the sizes swapped)")) if n != middle]
+    found = next((said for n, said in between if torch.equal(reduce["given"], row / n)), "?")
+    if found == "?":
+        return smallest_difference(got, expected, "could not tell what was divided after the "
+                                                  "reduce-scatter; ")
+    if found:
+        return f"{found}; torch divides the reduce-scatter's sum by {middle:g} there"
+    for n, said in ((1, "nothing was divided after the all-reduce"),
+                    (shards * replicas, "you divided by every rank's count W after the "
+                                        "all-reduce too"),
+                    (shards, "you divided by S after the all-reduce (the sizes swapped)")):
+        if n != after and same_shards(summed / n, got, grads, shards, groups):
+            return f"{said}; torch divides the all-reduce's sum by {after:g}"
+    return smallest_difference(got, expected, "the collectives and the division between them "
+                                              "were torch's; ")
+
+
+def same_shards(row, got, grads, shards, groups) -> bool:
+    mine = exercise().shards_of(row, grads, shards, dist.get_rank(groups["shard"]))
+    return equal(got, mine)
+
+
+def first_problem(results: dict) -> str | None:
+    for (nodes, world, name), reports in results.items():
+        for rank, units in enumerate(reports):
+            for r in units:
+                if r["problem"]:
+                    return (f"{nodes} nodes of {world // nodes} ranks, {name} reduction, unit "
+                            f"{r['unit']}, rank {rank}: {r['problem']}")
+    return None
+
+
+def grade_18():
+    if fully_shard is None:
+        yield (False, "torch's FSDP2 (fully_shard), to grade against",
+               f"torch {torch.__version__} has no fully_shard: exercise 18 needs torch 2.4 or "
+               "later")
+        return
+    problem = grade_divisions()
+    yield (problem is None, "divisions: torch's places for the averaging, shard and replicate "
+           "groups of 1 to 4 ranks, fp32, bf16 and fp16", problem)
+    if problem:
+        return
+    problem = None
+    for (nodes, per_node), name in product(MESHES, DTYPES):  # to the first that differs
+        problem = first_problem({(nodes, nodes * per_node, name): on_ranks(
+            nodes * per_node, hsdp_task, nodes, name)})
+        if problem:
+            break
+    yield (problem is None, "2 nodes of 3, 3 of 2 and 2 of 2 ranks: every rank's gradient shards "
+           "equal torch's fully_shard on the 2-D mesh bit for bit (fp32, bf16 and fp16)", problem)
