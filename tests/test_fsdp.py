@@ -143,6 +143,20 @@ def shard_model(model, shard, policy, case, **mesh):
     return model
 
 
+#: This rank's meshes, by what they were built from, each beside the default group it was built
+#: in: a 2-D mesh makes process groups, every rank meeting every other through the store, which
+#: costs more than a case's training; one mesh of each shape serves every case of a rank's life
+_MESHES: dict = {}
+
+
+def _kept(key, build):
+    """``build()``, or the mesh it gave before under ``key`` in this same default group."""
+    world = dist.group.WORLD
+    if key not in _MESHES or _MESHES[key][0] is not world:
+        _MESHES[key] = world, build()
+    return _MESHES[key][1]
+
+
 def device_mesh(device: str, shape: tuple[int, ...] | None = None):
     """A mesh of every rank on ``device`` (torch's default would be the GPU wherever there is
     one, and move CPU parameters there): 1-D, or of ``shape`` (replicas, shards) for HSDP."""
@@ -150,7 +164,8 @@ def device_mesh(device: str, shape: tuple[int, ...] | None = None):
 
     if shape is None or len(shape) == 1:
         return init_device_mesh(device, shape or (dist.get_world_size(),))
-    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
+    return _kept(("device", device, tuple(shape)), lambda: init_device_mesh(
+        device, shape, mesh_dim_names=("replicate", "shard")))
 
 
 def meshes(case):
@@ -158,7 +173,9 @@ def meshes(case):
     theirs = device_mesh(case.device, case.mesh)
     if case.mesh is None:
         return None, theirs
-    return (miniddp.fsdp.HybridMesh(*case.mesh) if case.hybrid_mesh else theirs), theirs
+    if not case.hybrid_mesh:
+        return theirs, theirs
+    return _kept(("hybrid", tuple(case.mesh)), lambda: miniddp.fsdp.HybridMesh(*case.mesh)), theirs
 
 
 def make_optimizer(model, name):
