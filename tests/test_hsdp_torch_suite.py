@@ -2,7 +2,8 @@
 
 The whole of both (their every subtest, against miniddp and, as the port's control, against
 torch's FSDP2: about 90 s here) runs with ``MINIDDP_TORCH_HSDP_SUITE=1``; the suite's slow tier
-runs a sample against miniddp (each value of each parameter, but an even width 16).
+runs a sample against miniddp (each value of each parameter, but an even width 16; 2 steps of
+torch's 5).
 
 From torch's ``test/distributed/_composable/fsdp/`` (read at pytorch main, late 2026; the CPU
 wheel ships no tests, and torch's test helpers need ``expecttest``, so the two tests are
