@@ -51,7 +51,9 @@ class Case:
     frozen: bool = False
     frozen_after_sharding: bool = False  # the same layer frozen once both are sharded
     micro_batches: int = 1
-    steps: int = 3
+    # two: the second forward reads the stepped parameters (ZeRO-2's kept gathered copy, a
+    # tied weight) and the second step momentum's and Adam's state
+    steps: int = 2
     breakage: str | None = None
     device: str = "cpu"
     clip: float | None = None  # clip_grad_norm_ to this before each step
@@ -143,6 +145,20 @@ def shard_model(model, shard, policy, case, **mesh):
     return model
 
 
+#: This rank's meshes, by what they were built from, each beside the default group it was built
+#: in: a 2-D mesh makes process groups, every rank meeting every other through the store, which
+#: costs more than a case's training; one mesh of each shape serves every case of a rank's life
+_MESHES: dict = {}
+
+
+def _kept(key, build):
+    """``build()``, or the mesh it gave before under ``key`` in this same default group."""
+    world = dist.group.WORLD
+    if key not in _MESHES or _MESHES[key][0] is not world:
+        _MESHES[key] = world, build()
+    return _MESHES[key][1]
+
+
 def device_mesh(device: str, shape: tuple[int, ...] | None = None):
     """A mesh of every rank on ``device`` (torch's default would be the GPU wherever there is
     one, and move CPU parameters there): 1-D, or of ``shape`` (replicas, shards) for HSDP."""
@@ -150,7 +166,8 @@ def device_mesh(device: str, shape: tuple[int, ...] | None = None):
 
     if shape is None or len(shape) == 1:
         return init_device_mesh(device, shape or (dist.get_world_size(),))
-    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
+    return _kept(("device", device, tuple(shape)), lambda: init_device_mesh(
+        device, shape, mesh_dim_names=("replicate", "shard")))
 
 
 def meshes(case):
@@ -158,7 +175,9 @@ def meshes(case):
     theirs = device_mesh(case.device, case.mesh)
     if case.mesh is None:
         return None, theirs
-    return (miniddp.fsdp.HybridMesh(*case.mesh) if case.hybrid_mesh else theirs), theirs
+    if not case.hybrid_mesh:
+        return theirs, theirs
+    return _kept(("hybrid", tuple(case.mesh)), lambda: miniddp.fsdp.HybridMesh(*case.mesh)), theirs
 
 
 def make_optimizer(model, name):
@@ -475,11 +494,13 @@ def test_bit_identical_to_torch_with_parameters_on_a_gpu(ranks):
 
 @needs_torch_fsdp2
 def test_each_bit_deciding_detail_broken_differs_from_torch_at_3_ranks(ranks):
-    cases = [Case(breakage="scale_before_sum"), Case(breakage="flat_layout"),
-             Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16"),
-             Case(breakage="local_norms", clip=0.05),
-             Case(breakage="local_vector_norm", clip=0.05, clip_foreach=False),
-             Case(breakage="overwrite_sharded_grad", micro_batches=2, sync_micro_batches=True)]
+    """One step each: every breakage shows in the first step's gradients."""
+    cases = [replace(case, steps=1) for case in [
+        Case(breakage="scale_before_sum"), Case(breakage="flat_layout"),
+        Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16"),
+        Case(breakage="local_norms", clip=0.05),
+        Case(breakage="local_vector_norm", clip=0.05, clip_foreach=False),
+        Case(breakage="overwrite_sharded_grad", micro_batches=2, sync_micro_batches=True)]]
     check_all_differ(ranks(3).run(beside_torch, cases, timeout=120), cases)
 
 

@@ -111,8 +111,7 @@ def test_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
 @needs_torch_fsdp2
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
-@settings(max_examples=20, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@_fixed(10)
 @given(run=runs())
 def test_more_random_models_train_bit_for_bit_as_torch(ranks, world_size, run):
     check_identical(ranks(world_size).run(compare, run, timeout=120), [run])

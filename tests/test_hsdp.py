@@ -77,16 +77,6 @@ def test_hsdp_2x2_every_precision_and_optimizer_bit_identical_to_torch(ranks):
     check_identical(ranks(4).run(beside_torch, cases, timeout=240), cases)
 
 
-@needs_torch_fsdp2
-@pytest.mark.slow
-@pytest.mark.parametrize("mesh", [(2, 3), (3, 2)], ids=["2x3", "3x2"])
-def test_hsdp_at_6_ranks_bit_identical_to_torch(ranks, mesh):
-    """Every precision with one optimizer on each mesh (SGD on 2 x 3, Adam on 3 x 2: both at 6
-    ranks), and the paths of accumulation (both ways, and HSDP's without all-reduce)."""
-    cases = precisions(mesh, ("sgd",) if mesh == (2, 3) else ("adam",)) + paths(mesh)[1:5]
-    check_identical(ranks(6).run(beside_torch, cases, timeout=300), cases)
-
-
 # ----- the details that decide the bits, broken one at a time (negative controls) -----
 
 def beside_torch_broken(named_cases: list[tuple[str, Case]]) -> list[list[str]]:
@@ -96,17 +86,19 @@ def beside_torch_broken(named_cases: list[tuple[str, Case]]) -> list[list[str]]:
             for name, case in named_cases]
 
 
-NEGATIVE_2x2 = [("replicas_first", HSDP_2x2),
-                ("fp16_post_before_all_reduce", replace(HSDP_2x2, param_dtype="fp16")),
-                ("no_all_reduce", HSDP_2x2),
-                ("all_reduce_each_micro_batch", replace(HSDP_2x2, micro_batches=3,
-                                                        skip_all_reduce=True)),
-                ("norms_over_every_rank", replace(HSDP_2x2, clip=0.05))]
-NEGATIVE_6 = [("one_division", Case(mesh=(2, 3))),
-              ("fp16_factors_of_the_shard_group", Case(mesh=(2, 3), param_dtype="fp16")),
-              ("fp16_factors_of_the_shard_group", Case(mesh=(3, 2), param_dtype="fp16")),
-              ("fp16_post_before_all_reduce", Case(mesh=(2, 3), param_dtype="fp16")),
-              ("fp16_post_before_all_reduce", Case(mesh=(3, 2), param_dtype="fp16"))]
+#: One step each: each differs from torch's at the first step
+NEGATIVE_2x2 = [(name, replace(HSDP_2x2, steps=1, **change)) for name, change in [
+    ("replicas_first", {}), ("fp16_post_before_all_reduce", {"param_dtype": "fp16"}),
+    ("no_all_reduce", {}),
+    ("all_reduce_each_micro_batch", {"micro_batches": 3, "skip_all_reduce": True}),
+    ("norms_over_every_rank", {"clip": 0.05})]]
+#: One step each: each differs from torch's at the first backward
+NEGATIVE_6 = [(name, replace(case, steps=1)) for name, case in [
+    ("one_division", Case(mesh=(2, 3))),
+    ("fp16_factors_of_the_shard_group", Case(mesh=(2, 3), param_dtype="fp16")),
+    ("fp16_factors_of_the_shard_group", Case(mesh=(3, 2), param_dtype="fp16")),
+    ("fp16_post_before_all_reduce", Case(mesh=(2, 3), param_dtype="fp16")),
+    ("fp16_post_before_all_reduce", Case(mesh=(3, 2), param_dtype="fp16"))]]
 
 
 @needs_torch_fsdp2
@@ -115,11 +107,33 @@ def test_each_hsdp_bit_deciding_detail_broken_differs_from_torch_at_2x2(ranks):
     check_all_differ(results, [f"{name}: {case}" for name, case in NEGATIVE_2x2])
 
 
+# ----- 6 ranks: the cases and their negative controls in one run of the pool -----
+
+def six_rank_cases(mesh: tuple[int, int], optimizer: str) -> list[Case]:
+    """Every precision with ``optimizer``, and the paths of accumulation (both ways, and HSDP's
+    without all-reduce), one step each: what 6 ranks add to 2 x 2 is the arithmetic of the
+    reductions (S or R not a power of two), which shows at the first backward; the second step
+    (the gather of stepped parameters, the optimizer's state) is 2 x 2's to check."""
+    return [replace(c, steps=1) for c in precisions(mesh, (optimizer,)) + paths(mesh)[1:5]]
+
+
+#: SGD on 2 x 3, Adam on 3 x 2
+SIX_RANKS = six_rank_cases((2, 3), "sgd") + six_rank_cases((3, 2), "adam")
+
+
+def beside_torch_whole_and_broken(cases: list[Case], named_cases: list[tuple[str, Case]]):
+    """On every rank: :func:`beside_torch` of ``cases``, and :func:`beside_torch_broken` of
+    ``named_cases``, in one run of the pool."""
+    return beside_torch(cases), beside_torch_broken(named_cases)
+
+
 @needs_torch_fsdp2
 @pytest.mark.slow
-def test_fp16s_hsdp_factors_broken_differ_from_torch_at_6_ranks(ranks):
-    results = ranks(6).run(beside_torch_broken, NEGATIVE_6, timeout=240)
-    check_all_differ(results, [f"{name}: {case}" for name, case in NEGATIVE_6])
+def test_hsdp_at_6_ranks_bit_identical_to_torch_and_its_factors_broken_differ(ranks):
+    results = ranks(6).run(beside_torch_whole_and_broken, SIX_RANKS, NEGATIVE_6, timeout=300)
+    check_identical([identical for identical, _ in results], SIX_RANKS)
+    check_all_differ([broken for _, broken in results],
+                     [f"{name}: {case}" for name, case in NEGATIVE_6])
 
 
 # ----- checkpoints: a full state dict saved at one mesh shape loads at another -----

@@ -2,7 +2,8 @@
 
 The whole of both (their every subtest, against miniddp and, as the port's control, against
 torch's FSDP2: about 90 s here) runs with ``MINIDDP_TORCH_HSDP_SUITE=1``; the suite's slow tier
-runs a sample against miniddp (each value of each parameter, but an even width 16).
+runs a sample against miniddp (each value of each parameter, but an even width 16; 2 steps of
+torch's 5).
 
 From torch's ``test/distributed/_composable/fsdp/`` (read at pytorch main, late 2026; the CPU
 wheel ships no tests, and torch's test helpers need ``expecttest``, so the two tests are
@@ -88,7 +89,7 @@ def check_sharded_parity(ref_model, model, shard_size: int, shard_rank: int) -> 
 TRAIN_PARITY = list(itertools.product([False, True], [False, True], [3, 16, 17], [True, False]))
 
 
-def train_parity_hsdp(impl: str, subtests: list) -> int:
+def train_parity_hsdp(impl: str, subtests: list, steps: int = 5) -> int:
     from torch.distributed._composable import checkpoint
 
     mesh = hsdp_mesh()
@@ -106,7 +107,7 @@ def train_parity_hsdp(impl: str, subtests: list) -> int:
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
         check_sharded_parity(ref_model.module, model, shard_size, shard_rank)
         torch.manual_seed(42 + dist.get_rank() + 1)
-        for step in range(5):
+        for step in range(steps):
             for micro in range(3):
                 if sync_at_last:
                     model.set_requires_gradient_sync(micro == 2)
@@ -128,12 +129,15 @@ WHOLE = pytest.mark.skipif("MINIDDP_TORCH_HSDP_SUITE" not in os.environ,
 #: Each value of each of the test's parameters at least once, but width 16 (cut evenly: the
 #: easy case; widths 3 and 17 leave chunks short or empty)
 TRAIN_PARITY_SAMPLE = [(False, True, 17, True), (True, False, 3, False)]
+#: The samples' steps, of torch's 5: the first (the lazy init's) and one after an optimizer step,
+#: with ``zero_grad`` setting the gradients to None before one and to zeros before the other
+SAMPLE_STEPS = 2
 
 
 @needs_torch_fsdp2
 @pytest.mark.slow
 def test_train_parity_hsdp_sample(ranks):
-    assert ranks(4).run(train_parity_hsdp, "miniddp", TRAIN_PARITY_SAMPLE,
+    assert ranks(4).run(train_parity_hsdp, "miniddp", TRAIN_PARITY_SAMPLE, SAMPLE_STEPS,
                         timeout=300) == [2] * 4
 
 
@@ -219,7 +223,7 @@ def set_flags(model, case, last: bool) -> None:
             module.set_reshard_after_backward(last, recurse=recurse)
 
 
-def gradient_accumulation(impl: str, subtests: list) -> int:
+def gradient_accumulation(impl: str, subtests: list, steps: int = 5) -> int:
     mesh = hsdp_mesh()
     shard_size, shard_rank = mesh.size(1), mesh.get_local_rank(1)
     for case in subtests:
@@ -234,7 +238,7 @@ def gradient_accumulation(impl: str, subtests: list) -> int:
         optim = torch.optim.Adam(model.parameters(), lr=1e-2)
 
         torch.manual_seed(42 + dist.get_rank() + 1)
-        for step in range(5):
+        for step in range(steps):
             with counted_collectives(mesh) as counts:
                 for micro in range(MICRO):
                     set_flags(model, case, micro == MICRO - 1)
@@ -262,7 +266,7 @@ GRAD_ACC_SAMPLE = [(2, "all", True, True), (False, "root_only", False, False),
 @pytest.mark.slow
 def test_gradient_accumulation_hsdp_sample(ranks):
     assert all(case in GRAD_ACC for case in GRAD_ACC_SAMPLE)
-    assert ranks(4).run(gradient_accumulation, "miniddp", GRAD_ACC_SAMPLE,
+    assert ranks(4).run(gradient_accumulation, "miniddp", GRAD_ACC_SAMPLE, SAMPLE_STEPS,
                         timeout=300) == [3] * 4
 
 
