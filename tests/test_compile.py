@@ -162,11 +162,11 @@ def launched_during_backward(events) -> int:
 
 
 @needs_is_compiling
-@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("order", ["compile_inside", "compile_outside"])
-def test_compiled_training_is_bit_identical_to_torchs(ranks, world_size, order):
-    for rank, result in enumerate(ranks(world_size).run(compare, order, bucket_cap_mb=1,
-                                                         timeout=120)):
+def test_compiled_training_is_bit_identical_to_torchs(ranks, order):
+    # 3 ranks: at 2, a sum of two gradients has the same bits in either order, so the bits
+    # could not tell whether the buckets follow the compiled pieces
+    for rank, result in enumerate(ranks(3).run(compare, order, bucket_cap_mb=1, timeout=120)):
         assert result["differing"] == [], f"rank {rank}: parameters {result['differing']} differ"
         ours, theirs = result["graphs"]
         assert ours == theirs and ours >= 2, f"rank {rank}: graphs (ours, torch's) {ours, theirs}"

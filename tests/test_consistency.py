@@ -12,6 +12,7 @@ import re
 import sys
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor, wait
 
 import pytest
 import torch
@@ -74,6 +75,33 @@ def in_short_group(world_size, fn, *args):
         return group.run(fn, *args, timeout=60)
     finally:
         group.close(kill=True)
+
+
+#: The out-of-step cases in which a rank waits out SHORT_TIMEOUT (the others raise at once):
+#: (world size, case, mode) of :func:`out_of_step`.
+WAITED_OUT = {"skip_backward-off": (2, "skip_backward", "off"),
+              "no_sync-off": (2, "no_sync", "off"),
+              "fewer-off": (2, "fewer", "off"),
+              "fewer-detail": (2, "fewer", "detail"),
+              "skip_backward-info": (2, "skip_backward", "info")}
+
+
+@pytest.fixture(scope="module")
+def waited_out():
+    """``waited_out(name)``: what each rank of a :data:`WAITED_OUT` case returned. The cases run
+    at once, each in a fresh group of its own, so the timeout is waited out once, not once per
+    case; a case that failed raises its error in its own test."""
+    groups = {name: RankGroup(world_size, pg_timeout=SHORT_TIMEOUT)
+              for name, (world_size, _, _) in WAITED_OUT.items()}
+    try:
+        with ThreadPoolExecutor(len(groups)) as pool:
+            futures = {name: pool.submit(groups[name].run, out_of_step, case, mode, timeout=60)
+                       for name, (_, case, mode) in WAITED_OUT.items()}
+            wait(futures.values())
+    finally:
+        for group in groups.values():
+            group.close(kill=True)
+    return lambda name: futures[name].result()
 
 
 # ----- 1. a second backward after the gradients were averaged -----
@@ -256,8 +284,8 @@ def out_of_step(case, mode, steps=4):
     return caught(run)
 
 
-def test_without_debug_a_timeout_says_a_rank_may_have_skipped_a_step_and_who_waited():
-    results = in_short_group(2, out_of_step, "skip_backward", "off")
+def test_without_debug_a_timeout_says_a_rank_may_have_skipped_a_step_and_who_waited(waited_out):
+    results = waited_out("skip_backward-off")
     kind, message, took = results[0]
     assert kind == "CollectiveStalled", message
     assert "rank 0: the all_reduce of bucket 0 in the backward of forward 4 did not complete" \
@@ -269,8 +297,8 @@ def test_without_debug_a_timeout_says_a_rank_may_have_skipped_a_step_and_who_wai
     assert results[1] is None  # rank 1's steps all paired with someone's: it never noticed
 
 
-def test_without_debug_no_sync_on_one_rank_is_named_as_not_arriving():
-    results = in_short_group(2, out_of_step, "no_sync", "off")
+def test_without_debug_no_sync_on_one_rank_is_named_as_not_arriving(waited_out):
+    results = waited_out("no_sync-off")
     kind, message, _ = results[0]
     assert "A rank may have skipped a step" in message
     assert "rank 0 in the backward of forward 4 (synchronized forward 4)" in message
@@ -290,8 +318,8 @@ def test_a_stall_report_names_the_rank_at_another_forward():
            "skipped a backward" in text
 
 
-def test_without_debug_a_rank_with_one_step_fewer_is_named_as_not_arriving():
-    results = in_short_group(2, out_of_step, "fewer", "off")
+def test_without_debug_a_rank_with_one_step_fewer_is_named_as_not_arriving(waited_out):
+    results = waited_out("fewer-off")
     kind, message, took = results[0]
     assert "Rank 1 did not report waiting: it may have run fewer steps" in message
     assert results[1] is None
@@ -330,8 +358,8 @@ def test_a_rank_whose_last_record_is_its_error_is_described_by_it():
     assert "rank 1's last record: it had stopped with this error: rank 1: ranks out" in message
 
 
-def test_debug_mode_names_a_rank_that_ran_one_step_fewer():
-    results = in_short_group(2, out_of_step, "fewer", "detail")
+def test_debug_mode_names_a_rank_that_ran_one_step_fewer(waited_out):
+    results = waited_out("fewer-detail")
     kind, message, took = results[0]
     assert kind == "OutOfStep", message
     assert "rank 1 did not reach collective" in message
@@ -340,8 +368,8 @@ def test_debug_mode_names_a_rank_that_ran_one_step_fewer():
     assert results[1] is None
 
 
-def test_the_checks_without_detail_name_a_skipped_backward_when_a_collective_fails():
-    results = in_short_group(2, out_of_step, "skip_backward", "info")
+def test_the_checks_without_detail_name_a_skipped_backward_when_a_collective_fails(waited_out):
+    results = waited_out("skip_backward-info")
     kind, message, _ = results[1]
     assert kind == "OutOfStep", message
     assert "having run no backward after synchronized forward(s) [3]" in message

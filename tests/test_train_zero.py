@@ -6,6 +6,8 @@ same operations on whichever rank owns it. So a ``--zero`` run ends with the sam
 for bit, as the plain run, and its snapshot's optimizer state is the plain run's, key for key.
 """
 
+import shutil
+
 import pytest
 import torch
 from jobs import run_job, same_weights, weights
@@ -25,14 +27,30 @@ def plain(tmp_path_factory) -> dict:
     return {"weights": weights(out / "final.pt"), "snapshot": weights(out / "snap.pt")}
 
 
-def zero_run(tmp_path, fault: str | None = None) -> dict:
-    argv = [*JOB, "--zero", "--snapshot", str(tmp_path / "snap.pt"),
-            "--out", str(tmp_path / "final.pt")]
-    if fault:
-        with pytest.raises(RankError):
-            run_job([*argv, "--fault", fault])
-    run_job(argv)
-    return {"weights": weights(tmp_path / "final.pt"), "snapshot": weights(tmp_path / "snap.pt")}
+def zero_argv(directory) -> list[str]:
+    return [*JOB, "--zero", "--snapshot", str(directory / "snap.pt"),
+            "--out", str(directory / "final.pt")]
+
+
+def zero_run(directory) -> dict:
+    run_job(zero_argv(directory))
+    return {"weights": weights(directory / "final.pt"),
+            "snapshot": weights(directory / "snap.pt")}
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """The --zero job's files after rank 1 died at step 22, the 7th step of epoch 1 (the last
+    snapshot is step 20): each resume test starts from its own copy of them."""
+    out = tmp_path_factory.mktemp("killed")
+    with pytest.raises(RankError):
+        run_job([*zero_argv(out), "--fault", "exit:1:22"])
+    return out
+
+
+def resumed(tmp_path, killed) -> dict:
+    shutil.copytree(killed, tmp_path, dirs_exist_ok=True)
+    return zero_run(tmp_path)
 
 
 def same_state(a, b) -> bool:
@@ -46,24 +64,25 @@ def same_state(a, b) -> bool:
     return a == b
 
 
-def test_zero_snapshot_holds_the_whole_state_of_plain_adam(tmp_path, plain):
+def test_zero_snapshot_holds_the_whole_state_of_plain_adam(tmp_path, plain, capfd):
     run = zero_run(tmp_path)
+    assert "Adam's state sharded (ZeRO-1)" in capfd.readouterr().out
     assert same_weights(run["weights"], plain["weights"])
     state = run["snapshot"]["optimizer"]
     assert len(state["state"]) == len(plain["weights"]), "every parameter's moments"
     assert same_state(state, plain["snapshot"]["optimizer"])
 
 
-def test_zero_killed_mid_epoch_and_resumed_ends_with_the_same_weights(tmp_path, plain, capfd):
-    # Step 22 is the 7th step of epoch 1; the last snapshot before it is step 20.
-    run = zero_run(tmp_path, "exit:1:22")
-    out = capfd.readouterr().out
-    assert "Adam's state sharded (ZeRO-1)" in out and "resuming from" in out
+def test_zero_killed_mid_epoch_and_resumed_ends_with_the_same_weights(tmp_path, plain, killed,
+                                                                    capfd):
+    run = resumed(tmp_path, killed)
+    assert "resuming from" in capfd.readouterr().out
     assert same_weights(run["weights"], plain["weights"])
 
 
-def test_without_the_optimizer_state_a_zero_resume_diverges(tmp_path, plain, monkeypatch):
+def test_without_the_optimizer_state_a_zero_resume_diverges(tmp_path, plain, killed,
+                                                            monkeypatch):
     """The negative control: the consolidated state is what keeps Adam's moments."""
     monkeypatch.setattr(ZeroRedundancyOptimizer, "load_state_dict", lambda self, state: None)
-    run = zero_run(tmp_path, "exit:1:22")
+    run = resumed(tmp_path, killed)
     assert not same_weights(run["weights"], plain["weights"])
