@@ -120,6 +120,22 @@ SLOW = {
 }
 
 
+#: The files that take longest, started first: pytest-xdist hands each worker a whole file at a
+#: time in the collection's order (``--no-loadscope-reorder``), and one of these started last
+#: would leave the other worker idle for a minute at the end of the run.
+LONGEST_FIRST = [
+    "tests/test_lessons.py",
+    "tests/test_frameworks.py",
+    "tests/test_grade.py",
+    "tests/test_install.py",
+    "tests/test_benchmarks.py",
+    "tests/test_lesson_breakage.py",
+    "tests/test_faults.py",
+    "tests/test_launch.py",
+    "tests/test_hsdp_course.py",
+]
+
+
 def _pattern(glob: str) -> re.Pattern:
     return re.compile(".*".join(re.escape(part) for part in glob.split("*")))
 
@@ -136,6 +152,8 @@ def pytest_collection_modifyitems(config, items):
         matched.update(p.pattern for p in hits)
         if hits and item.nodeid != FAST_TIER_LESSON:
             item.add_marker(pytest.mark.slow)
+    first = {path: k for k, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0], len(first)))
     whole_files = {item.nodeid.split("::")[0] for item in items}
     if not any("::" in arg for arg in config.args):
         if (FAST_TIER_LESSON.split("::")[0] in whole_files
