@@ -2,7 +2,6 @@
 solution fails the check that names its mistake."""
 
 import ast
-import functools
 import os
 import re
 import sys
@@ -10,7 +9,6 @@ from pathlib import Path
 
 import pytest
 from lesson_modules import CANNOT_RUN_HERE, LESSONS_DIR
-from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
 
 GRADE = LESSONS_DIR / "grade.py"
@@ -36,23 +34,6 @@ def grade(*args, timeout=240, env=None, slot=0):
                     cwd=LESSONS_DIR.parent, timeout=timeout)
 
 
-def grades_ahead(request, tmp_path_factory, write: dict):
-    """The grader's runs of the selected tests of ``write``'s functions, one test ahead, two at
-    a time (``tests/runs_ahead.py``). ``write[function](params, directory)`` writes the test's
-    solutions into ``directory`` and returns the grader's arguments."""
-    for slot in (0, 1):
-        warm_python(GRADER_WARM, path=str(LESSONS_DIR), slot=slot)  # here: it reads os.environ
-
-    def prepared(item):
-        directory = tmp_path_factory.mktemp("solutions")
-        args = write[item.originalname](item.callspec.params, directory)
-        env = grader_env()
-        return lambda slot: grade(*args, env=env, slot=slot)
-
-    items = selected(request, *write)
-    return RunsAhead({item.nodeid: functools.partial(prepared, item) for item in items})
-
-
 def unwrapped(stdout: str) -> str:
     """The grader's output with each wrapped verdict on one line again (a continued line is
     indented by 10 spaces, a verdict's first line by 2 or 8)."""
@@ -75,16 +56,6 @@ def first_failure(section: str, name: str, check: str, words) -> tuple[list[str]
     why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
     assert all(w in why for w in words), f"{name}: {why!r} lacks {words}"
     return lines, failed
-
-
-def solution_with_mistake(number: str, right: str, wrong: str, directory) -> list[str]:
-    """Write exercise ``number``'s reference solution with ``right`` replaced by ``wrong`` into
-    ``directory``; the grader's arguments to grade it."""
-    solution = next(SOLUTIONS.glob(f"{number}_*.py"))
-    text = solution.read_text()
-    assert right in text, f"{solution.name} no longer contains {right!r}"
-    (directory / solution.name).write_text(text.replace(right, wrong))
-    return [number, "--dir", directory]
 
 
 def solution_lines(number: str) -> list[str]:
@@ -181,18 +152,11 @@ MISTAKES = {
 
 
 @pytest.mark.slow
-def test_each_wrong_solution_fails_the_check_that_names_its_mistake(tmp_path):
-    for number, (right, wrong, _) in MISTAKES.items():
-        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
-        text = solution.read_text()
-        assert right in text, f"{solution.name} no longer contains {right!r}"
-        (tmp_path / solution.name).write_text(text.replace(right, wrong))
-    done = grade("--dir", tmp_path)
-    assert done.returncode == 1
-    found = sections(done.stdout)
+def test_each_wrong_solution_fails_the_check_that_names_its_mistake(graded):
     for number, (_, _, check) in MISTAKES.items():
-        failed = [line for line in found[number].splitlines() if line.strip().startswith("FAIL")]
-        assert any(check in line for line in failed), f"{number}:\n{found[number]}"
+        text = graded("mistakes", number)
+        failed = [line for line in text.splitlines() if line.strip().startswith("FAIL")]
+        assert any(check in line for line in failed), f"{number}:\n{text}"
 
 
 # Each: (exercise, text in the solution, the mistake, the check that must fail, words its message
@@ -221,25 +185,15 @@ ROOT_CAUSES = {
 }
 
 
-def with_root_cause(case: str, directory: Path) -> list:
-    number, right, wrong, _, _ = ROOT_CAUSES[case]
-    solution = next(SOLUTIONS.glob(f"{number}_*.py"))
-    text = solution.read_text()
-    assert right in text, f"{solution.name} no longer contains {right!r}"
-    (directory / solution.name).write_text(text.replace(right, wrong))
-    return [number, "--dir", directory]
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(ROOT_CAUSES))
-def test_a_wrong_solution_fails_naming_its_root_cause(graded_ahead, request, case):
-    number, right, wrong, check, words = ROOT_CAUSES[case]
-    done = graded_ahead.result(request.node.nodeid)
-    assert done.returncode == 1, done.stdout + done.stderr
-    lines = sections(done.stdout)[number].splitlines()
+def test_a_wrong_solution_fails_naming_its_root_cause(graded, case):
+    _, _, _, check, words = ROOT_CAUSES[case]
+    text = graded("root causes", case)
+    lines = text.splitlines()
     failed = [k for k, line in enumerate(lines) if line.strip().startswith("FAIL")]
-    assert failed and check in lines[failed[0]], done.stdout
-    assert words in lines[failed[0] + 1], done.stdout
+    assert failed and check in lines[failed[0]], text
+    assert words in lines[failed[0] + 1], text
 
 
 @pytest.mark.parametrize("number", NUMBERS)
@@ -418,66 +372,23 @@ WRONG = {
 }
 
 
-def rounds_of(cases: dict) -> list[list[str]]:
-    """The cases in rounds of at most one per exercise: one grader run grades a round."""
-    rounds: list[list[str]] = []
-    for name, case in cases.items():
-        target = next((r for r in rounds if all(cases[n][0] != case[0] for n in r)), None)
-        if target is None:
-            rounds.append(target := [])
-        target.append(name)
-    return rounds
-
-
-ROUNDS = rounds_of(WRONG)
 # Later FAIL lines whose message must hold the same words (and not the absent ones) as the first
 ALSO = {"03 sum, not the mean": WHICH_03, "03 all_reduce of a copy": WHICH_03,
         "03 all_reduce of a new tensor": "3 ranks: every rank holds the same bits",
         "03 scaled twice": WHICH_03}
 
 
-def with_round(names: list[str], directory: Path, table: dict | None = None) -> list:
-    """Write the solutions of ``names`` (keys of ``table``, default ``WRONG``) with their edits
-    into ``directory``; return the grader's arguments for them."""
-    table = WRONG if table is None else table
-    for name in names:
-        number, edits, _, _, _ = table[name]
-        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
-        text = solution.read_text()
-        for right, wrong in edits:
-            assert text.count(right) == 1, f"{name}: {solution.name} no longer holds {right!r}"
-            text = text.replace(right, wrong)
-        (directory / solution.name).write_text(text)
-    return [*sorted(table[n][0] for n in names), "--dir", directory]
-
-
-@pytest.fixture(scope="module")
-def graded_ahead(request, tmp_path_factory):
-    ahead = grades_ahead(request, tmp_path_factory, {
-        "test_a_wrong_solution_fails_naming_its_root_cause":
-            lambda params, directory: with_root_cause(params["case"], directory),
-        "test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it":
-            lambda params, directory: with_round(params["names"], directory)})
-    yield ahead
-    ahead.close()
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("names", ROUNDS, ids=[" + ".join(r) for r in ROUNDS])
-def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(graded_ahead, request,
-                                                                            names):
-    done = graded_ahead.result(request.node.nodeid)
-    assert done.returncode == 1, done.stdout + done.stderr
-    found = sections(done.stdout)
-    for name in names:
-        number, _, check, words, absent = WRONG[name]
-        lines, failed = first_failure(found[number], name, check, words)
-        why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
-        assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
-        if name in ALSO:
-            [k] = [k for k in failed if ALSO[name] in lines[k]]
-            assert all(w in lines[k + 1] for w in words), f"{name}: {lines[k + 1]!r}"
-            assert not any(w in lines[k + 1] for w in absent), f"{name}: {lines[k + 1]!r}"
+@pytest.mark.parametrize("name", list(WRONG))
+def test_a_wrong_solution_of_each_class_fails_first_the_check_that_names_it(graded, name):
+    number, _, check, words, absent = WRONG[name]
+    lines, failed = first_failure(graded("wrong", name), name, check, words)
+    why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+    assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
+    if name in ALSO:
+        [k] = [k for k in failed if ALSO[name] in lines[k]]
+        assert all(w in lines[k + 1] for w in words), f"{name}: {lines[k + 1]!r}"
+        assert not any(w in lines[k + 1] for w in absent), f"{name}: {lines[k + 1]!r}"
 
 
 # Other right solutions: they must pass every check, or the grader dictates one way of writing
@@ -490,17 +401,10 @@ RIGHT = {
 
 
 @pytest.mark.slow
-def test_other_right_solutions_pass(tmp_path):
-    for number, edits in RIGHT.items():
-        solution = next(SOLUTIONS.glob(f"{number}_*.py"))
-        text = solution.read_text()
-        for right, other in edits:
-            assert text.count(right) == 1, f"{solution.name} no longer holds {right!r}"
-            text = text.replace(right, other)
-        (tmp_path / solution.name).write_text(text)
-    done = grade(*RIGHT, "--dir", tmp_path)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "FAIL" not in done.stdout
+@pytest.mark.parametrize("number", list(RIGHT))
+def test_other_right_solutions_pass(graded, number):
+    text = graded("right", number)
+    assert "PASS" in text and "FAIL" not in text, text
 
 
 # ----- wrong solutions the grader once misnamed or let pass: each now named for what it is -----
@@ -608,36 +512,32 @@ NAMED = {
         "15", [("load[result[i]] += params[i].numel()", "load[result[i]] += 1")],
         "owners: torch's ZeroRedundancyOptimizer's partition", ["number of parameters"], []),
 }
-NAMED_ROUNDS = rounds_of(NAMED)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("names", NAMED_ROUNDS, ids=[" + ".join(r) for r in NAMED_ROUNDS])
-def test_a_wrong_solution_is_named_for_what_it_is(tmp_path, names):
-    done = grade(*with_round(names, tmp_path, NAMED))
-    assert done.returncode == 1, done.stdout + done.stderr
-    found = sections(done.stdout)
-    for name in names:
-        number, _, check, words, absent = NAMED[name]
-        lines, failed = first_failure(found[number], name, check, words)
-        for k in failed:
-            later = lines[k + 1] if k + 1 < len(lines) else ""
-            assert not any(w in later for w in absent), f"{name}: {later!r} holds one of {absent}"
+@pytest.mark.parametrize("name", list(NAMED))
+def test_a_wrong_solution_is_named_for_what_it_is(graded, name):
+    number, _, check, words, absent = NAMED[name]
+    lines, failed = first_failure(graded("named", name), name, check, words)
+    for k in failed:
+        later = lines[k + 1] if k + 1 < len(lines) else ""
+        assert not any(w in later for w in absent), f"{name}: {later!r} holds one of {absent}"
+
+
+# gloo's ReduceOp.AVG (torch 2.8 on) sums, then divides: the grader says so, since the learner
+# wrote no division
+AVG = {"03 ReduceOp.AVG": (
+    "03", [(SCALE_03, "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n")], WHICH_03,
+    ["You divided the sum by world_size", "ReduceOp.AVG", "default op, SUM"], [])}
 
 
 @pytest.mark.slow
-def test_an_average_by_reduce_op_avg_is_named(tmp_path):
-    """gloo's ReduceOp.AVG (torch 2.8 on) sums, then divides: the grader says so, since the
-    learner wrote no division."""
-    case = {"03 ReduceOp.AVG": (
-        "03", [(SCALE_03, "        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)\n")], WHICH_03,
-        ["You divided the sum by world_size", "ReduceOp.AVG", "default op, SUM"], [])}
-    done = grade(*with_round(list(case), tmp_path, case))
-    if re.search(r"raised: .*AVG", unwrapped(done.stdout)):
+def test_an_average_by_reduce_op_avg_is_named(graded):
+    text = graded("avg", "03 ReduceOp.AVG")
+    if re.search(r"raised: .*AVG", text):
         pytest.skip("this torch's gloo has no ReduceOp.AVG")
-    assert done.returncode == 1, done.stdout + done.stderr
-    _, _, check, words, _ = case["03 ReduceOp.AVG"]
-    first_failure(sections(done.stdout)["03"], "03 ReduceOp.AVG", check, words)
+    _, _, check, words, _ = AVG["03 ReduceOp.AVG"]
+    first_failure(text, "03 ReduceOp.AVG", check, words)
 
 
 # ----- many solutions of one exercise, graded in one run on the same ranks -----
@@ -992,37 +892,79 @@ def by_file(stdout: str) -> dict[str, str]:
 CLASS_NUMBERS = sorted({case[0] for case in (*CLASSES.values(), *RIGHT_CLASSES.values())})
 
 
+def graded_in_one_run(solutions: dict, directory: Path) -> dict[str, str]:
+    """Grade every solution of ``solutions`` (name -> (exercise, edits, ...)) in one grader run,
+    all on the same ranks; each one's verdict, by name."""
+    paths = solution_files(list(solutions), directory, (solutions,))
+    done = grade(*paths, timeout=900)
+    found = by_file(done.stdout)
+    assert len(found) == len(paths), done.stdout + done.stderr
+    return {name: found[path.name] for name, path in zip(solutions, paths)}
+
+
+def problem(name: str, text: str, wrong: dict, right: dict) -> str | None:
+    """What did not go as it must in one solution's verdict: a right one that did not pass, a
+    wrong one whose first FAIL is not ``check`` with every one of ``words`` and none of
+    ``absent`` in its reason."""
+    if name in right:
+        return None if "PASS" in text and "FAIL" not in text else \
+            f"{name} (right) did not pass:\n{text}"
+    _, _, check, words, absent = wrong[name]
+    try:
+        lines, failed = first_failure(text, name, check, words)
+        why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
+        assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
+    except AssertionError as error:
+        return str(error)
+    return None
+
+
 def problems_in_one_run(wrong: dict, right: dict, directory: Path) -> list[str]:
     """Grade every solution of ``wrong`` (name -> (exercise, edits, check, words, absent)) and
     of ``right`` (name -> (exercise, edits)) in one grader run, all on the same ranks; what did
-    not go as it must: a right one that did not pass, a wrong one whose first FAIL is not
-    ``check`` with every one of ``words`` and none of ``absent`` in its reason."""
-    names = [*wrong, *right]
-    paths = solution_files(names, directory, (wrong, right))
-    done = grade(*paths, timeout=600)
-    found = by_file(done.stdout)
-    assert len(found) == len(paths), done.stdout + done.stderr
-    problems = []
-    for name, path in zip(names, paths):
-        text = found[path.name]
-        if name in right:
-            if "FAIL" in text or "PASS" not in text:
-                problems.append(f"{name} (right) did not pass:\n{text}")
-            continue
-        _, _, check, words, absent = wrong[name]
-        try:
-            lines, failed = first_failure(text, name, check, words)
-            why = lines[failed[0] + 1] if failed[0] + 1 < len(lines) else ""
-            assert not any(w in why for w in absent), f"{name}: {why!r} holds one of {absent}"
-        except AssertionError as error:
-            problems.append(str(error))
-    return problems
+    not go as it must (:func:`problem`)."""
+    found = graded_in_one_run({**wrong, **right}, directory)
+    return [said for name, text in found.items() if (said := problem(name, text, wrong, right))]
+
+
+#: Every table of solutions above, by a name of its own (a name can be in two tables)
+TABLES = {
+    "mistakes": {number: (number, [(right, wrong)]) for number, (right, wrong, _)
+                 in MISTAKES.items()},
+    "root causes": {case: (number, [(right, wrong)]) for case, (number, right, wrong, _, _)
+                    in ROOT_CAUSES.items()},
+    "wrong": WRONG, "right": {number: (number, edits) for number, edits in RIGHT.items()},
+    "named": NAMED, "avg": AVG, "classes": CLASSES, "right classes": RIGHT_CLASSES,
+}
+
+
+@pytest.fixture(scope="module")
+def graded(tmp_path_factory):
+    """``graded(table, name)``: the grader's verdict on that solution. Every solution of one
+    exercise, of every table, is graded in one run on the same ranks (as a learner's several
+    files are) when a test first asks for one of them: starting the grader and its ranks costs
+    more than grading a solution, and is paid once per exercise."""
+    verdicts: dict[str, dict] = {}
+
+    def verdict(table: str, name: str) -> str:
+        number = TABLES[table][name][0]
+        if number not in verdicts:
+            solutions = {(t, n): case for t, cases in TABLES.items() for n, case in cases.items()
+                         if case[0] == number}
+            directory = tmp_path_factory.mktemp(f"solutions_{number}")
+            found = graded_in_one_run({f"{t} {n}": case for (t, n), case in solutions.items()},
+                                      directory)
+            verdicts[number] = {key: found[f"{key[0]} {key[1]}"] for key in solutions}
+        return verdicts[number][(table, name)]
+
+    return verdict
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("number", CLASS_NUMBERS)
-def test_each_class_of_mistake_is_named_and_unusual_right_solutions_pass(tmp_path, number):
+def test_each_class_of_mistake_is_named_and_unusual_right_solutions_pass(graded, number):
     wrong = {name: case for name, case in CLASSES.items() if case[0] == number}
     right = {name: case for name, case in RIGHT_CLASSES.items() if case[0] == number}
-    problems = problems_in_one_run(wrong, right, tmp_path)
+    problems = [said for name in [*wrong, *right] if (said := problem(
+        name, graded("classes" if name in wrong else "right classes", name), wrong, right))]
     assert not problems, "\n\n".join(problems)

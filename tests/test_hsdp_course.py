@@ -112,6 +112,11 @@ WRONG_18 = {
     "nothing divided after the all-reduce": (
         "18", [(ACROSS, "    all_reduce(out, replicate_group)\n")],
         SHARDS, ["nothing was divided after the all-reduce"], []),
+    # right in fp32, where the cast does nothing: the grader must go on to bf16 to see it
+    "never cast to reduce_dtype": (
+        "18", [("    buffer = layout(grads, world).to(reduce_dtype)\n",
+                "    buffer = layout(grads, world)\n")],
+        SHARDS, ["2 nodes of 3 ranks, bf16 reduction", "not the layout cast to reduce_dtype"], []),
 }
 RIGHT_18 = {
     "AVG in both groups for fp32 and bf16": ("18", [(SCATTER + ACROSS, (

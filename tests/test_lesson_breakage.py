@@ -7,6 +7,10 @@ is patched in every process the lesson starts, torchrun's workers included), and
 lesson exits non-zero with the message of the check that proves that mechanism. A lesson that
 still printed OK would prove nothing. Lesson 06's synchronous all_reduce is tested in
 test_lesson_mechanisms.py, beside the mechanism it breaks.
+
+Where a whole lesson costs far more than the part of it that proves the mechanism, and the lesson
+has that part as a function, only that part runs, in the session's pool of ranks, with the same
+breakage (``PARTS``, below). The lesson's plain run (test_lessons.py) shows the part passing.
 """
 
 import functools
@@ -19,12 +23,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from lesson_modules import CANNOT_RUN_HERE, runnable_here
+import torch.distributed as dist
+from lesson_modules import CANNOT_RUN_HERE, load_lesson, runnable_here
 from runs_ahead import RunsAhead, selected
 from warm_python import warm_python
 
 from course import runner
-from miniddp.launch import RankError
+from miniddp.launch import RankError, rank_device
 
 REPO = Path(__file__).resolve().parents[1]
 BREAKAGE_DIR = Path(__file__).resolve().parent / "breakage"
@@ -48,13 +53,8 @@ CASES = [
     ("07_no_sync_accumulation", "no_sync_ignored", "all_reduce calls"),
     ("07_no_sync_accumulation_traps", "no_sync_outputs_unwatched",
      "the reduction that the validation forward prepared never completed"),
-    ("08_miniddp_vs_torch_ddp", "divide_instead_of_multiply",
-     "at 3 ranks miniddp differs from torch's DDP"),
-    ("09_checkpoints_and_restarts", "write_not_atomic", "should still hold the previous snapshot"),
     ("10_mixed_precision", "no_grad_scaler", "gradients still rounded to zero"),
     ("11_benchmarking_buckets", "bucket_cap_ignored", "miniddp's buckets differ from torch's"),
-    ("12_many_machines", "averages_not_written_back",
-     "the workers ended with different parameters"),
     ("13_communication_hooks", "comm_hook_ignored",
      "mean on miniddp differs from torch's DDP after step"),
     # the reducer divides by 3 as the hook does: the rounding the lesson shows is gone
@@ -91,8 +91,6 @@ CASES = [
      re.compile(r"miniddp's buckets \[.*\] differ from torch's \[")),
     ("05_buckets", "rebuilt_in_model_order",
      re.compile(r"miniddp's buckets \[.*\] differ from torch's \[")),
-    ("08_miniddp_vs_torch_ddp", "buckets_never_rebuilt",
-     "the buckets changed at step None, torch rebuilds at step 1"),
     ("15_sharded_optimizer", "zero_ties_reversed",
      "with equal sizes, miniddp's ZeroRedundancyOptimizer gives this rank the parameters"),
     ("15_sharded_optimizer", "zero_lr_never_forwarded",
@@ -102,11 +100,6 @@ CASES = [
     # test_fsdp_course.py, on the lesson's part that teaches each, in a pool of ranks)
     ("17_fsdp_options", "fsdp_root_resharded",
      "ZeRO-3: miniddp.fully_shard differs from torch's in what it gathers and reduces"),
-    # the reference broken, not the ring by hand: the comparison with all_reduce is a live one
-    ("15_sharded_optimizer_stage_2", "all_reduce_does_nothing",
-     "the reduce-scatter differs from all_reduce then slicing"),
-    ("16_compile", "compiled_ddp_unrecognised",
-     "differ from torch's compiled DDP's"),
     ("16_compile", "buckets_launched_after_backward",
      "compiled in pieces, no all_reduce was launched before the last piece returned"),
 ]
@@ -206,6 +199,55 @@ def failure_with_the_library_broken(ranks, world: int, breakage: str, function, 
     except RankError as error:
         return error.details
     pytest.fail(f"{function.__module__}.{function.__name__} passed with {breakage}")
+
+
+student = load_lesson("08")
+checkpoints = load_lesson("09")
+many_machines = load_lesson("12")
+stage_2 = load_lesson("15_sharded_optimizer_stage_2")
+compiled = load_lesson("16")
+
+
+def writers_killed_halfway(workdir: Path) -> None:
+    """Lesson 09's part 1, on rank 0 only, as the lesson runs it."""
+    if dist.get_rank() == 0:
+        checkpoints.writers_killed_halfway(workdir)
+
+
+def reduce_scatter_against_all_reduce() -> None:
+    stage_2.reduce_scatter_against_all_reduce(dist.get_rank(), dist.get_world_size(),
+                                              rank_device())
+
+
+# lesson, what is broken, ranks, the part of the lesson that must fail, its arguments (a
+# callable: made in the test), the message of its check
+PARTS = [
+    ("08_miniddp_vs_torch_ddp", "divide_instead_of_multiply", 3, student.at_three_ranks,
+     lambda tmp_path: (), "at 3 ranks miniddp differs from torch's DDP"),
+    ("08_miniddp_vs_torch_ddp", "buckets_never_rebuilt", 2, student.on_every_rank,
+     lambda tmp_path: (), "the buckets changed at step None, torch rebuilds at step 1"),
+    ("09_checkpoints_and_restarts", "write_not_atomic", 2, writers_killed_halfway,
+     lambda tmp_path: (tmp_path,), "should still hold the previous snapshot"),
+    ("12_many_machines", "averages_not_written_back", 2, many_machines.train_and_check,
+     lambda tmp_path: (torch.device("cpu"),), "the workers ended with different parameters"),
+    # the reference broken, not the ring by hand: the comparison with all_reduce is a live one
+    ("15_sharded_optimizer_stage_2", "all_reduce_does_nothing", 2,
+     reduce_scatter_against_all_reduce, lambda tmp_path: (),
+     "the reduce-scatter differs from all_reduce then slicing"),
+    ("16_compile", "compiled_ddp_unrecognised", 2, compiled.like_torch,
+     lambda tmp_path: ("aot_eager",), "differ from torch's compiled DDP's"),
+]
+
+
+@pytest.mark.lesson
+@pytest.mark.parametrize("lesson, breakage, world, part, arguments, message", [
+    pytest.param(*case, id=f"{case[0]}-{case[1]}", marks=runnable_here(case[0]))
+    for case in PARTS])
+def test_lessons_part_fails_when_its_mechanism_is_broken(lesson, breakage, world, part,
+                                                         arguments, message, ranks, tmp_path):
+    said = failure_with_the_library_broken(ranks, world, breakage, part, *arguments(tmp_path))
+    assert message in said, f"{lesson} with {breakage} failed, but not with '{message}':\n" \
+                            f"{said[-3000:]}"
 
 
 def test_a_breakage_whose_target_is_gone_fails_loudly(tmp_path):

@@ -7,8 +7,10 @@ runs lesson 08 alone.
 ``python lessons/NN_topic.py`` runs in a warm interpreter (``tests/warm_python.py``: a fork of
 one that imported torch, which is otherwise most of a short lesson's CPU), and the documented
 torchrun command runs as it is, in fresh interpreters, for each lesson whose code does
-something of its own under torchrun (it asks ``launched_by_torchrun()`` or
-``started_by_torchrun()``). The others reach torchrun only through ``miniddp.launch``, the same
+something of its own under torchrun (it asks ``launched_by_torchrun()``). A lesson that asks
+``started_by_torchrun()`` is a torchrun worker: run plainly, it starts torchrun on its own file
+(``--standalone``, or agents meeting at a rendezvous) and checks its workers' OK, so its plain run
+is already that torchrun run. The others reach torchrun only through ``miniddp.launch``, the same
 code for every lesson, which those runs and ``tests/test_launch.py`` prove; for them the test
 checks that the command their docstring gives names the lesson's own file.
 """
@@ -62,8 +64,14 @@ def branches_under_torchrun(lesson: Path) -> bool:
     return re.search(r"\b(launched|started)_by_torchrun\(\)", lesson.read_text()) is not None
 
 
+def runs_torchrun_itself(lesson: Path) -> bool:
+    """Whether the lesson is a torchrun worker that, run plainly, starts torchrun on itself."""
+    return re.search(r"\bstarted_by_torchrun\(\)", lesson.read_text()) is not None
+
+
 DOCUMENTED_TORCHRUN = [p for p in LESSONS if torchrun_command(p)]
-TORCHRUN_LESSONS = [p for p in DOCUMENTED_TORCHRUN if branches_under_torchrun(p)]
+TORCHRUN_LESSONS = [p for p in DOCUMENTED_TORCHRUN
+                    if branches_under_torchrun(p) and not runs_torchrun_itself(p)]
 #: Preloaded in the interpreter that forks each plain lesson run: the modules every lesson
 #: imports first, shared with ``tests/test_lesson_breakage.py``'s warm interpreters.
 WARM = ("torch", "torch._dynamo")
@@ -127,8 +135,12 @@ def test_lesson_runs_under_its_documented_torchrun_command(lesson, runs_ahead, r
 def test_lessons_that_branch_under_torchrun_are_found():
     """The selection above, checked: it must not quietly drop every torchrun run."""
     stems = {p.stem for p in TORCHRUN_LESSONS}
-    assert {"01_processes_and_collectives", "09_checkpoints_and_restarts"} <= stems, stems
+    assert {"01_processes_and_collectives", "08_miniddp_vs_torch_ddp"} <= stems, stems
     assert "03_data_parallel_by_hand" not in stems, stems
+    # their plain runs are their torchrun runs: torchrun --standalone (09), agents (12)
+    itself = {p.stem for p in DOCUMENTED_TORCHRUN if runs_torchrun_itself(p)}
+    assert {"09_checkpoints_and_restarts", "12_many_machines"} <= itself, itself
+    assert "--standalone" in LESSONS_DIR.joinpath("09_checkpoints_and_restarts.py").read_text()
 
 
 @pytest.mark.parametrize("lesson", [pytest.param(p, id=p.stem) for p in DOCUMENTED_TORCHRUN])

@@ -2,7 +2,6 @@
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
@@ -11,6 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import LESSONS_DIR
 from torch import nn
+from warm_python import warm_python
 
 import miniddp
 from miniddp.checks.trace import trace_backward
@@ -130,9 +130,10 @@ def test_all_ranks_side_by_side(ranks):
 def test_lesson_06_prints_the_trace_with_trace(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
-    done = subprocess.run([sys.executable, str(LESSONS_DIR / "06_overlap.py"), "--trace"],
-                          env=env, capture_output=True, text=True, timeout=120,
-                          cwd=LESSONS_DIR.parent)
+    # from an interpreter that has imported torch already, as tests/test_lessons.py runs lessons
+    done = warm_python(("torch", "torch._dynamo")).run(
+        [sys.executable, str(LESSONS_DIR / "06_overlap.py"), "--trace"], env=env,
+        cwd=LESSONS_DIR.parent, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     trace = done.stdout.split("event by event (--trace)")[1]
     assert "rank 0:" in trace and "rank 1:" in trace
