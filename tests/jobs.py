@@ -5,6 +5,12 @@ not reach them: :class:`Job` notes every descendant while the job is alive and k
 process group too. Processes are known by (pid, start time), so a pid the system has given to a
 new process since is never signalled.
 
+``Job(..., fork=True)`` runs a ``python -m module`` / ``python -c code`` / ``python script.py``
+command in a process forked from this one instead of a new interpreter (:class:`ForkedPython`):
+the seconds of ``import torch`` are already paid, the rest is as ``python`` would do it. For a
+process whose own imports are beside the point (torchrun's agent, a launcher that starts the
+workers a test is about); the processes it starts are new interpreters as ever.
+
 :func:`run_like_torchrun` runs a torchrun-style script on ranks forked from the test process:
 torchrun's environment without torchrun's seconds of ``import torch`` per worker.
 """
@@ -13,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import faulthandler
+import logging
 import multiprocessing as mp
 import os
 import runpy
@@ -22,6 +29,8 @@ import subprocess
 import sys
 import time
 import traceback
+import types
+import warnings
 from collections import defaultdict
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -184,17 +193,117 @@ def alive(process: tuple[int, str]) -> bool:
     return fields is not None and fields[19] == process[1] and fields[0] != "Z"
 
 
+def _python_in_child(args: list[str], cwd: str, env: dict[str, str], log: str) -> None:
+    """``python ARGS`` in a forked process: a session of its own, stdin from /dev/null, stdout
+    and stderr to ``log``, the environment, directory, ``sys.argv`` and ``sys.path[0]`` that
+    ``python`` would give it, Python's default signal handlers, warnings and logging; then the
+    module, code or script runs as ``__main__``. An uncaught exception prints its traceback and
+    exits 1, a ``SystemExit`` exits with its code (multiprocessing's bootstrap), as Python does.
+    """
+    os.setsid()
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdin = sys.__stdin__ = open(0, closefd=False)
+    sys.stdout = sys.__stdout__ = os.fdopen(1, "w", buffering=1, closefd=False)
+    sys.stderr = sys.__stderr__ = os.fdopen(2, "w", buffering=1, closefd=False)
+    faulthandler.disable()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    warnings.showwarning = warnings._showwarning_orig  # pytest records warnings: print them
+    warnings.resetwarnings()  # and Python's default filters, in their order
+    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning,
+                     DeprecationWarning):
+        warnings.simplefilter("ignore", category)
+    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
+    logging.root.handlers.clear()  # pytest's capturing handlers: Python's last resort instead
+    logging.root.setLevel(logging.WARNING)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    pythonpath = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]
+    sys.modules["__main__"] = main = types.ModuleType("__main__")
+    try:
+        if args[0] == "-m":
+            sys.argv = ["-m", *args[2:]]  # runpy puts the module's path in argv[0]
+            sys.path[:0] = [os.getcwd(), *pythonpath]
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        elif args[0] == "-c":
+            sys.argv = ["-c", *args[2:]]
+            sys.path[:0] = ["", *pythonpath]
+            exec(compile(args[1], "<string>", "exec"), main.__dict__)
+        else:
+            sys.argv = list(args)
+            sys.path[:0] = [os.path.dirname(os.path.abspath(args[0])), *pythonpath]
+            runpy.run_path(args[0], run_name="__main__")
+    except SystemExit:
+        raise
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
+
+
+class ForkedPython:
+    """``subprocess.Popen([sys.executable, *ARGS], ...)``'s part that :class:`Job` uses (``pid``,
+    ``poll``, ``wait``, ``returncode``), for a ``python`` forked from this process: it costs
+    no new interpreter, and already has what this process imported (torch, miniddp).
+
+    Only where a forked child can run what the job runs (``start_methods.fork_is_safe``: no
+    CUDA context, no autograd device threads here); :class:`Job` starts an interpreter instead.
+    """
+
+    def __init__(self, command: list[str], cwd: Path, env: dict[str, str], log: Path):
+        if (command[0] != sys.executable or len(command) < 2
+                or command[1].startswith("-") and command[1] not in ("-m", "-c")):
+            raise ValueError(f"ForkedPython runs `{sys.executable} -m MODULE | -c CODE | SCRIPT "
+                             f"[ARGS]`, not {command}")
+        self._process = mp.get_context("fork").Process(
+            target=_python_in_child, args=(command[1:], str(cwd), dict(env), str(log)))
+        self._process.start()
+        self.pid, self.returncode = self._process.pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and not self._process.is_alive():
+            self.returncode = self._process.exitcode
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(["python", "(forked)"], timeout)
+        return self.returncode
+
+
 class Job:
-    """A command in a new session, its output in a file; killed with all it started on failure."""
+    """A command in a new session, its output in a file; killed with all it started on failure.
+
+    ``fork=True``: a ``python`` command runs in a process forked from this one
+    (:class:`ForkedPython`) where that is safe, in a new interpreter where it is not.
+    """
+
+    #: Seconds between two looks for the job's descendants: each look reads every process's
+    #: /proc/PID/stat (milliseconds of CPU), and a worker lives for seconds.
+    SCAN_EVERY = 0.25
 
     def __init__(self, command: list[str], log: Path, cwd: Path | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, fork: bool = False):
         self.command, self.log_path = command, log
         self._log = open(log, "w")
-        self.proc = subprocess.Popen(command, cwd=cwd or REPO, env=env or clean_env(),
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        cwd, env = cwd or REPO, env or clean_env()
+        if fork and command[0] == sys.executable and start_methods.fork_is_safe():
+            self.proc = ForkedPython(command, cwd, env, log)
+        else:
+            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=self._log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
         self._seen: set[tuple[int, str]] = set()
+        self._scanned = 0.0
 
     def output(self) -> str:
         if not self._log.closed:
@@ -203,7 +312,9 @@ class Job:
 
     def running(self) -> bool:
         if self.proc.poll() is None:
-            self._seen.update(_descendants(self.proc.pid))
+            if time.monotonic() - self._scanned >= self.SCAN_EVERY:
+                self._seen.update(_descendants(self.proc.pid))
+                self._scanned = time.monotonic()
             return True
         return False
 
@@ -249,7 +360,7 @@ class Job:
 
 
 def run(command: list[str], log: Path, timeout: float, **kwargs) -> tuple[int, str]:
-    """Run a job to the end: (exit code, output)."""
+    """Run a job to the end: (exit code, output). ``kwargs``: :class:`Job`'s."""
     with Job(command, log, **kwargs) as job:
         code = job.wait(timeout)
         return code, job.output()

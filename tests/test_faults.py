@@ -2,8 +2,11 @@
 bad flags, a damaged snapshot, a second job on the same snapshot; Ctrl-C, SIGTERM, SIGHUP, SIGKILL.
 
 Each failure must stop every rank and name the rank that caused it; nothing may hang or be left
-running. The torchrun runs cost seconds of ``import torch`` per process, so there are three; the
-signal tests fork the launcher (``jobs.ForkedMain``) rather than start an interpreter.
+running. The torchrun runs cost seconds of ``import torch`` per worker, so there are three, each
+agent forked from this process (``Job(..., fork=True)``: torchrun's workers are new interpreters,
+as ever); the signal tests fork the launcher (``jobs.ForkedMain``) rather than start an
+interpreter. A job that must still be running when it is killed or stopped parks a rank at a
+step (``--fault hang``, first attempt only) instead of racing a long run.
 """
 
 import os
@@ -38,10 +41,9 @@ from miniddp.train.data import make_model
 
 # 16 steps an epoch on 2 ranks, 64 in all.
 JOB = ["--epochs", "4", "--dataset-size", "512", "--batch-size", "16", "--save-every-steps", "5"]
-# 64 steps an epoch, 256 in all: long enough that a worker killed after the first snapshot is
-# killed mid-run, even on a loaded machine.
-LONG_JOB = ["--epochs", "4", "--dataset-size", "2048", "--batch-size", "16",
-            "--save-every-steps", "5"]
+# Rank 1 sleeps at step 7, after the snapshot of step 5, in the first attempt only: a job still
+# running when the test kills a worker or stops the launcher, however loaded the machine.
+PARKED = ["--fault", "hang:1:7"]
 
 
 def reference_weights(tmp_path_factory, argv):
@@ -102,11 +104,6 @@ def test_main_prints_the_error_of_the_rank_that_failed_and_exits_non_zero(capfd)
 # --- torchrun ---
 
 @pytest.fixture(scope="module")
-def long_reference(tmp_path_factory):
-    return reference_weights(tmp_path_factory, LONG_JOB)
-
-
-@pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     return reference_weights(tmp_path_factory, JOB)
 
@@ -115,12 +112,14 @@ def reference(tmp_path_factory):
 @pytest.mark.skipif(not TORCHRUN_CAN_RESTART_WORKERS,
                     reason="torch 2.3's torchrun cannot restart workers (pytorch issue 123678)")
 def test_torchrun_restarts_a_worker_killed_from_outside_and_the_job_ends_bit_identical(
-        tmp_path, long_reference):
+        tmp_path, reference):
+    """Rank 1 is killed after the first snapshot and before the end: it is parked at step 7 in
+    the first attempt (``PARKED``), which the restarted attempt trains past."""
     snap, pids, out = tmp_path / "snap.pt", tmp_path / "pids", tmp_path / "final.pt"
     command = torchrun("--standalone", "--nproc_per_node=2", "--max-restarts=2", "-m",
-                       "miniddp.train", *LONG_JOB, "--snapshot", str(snap), "--out", str(out),
+                       "miniddp.train", *JOB, *PARKED, "--snapshot", str(snap), "--out", str(out),
                        "--pid-dir", str(pids), "--timeout", "30")
-    with Job(command, tmp_path / "log.txt", cwd=tmp_path) as job:
+    with Job(command, tmp_path / "log.txt", cwd=tmp_path, fork=True) as job:
         deadline = time.monotonic() + 90
         while not (snap.exists() and (pids / "rank1.pid").exists()):
             assert job.running(), f"the job ended before it could be killed:\n{job.output()}"
@@ -136,14 +135,14 @@ def test_torchrun_restarts_a_worker_killed_from_outside_and_the_job_ends_bit_ide
                      output), output
     assert pids_in(pids) != victims, "the workers should have been restarted"
     assert_all_gone(victims + pids_in(pids))
-    assert same_weights(weights(out), long_reference), "resumed weights differ"
+    assert same_weights(weights(out), reference), "resumed weights differ"
 
 
 @pytest.mark.slow
 def test_torchrun_shows_the_error_of_the_rank_that_raised(tmp_path):
     command = torchrun("--standalone", "--nproc_per_node=2", "-m", "miniddp.train", *JOB,
                        "--fault", "raise:1:3", "--pid-dir", str(tmp_path / "pids"))
-    code, output = run(command, tmp_path / "log.txt", timeout=120, cwd=tmp_path)
+    code, output = run(command, tmp_path / "log.txt", timeout=120, cwd=tmp_path, fork=True)
     assert code != 0, output
     assert "Root Cause" in output, output
     root = output.split("Root Cause")[1]
@@ -183,8 +182,8 @@ def test_two_torchrun_agents_train_the_job_together(tmp_path, reference):
                            "--local-addr=127.0.0.1", "--max-restarts=0", "-m", "miniddp.train",
                            *JOB, "--snapshot", str(tmp_path / f"snap{attempt}.pt"),
                            "--out", str(tmp_path / "final.pt"))
-        with Job(command, logs[0], cwd=tmp_path) as node0, \
-                Job(command, logs[1], cwd=tmp_path) as node1:
+        with Job(command, logs[0], cwd=tmp_path, fork=True) as node0, \
+                Job(command, logs[1], cwd=tmp_path, fork=True) as node1:
             codes = [node0.wait(120), node1.wait(60)]
             output = node0.output() + node1.output()
         if codes == [0, 0] or "Address already in use" not in output:
@@ -299,8 +298,10 @@ def group_dirs(pid):
     return sorted(Path(tempfile.gettempdir()).glob(f"miniddp-{pid}-*"))
 
 
-def start_long_job(tmp_path):
-    argv = ["--nproc", "2", *LONG_JOB, "--snapshot", str(tmp_path / "snap.pt"), "--pid-dir",
+def start_parked_job(tmp_path):
+    """``python -m miniddp.train`` (forked), once it has saved a snapshot; it runs until it is
+    stopped (``PARKED``)."""
+    argv = ["--nproc", "2", *JOB, *PARKED, "--snapshot", str(tmp_path / "snap.pt"), "--pid-dir",
             str(tmp_path / "pids")]
     job = ForkedMain(argv, tmp_path / "log.txt")
     deadline = time.monotonic() + 60
@@ -314,7 +315,7 @@ def start_long_job(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP],
                          ids=["Ctrl-C", "SIGTERM", "SIGHUP"])
 def test_a_stopped_job_says_where_its_last_snapshot_is_and_leaves_nothing(tmp_path, capfd, sig):
-    with start_long_job(tmp_path) as job:
+    with start_parked_job(tmp_path) as job:
         launcher, ranks = job.pid, pids_in(tmp_path / "pids")
         assert group_dirs(launcher), "the ranks' directory is named with the launcher's pid"
         # While it runs, a second job on the same snapshot is refused, naming the holder.
@@ -338,7 +339,7 @@ def test_a_stopped_job_says_where_its_last_snapshot_is_and_leaves_nothing(tmp_pa
 
 
 def test_after_a_sigkill_the_next_job_removes_what_the_killed_one_left(tmp_path, capfd):
-    with start_long_job(tmp_path) as job:
+    with start_parked_job(tmp_path) as job:
         launcher, ranks = job.pid, pids_in(tmp_path / "pids")
         os.kill(launcher, signal.SIGKILL)  # nothing can clean up after this...
         job.wait(30)
@@ -347,7 +348,7 @@ def test_after_a_sigkill_the_next_job_removes_what_the_killed_one_left(tmp_path,
     tmp = tmp_path / ".snap.pt.tmp"
     tmp.write_bytes(b"half a snapshot")  # what a kill in the middle of a save leaves
     capfd.readouterr()
-    run_job_to_the_end = train.main(["--nproc", "2", *LONG_JOB, "--epochs", "1",
+    run_job_to_the_end = train.main(["--nproc", "2", *JOB, "--epochs", "1",
                                      "--snapshot", str(tmp_path / "snap.pt")])
     assert run_job_to_the_end == 0
     err = capfd.readouterr().err

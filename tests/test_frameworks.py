@@ -2,12 +2,25 @@
 bit for bit as with torch's DDP, and every rank really builds miniddp's class.
 
 Each test runs a real job at 2 ranks on CPU and gloo (``tests/frameworks/*_job.py``: a tiny
-model made in code, no downloads), the way a user starts it: Accelerate's ``accelerate launch``
-(torchrun underneath: each rank a new Python), Lightning's ``ddp`` (which runs the script again
-for rank 1) and ``ddp_spawn`` (spawned workers). miniddp is put in torch's place by
-``python -m miniddp.run`` or by ``miniddp.install()`` in the script; the same job run with plain
-``python`` is torch's baseline, and its class shows that the class check can tell the two
-apart. Lightning's two strategies train to the same bits (the ``ddp`` baseline serves both).
+model made in code, no downloads). miniddp is put in torch's place by ``python -m miniddp.run``
+or by ``miniddp.install()`` in the script, each rank started the way a user starts it:
+Accelerate's ``accelerate launch`` (torchrun underneath: each rank a new Python) under
+``python -m miniddp.run``; Lightning's ``ddp`` (which runs the script again for rank 1) under
+``python -m miniddp.run``, and ``ddp_spawn`` (spawned workers) with the install under
+``if __name__ == "__main__":``, which only the workers' environment carries to them.
+
+The same job with torch's DDP is the baseline, and its class shows that the class check can tell
+the two apart. It runs where its ranks cost no new interpreter: Accelerate's on ranks forked
+from this process with torchrun's environment (``jobs.run_like_torchrun``), Lightning's with its
+``ddp_fork`` strategy; Lightning's strategies all train to the same bits. The Accelerate job with
+``miniddp.install()`` on its first line runs on such forked ranks too (what ``install`` does in a
+worker, ``python -m miniddp.run`` does in each of accelerate launch's). A process that only
+starts the workers (``python -m miniddp.run -m accelerate.commands.launch``, the ``ddp_spawn``
+job's, the ``ddp_fork`` baseline's) is forked from this one (``jobs.Job``'s ``fork``), which has
+imported torch, miniddp and the framework already, as that process itself would before it
+starts them: its workers are new interpreters all the same. Lightning's ``ddp`` job is not: its
+first process is rank 0, and under ``python -m miniddp.run`` it imports Lightning after the
+install, as a user's does.
 
 The frameworks come with ``pip install -e ".[frameworks]"`` (``.ci/run`` installs them).
 """
@@ -24,18 +37,24 @@ JOBS = Path(__file__).resolve().parent / "frameworks"
 TORCHS = "torch.nn.parallel.distributed.DistributedDataParallel"
 MINIDDPS = "miniddp.ddp.DistributedDataParallel"
 ACCELERATE_LAUNCH = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no"]
+                     "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                     "--main_process_port", "0"]  # a free port, not 29500: others may hold it
 
 
-def run_job(out: Path, *args: str) -> list[dict]:
-    """``python ARGS`` to the end; what each rank wrote to ``out``."""
-    out.mkdir()
-    code, output = jobs.run([sys.executable, *args], out / "job.log", timeout=300, cwd=out,
-                            env=jobs.clean_env(PYTHONPATH=str(jobs.REPO)))
-    assert code == 0, output[-6000:]
+def ranks_wrote(out: Path, output: str = "") -> list[dict]:
     ranks = [out / f"rank{r}.pt" for r in range(2)]
     assert all(f.exists() for f in ranks), f"a rank wrote nothing: {output[-6000:]}"
     return [torch.load(f) for f in ranks]
+
+
+def run_job(out: Path, *args: str, fork: bool = False) -> list[dict]:
+    """``python ARGS`` to the end (``fork``: forked from this process); what each rank wrote
+    to ``out``."""
+    out.mkdir()
+    code, output = jobs.run([sys.executable, *args], out / "job.log", timeout=300, cwd=out,
+                            env=jobs.clean_env(PYTHONPATH=str(jobs.REPO)), fork=fork)
+    assert code == 0, output[-6000:]
+    return ranks_wrote(out, output)
 
 
 def assert_miniddp_trained_as_torch(ours: list[dict], torchs: list[dict]) -> None:
@@ -50,10 +69,13 @@ def assert_miniddp_trained_as_torch(ours: list[dict], torchs: list[dict]) -> Non
 
 
 def accelerate(out: Path, how: str) -> list[dict]:
-    job = [*ACCELERATE_LAUNCH, str(JOBS / "accelerate_job.py"), str(out)]
-    if how == "miniddp.run":
-        return run_job(out, "-m", "miniddp.run", *job)
-    return run_job(out, *job, *(["--install"] if how == "install" else []))
+    job = [str(JOBS / "accelerate_job.py"), str(out)]
+    if how == "miniddp.run":  # the launcher forked: its workers are accelerate launch's own
+        return run_job(out, "-m", "miniddp.run", *ACCELERATE_LAUNCH, *job, fork=True)
+    out.mkdir()  # torch's, or miniddp.install() first: ranks forked as torchrun's workers
+    jobs.run_like_torchrun(Path(job[0]), [*job[1:], *(["--install"] if how == "install" else [])],
+                           out, timeout=120)
+    return ranks_wrote(out)
 
 
 @pytest.fixture(scope="module")
@@ -76,17 +98,17 @@ def lightning(out: Path, strategy: str, how: str) -> list[dict]:
     job = [str(JOBS / "lightning_job.py"), strategy, str(out)]
     if how == "miniddp.run":
         return run_job(out, "-m", "miniddp.run", *job)
-    return run_job(out, *job, *([f"--{how}"] if how != "torch" else []))
+    return run_job(out, *job, *([f"--{how}"] if how != "torch" else []), fork=True)
 
 
 @pytest.fixture(scope="module")
 def lightning_with_torch(tmp_path_factory):
     pytest.importorskip("lightning", reason='pip install -e ".[frameworks]"')
-    return lightning(tmp_path_factory.mktemp("lightning") / "torch", "ddp", "torch")
+    return lightning(tmp_path_factory.mktemp("lightning") / "torch", "ddp_fork", "torch")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy, how", [("ddp", "miniddp.run"), ("ddp_spawn", "miniddp.run"),
+@pytest.mark.parametrize("strategy, how", [("ddp", "miniddp.run"),
                                            ("ddp_spawn", "install-in-main")])
 def test_lightning_trains_with_miniddp_as_with_torch(lightning_with_torch, tmp_path, strategy,
                                                      how):

@@ -15,6 +15,7 @@ of this module holding it would be pointed at miniddp's class by the install its
 
 import contextlib
 import os
+import runpy
 import subprocess
 import sys
 import textwrap
@@ -403,22 +404,54 @@ def run_python(args, tmp_path, timeout=120):
                           timeout=timeout)
 
 
-def test_run_installs_before_the_script_which_runs_as_main_with_its_arguments(tmp_path):
+def run_in_this_process(args, tmp_path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """``python ARGS`` with ``tmp_path`` as current directory, in this process: what it exits
+    with, writes to stdout and to stderr. For ``-m miniddp.run ...`` and ``SCRIPT``: their
+    imports are this process's already, and ``main`` undoes its install."""
+    from miniddp.run.__main__ import main
+
+    (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    monkeypatch.setattr(sys, "path", [str(tmp_path), *sys.path])  # as python puts the cwd
+    capsys.readouterr()
+    code = 0
+    try:
+        if args[:2] == ["-m", "miniddp.run"]:
+            main(args[2:])
+        else:
+            sys.argv = ["train.py", *args[1:]]
+            runpy.run_path("train.py", run_name="__main__")
+    except SystemExit as exit:  # as Python reports it: a code, or a message and 1
+        code = exit.code if isinstance(exit.code, int) else 0 if exit.code is None else 1
+        if not isinstance(exit.code, (int, type(None))):
+            print(exit.code, file=sys.stderr)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_run_installs_before_the_script_which_runs_as_main_with_its_arguments(
+        tmp_path, monkeypatch, capsys):
+    """A new ``python -m miniddp.run`` once; the module form and the plain script (torch's
+    class: the negative control) run in this process."""
     done = run_python(["-m", "miniddp.run", "SCRIPT", "--lr", "3"], tmp_path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "name __main__ argv ['--lr', '3'] miniddp True" in done.stdout
-    plain = run_python(["SCRIPT"], tmp_path)  # without it: torch's class
-    assert "miniddp False" in plain.stdout, plain.stderr[-2000:]
-    as_module = run_python(["-m", "miniddp.run", "-m", "train", "--lr", "3"], tmp_path)
-    assert "name __main__ argv ['--lr', '3'] miniddp True" in as_module.stdout, (
-        as_module.stderr[-2000:])
+    code, out, err = run_in_this_process(["SCRIPT"], tmp_path, monkeypatch, capsys)
+    assert code == 0 and "miniddp False" in out, err[-2000:]  # without it: torch's class
+    code, out, err = run_in_this_process(["-m", "miniddp.run", "-m", "train", "--lr", "3"],
+                                         tmp_path, monkeypatch, capsys)
+    assert code == 0 and "name __main__ argv ['--lr', '3'] miniddp True" in out, err[-2000:]
+    assert torch.nn.parallel.DistributedDataParallel is run.TORCH_DDP  # undone at the end
 
 
-def test_run_without_a_script_says_how_to_use_it(tmp_path):
-    done = run_python(["-m", "miniddp.run"], tmp_path)
-    assert done.returncode == 2 and "usage: python -m miniddp.run script.py" in done.stdout
-    missing = run_python(["-m", "miniddp.run", "nowhere.py"], tmp_path)
-    assert missing.returncode != 0 and "no such script: nowhere.py" in missing.stderr
+def test_run_without_a_script_says_how_to_use_it(tmp_path, monkeypatch, capsys):
+    """``main`` is ``python -m miniddp.run``'s whole body (the test above runs one)."""
+    code, out, _ = run_in_this_process(["-m", "miniddp.run"], tmp_path, monkeypatch, capsys)
+    assert code == 2 and "usage: python -m miniddp.run script.py" in out
+    code, _, err = run_in_this_process(["-m", "miniddp.run", "nowhere.py"], tmp_path,
+                                       monkeypatch, capsys)
+    assert code != 0 and "no such script: nowhere.py" in err
 
 
 WHERE = """
@@ -453,11 +486,16 @@ def test_the_script_gets_the_file_name_plain_python_gives_it(tmp_path, monkeypat
 
 @pytest.mark.slow
 def test_torchrun_runs_each_worker_through_miniddp_run(tmp_path):
-    done = run_python(["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                       "-m", "miniddp.run", "SCRIPT", "--train"], tmp_path, timeout=240)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    """torchrun's agent is forked from this process (``jobs.Job``'s ``fork``); each worker is
+    a new ``python -m miniddp.run train.py``."""
+    (tmp_path / "train.py").write_text(textwrap.dedent(SCRIPT))
+    code, output = jobs.run([*jobs.torchrun("--standalone", "--nproc_per_node=2"), "-m",
+                             "miniddp.run", "train.py", "--train"], tmp_path / "torchrun.log",
+                            timeout=240, cwd=tmp_path, env=jobs.clean_env(PYTHONPATH=REPO),
+                            fork=True)
+    assert code == 0, output[-4000:]
     for rank in range(2):
-        assert f"rank {rank} miniddp.ddp agree True" in done.stdout, done.stdout[-2000:]
+        assert f"rank {rank} miniddp.ddp agree True" in output, output[-4000:]
 
 
 # ----- the processes a script starts -----
@@ -638,18 +676,30 @@ if __name__ == "__main__":
 UNREACHED = ("import sys; from miniddp.run import children; children.reach = lambda: None; "
              "from miniddp.run.__main__ import main; main(sys.argv[1:])")
 #: ``python -m miniddp.run`` reaching children that inherit its environment, but not the ones
-#: given an environment of their own.
-UNWATCHED = UNREACHED.replace("children.reach", "children.watch")
+#: given an environment of their own: no audit hook, and none inherited either (a process forked
+#: from one that watched already has the hook, which calls ``started_with_env``).
+UNWATCHED = UNREACHED.replace("children.reach = lambda: None",
+                              "children.watch = children.started_with_env = lambda *args: None")
 
 
-def start_workers(tmp_path, how: str, reach: bool, unreached: str = UNREACHED) -> str:
+def start_workers(tmp_path, how: str, reach: bool, unreached: str = UNREACHED,
+                  fork: bool = True) -> str:
+    """``python -m miniddp.run workers.py HOW`` (or the ``unreached`` runner) to the end.
+
+    ``fork``: that first process is forked from this one (``jobs.Job``'s ``fork``: it would
+    import torch and miniddp before the install all the same), which is not installed; the
+    workers it starts are new interpreters. Not where the audit hook is what reaches a worker:
+    a forked process inherits the hook of any earlier install here, and would reach it whether
+    or not its own install watched.
+    """
+    assert not run.is_installed(), "a test left miniddp installed in this process"
     script = tmp_path / "workers.py"
     script.write_text(WORKERS)
     init = f"file://{tmp_path / f'{how}-{reach}.store'}"
     runner = ["-m", "miniddp.run"] if reach else ["-c", unreached]
     code, output = jobs.run([sys.executable, *runner, str(script), how, init],
                             tmp_path / f"{how}-{reach}.log", timeout=240, cwd=tmp_path,
-                            env=jobs.clean_env(PYTHONPATH=REPO))
+                            env=jobs.clean_env(PYTHONPATH=REPO), fork=fork)
     assert code == 0, output[-4000:]
     return output
 
@@ -689,7 +739,7 @@ def test_run_reaches_a_script_run_again_for_the_other_rank(tmp_path):
 def test_run_reaches_a_rank_started_with_an_environment_of_its_own(tmp_path):
     """``Popen(..., env={...})`` without miniddp's entries: reached all the same; unwatched (the
     negative control), that rank builds torch's and the message names the likely cause."""
-    output = start_workers(tmp_path, "own_env", reach=True)
+    output = start_workers(tmp_path, "own_env", reach=True, fork=False)  # the hook's own doing
     assert [reported(output, rank)[0] for rank in range(2)] == ["miniddp.ddp"] * 2
     unwatched = start_workers(tmp_path, "own_env", reach=False, unreached=UNWATCHED)
     assert "rank 0: MixedDDPClasses: rank(s) [1] of this job built torch's" in unwatched, (

@@ -7,10 +7,10 @@ a second; lessons 09 and 12 run the real thing (tests/test_lessons.py).
 
 import os
 import signal
-import subprocess
 import sys
 import time
 
+import jobs
 import pytest
 
 from miniddp.launch.torchrun_agents import AgentsDone, agent_environment, run_agents, verdict
@@ -54,13 +54,16 @@ def test_agents_get_no_launcher_variables_and_one_thread(monkeypatch):
     assert env["OMP_NUM_THREADS"] == "1" and env["PYTHONUNBUFFERED"] == "1"
 
 
-def test_a_failing_worker_names_its_rank_before_its_traceback():
+def test_a_failing_worker_names_its_rank_before_its_traceback(tmp_path):
+    """The worker is ``python -c`` forked from this process (``jobs.Job``'s ``fork``: no
+    seconds of ``import torch``); it exits as Python exits on an uncaught exception."""
     code = "from miniddp.launch.torchrun_agents import as_worker; as_worker(lambda: 1 / 0)"
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2"}
-    done = subprocess.run(python(code), env=env, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1
-    assert done.stderr.startswith("rank 1 of 2 raised:\nTraceback")
-    assert "ZeroDivisionError" in done.stderr
+    status, output = jobs.run(python(code), tmp_path / "worker.log", timeout=60, env=env,
+                              fork=True)  # stdout and stderr: the worker writes to stderr only
+    assert status == 1, output
+    assert output.startswith("rank 1 of 2 raised:\nTraceback"), output
+    assert "ZeroDivisionError" in output
 
 
 def test_the_verdict_is_the_workers_ok_line_or_an_exit_saying_what_went_wrong():

@@ -1,6 +1,6 @@
 """A Lightning job for ``tests/test_frameworks.py``: a tiny model, 3 steps at 2 ranks on CPU.
 
-    python lightning_job.py ddp|ddp_spawn OUT [--install | --install-in-main]
+    python lightning_job.py ddp|ddp_spawn|ddp_fork OUT [--install | --install-in-main]
     python -m miniddp.run lightning_job.py ddp|ddp_spawn OUT
 
 Every rank writes ``OUT/rank{r}.pt``: the class of the DDP wrapper Lightning built, the
