@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from bits import same_bits
 from lesson_modules import LESSONS_DIR, load_lesson, runnable_here
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
+from warm_python import warm_python
 
 import miniddp
 from miniddp.buckets import assign_buckets
@@ -229,24 +230,32 @@ def test_no_sync_by_hand_control_read_at_backward_differs_in_the_trap(ranks):
 # The lesson itself, its wrapper by hand edited to read the flag in the hooks: the lesson's own
 # check must fail, naming the wrapper (its class lives in the lesson, out of a breakage's reach)
 RUN_EDITED = """
-import sys
+import os, sys
 import __main__
 path, old, new = sys.argv[1:4]
 source = open(path).read()
 assert source.count(old) == 1, f"the lesson no longer holds {old!r}"
 sys.argv = [path]
+sys.path[0] = os.path.dirname(path)  # as python does for a script
 __main__.__file__ = path
 exec(compile(source.replace(old, new), path, "exec"), __main__.__dict__)
 """
 
 
-def run_edited(lesson: str, old: str, new: str, tmp_path) -> subprocess.CompletedProcess:
-    """Run the lesson ``lesson`` (a glob) with ``old`` replaced by ``new`` in its source."""
+def run_script(code: str, args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """``python -c code args`` as a learner's shell would run it, from a warm interpreter
+    (``tests/warm_python.py``: without the seconds of ``import torch``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
-    return subprocess.run([sys.executable, "-c", RUN_EDITED, str(next(LESSONS_DIR.glob(lesson))),
-                           old, new], env=env, capture_output=True, text=True, timeout=180,
-                          cwd=LESSONS_DIR.parent)
+    script = tmp_path / "run.py"
+    script.write_text(code)
+    return warm_python(("torch", "torch._dynamo")).run(
+        [sys.executable, str(script), *args], env=env, cwd=LESSONS_DIR.parent, timeout=180)
+
+
+def run_edited(lesson: str, old: str, new: str, tmp_path) -> subprocess.CompletedProcess:
+    """Run the lesson ``lesson`` (a glob) with ``old`` replaced by ``new`` in its source."""
+    return run_script(RUN_EDITED, [str(next(LESSONS_DIR.glob(lesson))), old, new], tmp_path)
 
 
 @pytest.mark.lesson
@@ -333,7 +342,7 @@ import os, runpy, sys
 import miniddp.reducer as reducer
 {patch}
 sys.argv = [sys.argv[1]]
-sys.path.insert(0, os.path.dirname(sys.argv[0]))  # as python does for a script
+sys.path[0] = os.path.dirname(sys.argv[0])  # as python does for a script
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -341,11 +350,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 @pytest.mark.lesson
 @pytest.mark.parametrize("how", sorted(NO_OVERLAP))
 def test_lesson_06_fails_when_communication_does_not_overlap_backward(tmp_path, how):
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env["MINIDDP_RUNS"] = str(tmp_path)
-    done = subprocess.run([sys.executable, "-c", RUN_LESSON.format(patch=NO_OVERLAP[how]),
-                           str(LESSONS_DIR / "06_overlap_timeline.py")], env=env,
-                          capture_output=True, text=True, timeout=180, cwd=LESSONS_DIR.parent)
+    done = run_script(RUN_LESSON.format(patch=NO_OVERLAP[how]),
+                      [str(LESSONS_DIR / "06_overlap_timeline.py")], tmp_path)
     assert done.returncode != 0, done.stdout
     assert "while an all_reduce is in flight" in done.stderr, done.stderr[-2000:]
     assert "OK:" not in done.stdout
