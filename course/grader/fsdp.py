@@ -117,23 +117,43 @@ def make_model() -> nn.Module:
                              nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
 
 
-def reduce_task(dtype_name_: str) -> list[dict]:
-    """One report per unit (each Linear): the collectives the learner made, and what differs
-    from torch's shards and why."""
-    dtype, rank, world = DTYPES[dtype_name_], dist.get_rank(), dist.get_world_size()
+def torch_shards(mesh, dtype) -> list[tuple[int, list, list]]:
+    """(unit, this rank's gradients, torch's shards of them) for each unit (each Linear), after
+    one backward of a plain copy of the model and of torch's ``fully_shard`` of it on ``mesh``."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     x, y = make_dataset(n=16 * world, seed=0).tensors
     x, y = x[16 * rank:16 * (rank + 1)], y[16 * rank:16 * (rank + 1)]
     theirs, plain = make_model(), make_model()
-    mesh = init_device_mesh("cpu", (world,))  # torch's default is a GPU wherever there is one
     for m in [m for m in theirs if isinstance(m, nn.Linear)] + [theirs]:
         fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=dtype))
     for model in (theirs, plain):
         F.mse_loss(model(x), y).backward()
-    reports = []
-    for unit, (mine, torchs) in enumerate(zip(plain, theirs)):
-        if not isinstance(mine, nn.Linear):
-            continue
-        grads = [p.grad for p in mine.parameters()]
+    return [(unit, [p.grad for p in mine.parameters()],
+             [p.grad.to_local() for p in torchs.parameters()])
+            for unit, (mine, torchs) in enumerate(zip(plain, theirs))
+            if isinstance(mine, nn.Linear)]
+
+
+#: torch_shards by (world size, dtype): it does not depend on the learner's file, so it is
+#: computed once for every file graded on these ranks (every rank fills it in the same call:
+#: torch's collectives stay matched)
+_REFERENCES: dict[tuple[int, str], list] = {}
+
+
+def torch_reference(dtype_name_: str) -> list[tuple[int, list, list]]:
+    world = dist.get_world_size()
+    if (world, dtype_name_) not in _REFERENCES:
+        mesh = init_device_mesh("cpu", (world,))  # torch's default is a GPU wherever there is one
+        _REFERENCES[world, dtype_name_] = torch_shards(mesh, DTYPES[dtype_name_])
+    return _REFERENCES[world, dtype_name_]
+
+
+def reduce_task(dtype_name_: str) -> list[dict]:
+    """One report per unit (each Linear): the collectives the learner made, and what differs
+    from torch's shards and why."""
+    dtype, reports = DTYPES[dtype_name_], []
+    for unit, cached, expected in torch_reference(dtype_name_):
+        grads = [g.clone() for g in cached]  # fresh for each file, as the learner's are
         error, got = None, []
         with Spy() as spy:
             try:
@@ -142,7 +162,6 @@ def reduce_task(dtype_name_: str) -> list[dict]:
                 raise
             except Exception as e:  # reported after the collectives, which may name the cause
                 error = f"{type(e).__name__}: {e}"
-        expected = [p.grad.to_local() for p in torchs.parameters()]
         reports.append({"unit": unit, "calls": call_problem(spy.calls, grads, error),
                         "bits": bits_problem(spy.calls, grads, got, expected, dtype, error)})
     return reports

@@ -169,41 +169,73 @@ def own_gradients(plain: nn.Module, theirs: nn.Module, x, y) -> dict[int, torch.
     return [None if p.grad is None else p.grad.clone() for p in plain.parameters()]
 
 
+def batches(run: str) -> list[list[tuple[bool, torch.Tensor, torch.Tensor]]]:
+    """Each step's backwards of ``run`` on this rank: (with sync, inputs, targets)."""
+    config = RUNS[run]
+    micro = config.get("micro", 1)
+    x_all, y_all = make_dataset(n=8 * micro * STEPS, seed=dist.get_rank()).tensors
+    xs, ys = x_all.split(8), y_all.split(8)
+    return [[(not (config.get("no_sync") and k < micro - 1), xs[micro * step + k],
+              ys[micro * step + k]) for k in range(micro)] for step in range(STEPS)]
+
+
+#: torch's side of each run, by (world size, run): what its units held after each forward, its
+#: gradients after each backward (and this rank's own, from a plain copy), its parameters after
+#: each step. It does not depend on the learner's file, so it is trained once for every file
+#: graded on these ranks (every rank fills it in the same call: torch's collectives stay matched)
+_REFERENCES: dict[tuple[int, str], dict] = {}
+
+
+def torch_reference(run: str) -> dict:
+    key = (dist.get_world_size(), run)
+    if key not in _REFERENCES:
+        config = RUNS[run]
+        frozen, micro = config.get("frozen", False), config.get("micro", 1)
+        theirs, plain = torch_model(frozen, config.get("zero2", False)), make_model(frozen)
+        optimizer = torch.optim.Adam(theirs.parameters(), **ADAM)
+        reference = _REFERENCES[key] = {"backwards": [], "params": []}
+        for step in batches(run):
+            for sync, x, y in step:
+                own = own_gradients(plain, theirs, x, y) if micro > 1 else None
+                theirs.set_requires_gradient_sync(sync)
+                loss = F.mse_loss(theirs(x), y)
+                held = torch_held(theirs)
+                loss.backward()
+                reference["backwards"].append(
+                    {"held": held, "own": own,
+                     "grads": [local(p.grad) for p in theirs.parameters()]})
+            optimizer.step()
+            reference["params"].append([local(p) for p in theirs.parameters()])
+            optimizer.zero_grad()
+    return _REFERENCES[key]
+
+
 def unit_task(run: str) -> dict:
-    config, rank = RUNS[run], dist.get_rank()
-    zero2, micro, frozen = config.get("zero2", False), config.get("micro", 1), \
-        config.get("frozen", False)
-    theirs, mine, plain = torch_model(frozen, zero2), make_model(frozen), make_model(frozen)
-    driven = Driven(mine, exercise().Unit, zero2)
+    config = RUNS[run]
+    mine = make_model(config.get("frozen", False))
+    driven = Driven(mine, exercise().Unit, config.get("zero2", False))
     shards = shards_in_model_order(mine, driven)
     report = {"run": run, "optimizer": None, "backwards": [], "unfed": None,
               "params_differ": None, "names": [name for name, _ in mine.named_parameters()]}
     optimizer = None  # made after the first backward: the methods' instructions come first
-    reference = torch.optim.Adam(theirs.parameters(), **ADAM)
-    x_all, y_all = make_dataset(n=8 * micro * STEPS, seed=rank).tensors
-    for step in range(STEPS):
-        for k in range(micro):
-            sync = not (config.get("no_sync") and k < micro - 1)
-            at = 8 * (micro * step + k)
-            x, y = x_all[at:at + 8], y_all[at:at + 8]
-            own = own_gradients(plain, theirs, x, y) if micro > 1 else None
-            theirs.set_requires_gradient_sync(sync)
+    reference = torch_reference(run)
+    torchs = iter(reference["backwards"])  # one per backward, in the order they are made
+    for step, backwards in enumerate(batches(run)):
+        for k, (sync, x, y) in enumerate(backwards):
+            torch_side = next(torchs)
             driven.start_backward(sync)
-            loss = F.mse_loss(theirs(x), y)
             seen = {"step": step, "micro": k, "sync": sync, "torch_after_forward":
-                    torch_held(theirs), "own": own, "world": dist.get_world_size()}
+                    torch_side["held"], "own": torch_side["own"], "world": dist.get_world_size()}
             try:
                 my_loss = F.mse_loss(mine(x), y)
                 seen["after_forward"] = driven.held()
-                loss.backward()
                 my_loss.backward()
             except Unfed as unfed:
                 report["unfed"] = str(unfed)
                 return report
             seen.update(after_backward=driven.held(), counts=driven.counts,
                         reduced=driven.reduced, unit_params=unit_param_order(mine, driven),
-                        grads=[local(s.grad) for s in shards],
-                        torch_grads=[local(p.grad) for p in theirs.parameters()])
+                        grads=[local(s.grad) for s in shards], torch_grads=torch_side["grads"])
             report["backwards"].append(seen)
         if optimizer is None:
             optimizer = exercise().make_optimizer(list(driven.units.values()),
@@ -212,13 +244,11 @@ def unit_task(run: str) -> dict:
             if report["optimizer"]:
                 return report
         optimizer.step()
-        reference.step()
-        differ = [i for i, (s, p) in enumerate(zip(shards, theirs.parameters()))
-                  if not torch.equal(s.detach(), local(p))]
+        differ = [i for i, (s, p) in enumerate(zip(shards, reference["params"][step]))
+                  if not torch.equal(s.detach(), p)]
         if differ and report["params_differ"] is None:
             report["params_differ"] = (step, differ)
         optimizer.zero_grad()
-        reference.zero_grad()
     return report
 
 
