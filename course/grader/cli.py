@@ -14,6 +14,10 @@ expected. Where torch's bits cannot be expected, the check says why and what it 
     python lessons/grade.py D/06_a.py D/06_b.py  # grade these files (named NN_*.py), each
     python lessons/grade.py --solutions    # grade the reference solutions (all pass)
 
+Several files of one exercise are graded on the same ranks, one after another, and torch's side
+of each check (its reference training, the usual mistakes' results) is computed for the first
+and kept for the rest: each further file costs only the running of its own code.
+
 Exit status 0 when every graded exercise passes every check.
 """
 
