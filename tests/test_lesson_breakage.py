@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from lesson_modules import CANNOT_RUN_HERE, load_lesson, runnable_here
 from runs_ahead import RunsAhead, selected
-from warm_python import warm_python
+from warm_python import LESSON_PRELOAD, warm_python
 
 from course import runner
 from miniddp.launch import RankError, rank_device
@@ -107,7 +107,6 @@ CASES = [
 NOT_SAID = {"write_back_before_wait": ["no_sync", "flag"]}
 
 
-WARM = ("torch", "torch._dynamo")  # never the modules that the breakages patch: see warm_python
 
 
 def broken_env(breakage: str, tmp_path: Path) -> dict[str, str]:
@@ -122,8 +121,8 @@ def run_broken(lesson: str, breakage: str, tmp_path: Path, env: dict[str, str] |
                slot: int = 0) -> subprocess.CompletedProcess:
     [path] = (REPO / "lessons").glob(f"{lesson}.py")
     command = [sys.executable, str(path), *ARGUMENTS.get(lesson, [])]
-    return warm_python(WARM, slot=slot).run(command, env=env or broken_env(breakage, tmp_path),
-                                            cwd=REPO, timeout=TIMEOUT)
+    return warm_python(LESSON_PRELOAD, slot=slot).run(
+        command, env=env or broken_env(breakage, tmp_path), cwd=REPO, timeout=TIMEOUT)
 
 
 def no_scaler_to_break(breakage: str) -> bool:
@@ -136,7 +135,7 @@ def runs_ahead(request, tmp_path_factory):
     """The selected cases' broken runs, one test ahead, two at a time (``tests/runs_ahead.py``),
     each in one of two warm interpreters."""
     for slot in (0, 1):
-        warm_python(WARM, slot=slot)  # created here: it reads os.environ
+        warm_python(LESSON_PRELOAD, slot=slot)  # created here: it reads os.environ
 
     def prepared(item):
         lesson, breakage = item.callspec.params["lesson"], item.callspec.params["breakage"]

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from bits import same_bits
 from lesson_modules import LESSONS_DIR, load_lesson, runnable_here
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from warm_python import warm_python
+from warm_python import LESSON_PRELOAD, warm_python
 
 import miniddp
 from miniddp.buckets import assign_buckets
@@ -249,7 +249,7 @@ def run_script(code: str, args: list[str], tmp_path) -> subprocess.CompletedProc
     env["MINIDDP_RUNS"] = str(tmp_path)
     script = tmp_path / "run.py"
     script.write_text(code)
-    return warm_python(("torch", "torch._dynamo")).run(
+    return warm_python(LESSON_PRELOAD).run(
         [sys.executable, str(script), *args], env=env, cwd=LESSONS_DIR.parent, timeout=180)
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from lesson_modules import CANNOT_RUN_HERE, runnable_here
 from runs_ahead import RunsAhead, selected
-from warm_python import warm_python
+from warm_python import LESSON_PRELOAD, warm_python
 
 LESSONS_DIR = Path(__file__).resolve().parents[1] / "lessons"
 LESSONS = sorted(LESSONS_DIR.glob("[0-9][0-9]_*.py"))
@@ -72,9 +72,6 @@ def runs_torchrun_itself(lesson: Path) -> bool:
 DOCUMENTED_TORCHRUN = [p for p in LESSONS if torchrun_command(p)]
 TORCHRUN_LESSONS = [p for p in DOCUMENTED_TORCHRUN
                     if branches_under_torchrun(p) and not runs_torchrun_itself(p)]
-#: Preloaded in the interpreter that forks each plain lesson run: the modules every lesson
-#: imports first, shared with ``tests/test_lesson_breakage.py``'s warm interpreters.
-WARM = ("torch", "torch._dynamo")
 
 
 def lesson_command(test_name: str, lesson: Path) -> list[str]:
@@ -88,14 +85,14 @@ def lesson_command(test_name: str, lesson: Path) -> list[str]:
 def runs_ahead(request, tmp_path_factory):
     """The selected tests' lesson runs, one test ahead, two at a time (``tests/runs_ahead.py``)."""
     for slot in (0, 1):
-        warm_python(WARM, slot=slot)  # created here: it reads os.environ
+        warm_python(LESSON_PRELOAD, slot=slot)  # created here: it reads os.environ
 
     def prepared(item):
         lesson = item.callspec.params["lesson"]
         runs = tmp_path_factory.mktemp(lesson.stem)
         command, env = lesson_command(item.originalname, lesson), learner_env(runs)
         if item.originalname == "test_lesson_runs_and_ends_with_ok":
-            return lambda slot: warm_python(WARM, slot=slot).run(
+            return lambda slot: warm_python(LESSON_PRELOAD, slot=slot).run(
                 command, env=env, cwd=LESSONS_DIR.parent, timeout=TIMEOUT)
         return lambda slot: run(command, runs, env=env)
 

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lesson_modules import LESSONS_DIR
 from torch import nn
-from warm_python import warm_python
+from warm_python import LESSON_PRELOAD, warm_python
 
 import miniddp
 from miniddp.checks.trace import trace_backward
@@ -131,7 +131,7 @@ def test_lesson_06_prints_the_trace_with_trace(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     env["MINIDDP_RUNS"] = str(tmp_path)
     # from an interpreter that has imported torch already, as tests/test_lessons.py runs lessons
-    done = warm_python(("torch", "torch._dynamo")).run(
+    done = warm_python(LESSON_PRELOAD).run(
         [sys.executable, str(LESSONS_DIR / "06_overlap.py"), "--trace"], env=env,
         cwd=LESSONS_DIR.parent, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]

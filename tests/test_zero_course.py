@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from lesson_modules import LESSONS_DIR, load_lesson
 from test_grade import problems_in_one_run
 from test_lesson_breakage import failure_with_the_library_broken, run_broken
-from test_lessons import WARM, last_line, learner_env
+from test_lessons import last_line, learner_env
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
-from warm_python import warm_python
+from warm_python import LESSON_PRELOAD, warm_python
 
 from miniddp.train.data import make_dataset
 
@@ -147,7 +147,7 @@ def test_control_reduce_scatter_with_other_chunks_is_not_this_ranks_slice(ranks)
 @pytest.mark.lesson
 def test_lesson_runs_at_3_ranks(tmp_path):
     # from an interpreter that has imported torch already, as tests/test_lessons.py runs lessons
-    done = warm_python(WARM).run([sys.executable, zero.__file__, "--nproc", "3"],
+    done = warm_python(LESSON_PRELOAD).run([sys.executable, zero.__file__, "--nproc", "3"],
                                  env=learner_env(tmp_path), cwd=LESSONS_DIR.parent, timeout=120)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert last_line(done).startswith("OK: on 3 ranks"), done.stdout[-3000:]

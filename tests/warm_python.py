@@ -113,6 +113,10 @@ class WarmPython:
         self._proc = None
 
 
+#: What the interpreter that forks a lesson's run imports: the modules every lesson imports
+#: first, never the modules that the breakages patch (see above)
+LESSON_PRELOAD = ("torch", "torch._dynamo")
+
 _shared: dict[tuple, WarmPython] = {}
 
 
