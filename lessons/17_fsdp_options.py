@@ -8,8 +8,8 @@ and the last layer) and the same batches, two Adam steps each, and both are watc
 outside in the same way:
 
 * **what is gathered when**: after forward, which units hold full parameters (a shard is a
-  DTensor in torch, a ``ShardedParameter`` in miniddp: both have ``to_local``). Under ZeRO-3
-  only the root does, since the backward needs it first; under ZeRO-2
+  DTensor, in torch and in miniddp: it has ``to_local``, a gathered parameter does not). Under
+  ZeRO-3 only the root does, since the backward needs it first; under ZeRO-2
   (``reshard_after_forward=False``) every unit does; after backward none. The all-gathers and
   the reductions (a reduce-scatter; on gloo, miniddp's all_reduce of the same buffer) of each
   forward and backward, counted;

@@ -32,7 +32,8 @@ def _has_fsdp2() -> bool:
 CANNOT_RUN_HERE = {} if TORCH_HAS_IS_COMPILING else {
     "16_compile": "lesson 16 needs torch >= 2.3 (torch.compiler.is_compiling)"}
 if not _has_fsdp2():
-    CANNOT_RUN_HERE.update(dict.fromkeys(("17_fsdp", "17_fsdp_options", "18_hsdp"),
+    CANNOT_RUN_HERE.update(dict.fromkeys(("17_fsdp", "17_fsdp_options", "17_fsdp_checkpoints",
+                                          "18_hsdp"),
                                          "lessons 17 and 18 need torch's FSDP2 (fully_shard)"))
 
 

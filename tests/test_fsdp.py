@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import miniddp
-from miniddp.fsdp import collectives, init, norms, param, param_group, shard, state
+from miniddp.fsdp import collectives, init, param, param_group, shard, state
 
 try:
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
@@ -320,26 +320,9 @@ def _no_padding(self, with_grad):
     return shards
 
 
-def _local_norms(local, order, group=None):
-    """Each rank's norm of its own rows only: every rank clips by its own factor."""
-    return local.clone()
-
-
-_torch_function = vars(shard.ShardedTensor)["__torch_function__"].__func__
-
-
-def _local_vector_norm(cls, func, types, args=(), kwargs=None):
-    """``torch.linalg.vector_norm`` of a sharded gradient over this rank's rows only (the
-    ``_foreach_norm`` that clipping uses by default stays whole)."""
-    if func is torch.linalg.vector_norm:
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **(kwargs or {}))
-    return _torch_function(cls, func, types, args, kwargs)
-
-
 def _overwrite_sharded_grad(self, local):
     """A second synchronized backward replaces the shard's ``.grad`` instead of adding to it."""
-    self.sharded.grad = shard.ShardedTensor.wrap(local, self.spec)
+    self.sharded.grad = shard.as_dtensor(local, self.dspec)
 
 
 def _module_parameters_order(root, ignored):
@@ -380,9 +363,6 @@ BREAKAGES = {
     "prefetch_copies_out": (param_group.ParamGroup, "unshard", _unshard_and_copy_out),
     "no_profiler_names": [(param_group, "record_function", _unnamed),
                           (state, "record_function", _unnamed)],
-    "local_norms": (norms, "reduce_over_ranks", _local_norms),
-    "local_vector_norm": (shard.ShardedTensor, "__torch_function__",
-                          classmethod(_local_vector_norm)),
     "overwrite_sharded_grad": (param.FSDPParam, "add_sharded_grad", _overwrite_sharded_grad),
     "scale_before_sum": (collectives, "average", _scale_before_sum),
     "avg_in_fp16": (collectives, "fp16_divide_factors", _avg_in_fp16),
@@ -498,8 +478,6 @@ def test_each_bit_deciding_detail_broken_differs_from_torch_at_3_ranks(ranks):
     cases = [replace(case, steps=1) for case in [
         Case(breakage="scale_before_sum"), Case(breakage="flat_layout"),
         Case(breakage="no_padding"), Case(breakage="avg_in_fp16", param_dtype="fp16"),
-        Case(breakage="local_norms", clip=0.05),
-        Case(breakage="local_vector_norm", clip=0.05, clip_foreach=False),
         Case(breakage="overwrite_sharded_grad", micro_batches=2, sync_micro_batches=True)]]
     check_all_differ(ranks(3).run(beside_torch, cases, timeout=120), cases)
 
@@ -516,8 +494,9 @@ def _layout_facts() -> dict:
     miniddp.fully_shard(model)
     facts = {
         "names": [n for n, _ in model.named_parameters()],
-        "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
-        "sharded": all(isinstance(p, miniddp.fsdp.ShardedParameter)
+        "shapes": {n: tuple(p.to_local().shape) for n, p in model.named_parameters()},
+        "global_shapes": [tuple(p.shape) for p in model.parameters()],
+        "sharded": all(isinstance(p, shard.DTensor) and isinstance(p, nn.Parameter)
                        for p in model.parameters()),
         "full_tensor_equal": all(torch.equal(p.full_tensor(), full[n])
                                  for n, p in model.named_parameters()),
@@ -527,23 +506,28 @@ def _layout_facts() -> dict:
     model(torch.randn(4, 12)).sum().backward()  # first forward: model becomes the root
     x = torch.randn(4, 12)
     out = model(x)
-    facts["after_forward"] = {name: type(module.weight).__name__ for name, module in
+    facts["after_forward"] = {name: _kind(module.weight) for name, module in
                               [("block0", model.blocks[0].lin), ("block1", model.blocks[1].lin),
                                ("root", model.head)]}
     facts["block0_storage"] = model.blocks[0]._fsdp_state.group.params[0].unsharded \
         .untyped_storage().size()
     out.sum().backward()
-    facts["after_backward_sharded"] = all(isinstance(p, miniddp.fsdp.ShardedParameter)
+    facts["after_backward_sharded"] = all(isinstance(p, shard.DTensor)
                                           for p in model.parameters())
     facts["grad_shapes_match"] = all(p.grad.shape == p.shape for p in model.parameters())
     facts["grad_full_tensor_shape"] = tuple(model.blocks[0].lin.weight.grad.full_tensor().shape)
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9)  # code for FSDP2 logs it so:
-    facts["clip_norm"] = (f"{norm:.1f}", type(norm.full_tensor()).__name__, norm.item() > 0)
+    facts["clip_norm"] = (f"{norm.full_tensor():.1f}", type(norm.full_tensor()).__name__,
+                          norm.item() > 0)
     model.blocks[0].unshard()
     facts["unshard_method"] = tuple(model.blocks[0].lin.weight.shape)
     model.blocks[0].reshard()
-    facts["reshard_method"] = tuple(model.blocks[0].lin.weight.shape)
+    facts["reshard_method"] = tuple(model.blocks[0].lin.weight.to_local().shape)
     return facts
+
+
+def _kind(param) -> str:
+    return "sharded" if isinstance(param, shard.DTensor) else type(param).__name__
 
 
 def test_parameters_keep_their_names_and_hold_torch_chunks_cut(ranks):
@@ -551,6 +535,7 @@ def test_parameters_keep_their_names_and_hold_torch_chunks_cut(ranks):
     names = [n for n, _ in Net().named_parameters()]
     for rank, f in enumerate(facts):
         assert f["names"] == names and f["sharded"] and f["class"] == "FSDPNet"
+        assert f["global_shapes"] == [tuple(p.shape) for p in Net().parameters()]
         assert f["full_tensor_equal"] and f["to_local_plain"]
         # torch.chunk of 31 rows in 3: 11, 11, 9; of 2 rows: 1, 1 and none
         assert f["shapes"]["blocks.0.lin.weight"] == ((11, 12), (11, 12), (9, 12))[rank]
@@ -560,7 +545,7 @@ def test_parameters_keep_their_names_and_hold_torch_chunks_cut(ranks):
 
 def test_zero3_frees_after_forward_zero2_and_the_root_keep_parameters_gathered(ranks):
     for f in ranks(3).run(_layout_facts):
-        assert f["after_forward"] == {"block0": "ShardedParameter", "block1": "Parameter",
+        assert f["after_forward"] == {"block0": "sharded", "block1": "Parameter",
                                       "root": "Parameter"}
         assert f["block0_storage"] == 0
         assert f["after_backward_sharded"] and f["grad_shapes_match"]
@@ -634,8 +619,7 @@ def _ignored_facts() -> dict:
     miniddp.fully_shard(model, ignored_params={kept})
     model(torch.randn(4, 12) * (1 + dist.get_rank())).sum().backward()
     return {"same_object": model.head.weight is kept, "shape": tuple(kept.shape),
-            "grad": kept.grad.clone(), "bias_sharded": isinstance(
-                model.head.bias, miniddp.fsdp.ShardedParameter)}
+            "grad": kept.grad.clone(), "bias_sharded": isinstance(model.head.bias, shard.DTensor)}
 
 
 def test_ignored_params_are_neither_sharded_nor_reduced(ranks):

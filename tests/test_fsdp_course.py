@@ -97,8 +97,6 @@ LIBRARY = {
     "fsdp_sync_always": ("two backwards, the first without sync (bf16/fp32)", GATHERS),
     "fsdp_kept_in_compute_dtype": ("two backwards, the first without sync (bf16/fp32)", BITS),
     "fsdp_reduce_dtype_ignored": ("bf16 compute, fp32 reduction", BITS),
-    "fsdp_clip_norm_local": ("clip_grad_norm_, one tensor at a time", BITS),
-    "fsdp_clip_foreach_norm_local": ("clip_grad_norm_, foreach", BITS),
 }
 
 

@@ -200,11 +200,6 @@ def _both():
     return {impl: _probes(impl) for impl in ("torch", "miniddp")}
 
 
-# A tied weight (head.weight is embed.weight) reaches model.state_dict() under its second name as
-# this rank's rows, not a sharded tensor whose full_tensor() gathers them: an open gap.
-KNOWN_GAPS = {"state_dict full_tensor", "get_model_state_dict full"}
-
-
 def _gaps(results, names):
     return [f"rank {rank}, {name}: {verdicts['miniddp'][name]}"
             for rank, verdicts in enumerate(results) for name in names(verdicts)
@@ -231,13 +226,5 @@ def test_miniddp_passes_every_peer_probe_that_torch_fsdp2_passes(probed, world_s
     results = probed(world_size)
     for verdicts in results:
         assert all(v is None for v in verdicts["torch"].values()), verdicts["torch"]
-    gaps = _gaps(results, lambda v: set(v["miniddp"]) - KNOWN_GAPS)
-    assert not gaps, "\n".join(gaps)
-
-
-@needs_torch_fsdp2
-@pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="tied weight's second state_dict name holds local rows")
-def test_tied_weight_state_dict_gathers_under_both_names(probed):
-    gaps = _gaps(probed(2), lambda v: KNOWN_GAPS)
+    gaps = _gaps(results, lambda v: set(v["miniddp"]))
     assert not gaps, "\n".join(gaps)

@@ -51,7 +51,6 @@ LIBRARY = {
     "hsdp_one_division": (6, part_1, 3, BITS),  # / 2 / 2 is / 4 exactly: 3 ranks per node
     "hsdp_fp16_post_before_all_reduce": (4, a_path, FP16, f"{FP16}: {BITS}"),
     "hsdp_all_reduce_each_micro_batch": (4, a_path, MICRO, f"{MICRO}: {BITS}"),
-    "hsdp_norms_over_every_rank": (4, a_path, CLIP, f"{CLIP}: {BITS}"),
 }
 
 

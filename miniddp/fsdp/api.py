@@ -24,11 +24,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from miniddp.fsdp import init
+from miniddp.fsdp import init, state_dict
 from miniddp.fsdp.mesh import mesh_info
 from miniddp.fsdp.param import FSDPParam
 from miniddp.fsdp.param_group import ParamGroup
-from miniddp.fsdp.shard import ShardedParameter, count_as_plain_tensors_for_foreach
+from miniddp.fsdp.shard import DTensor
 from miniddp.fsdp.state import FSDPState
 
 
@@ -101,9 +101,14 @@ class FSDPModule:
 
     def _apply(self, fn, *args, **kwargs):
         """``.to()``, ``.cuda()``, ``.half()`` and the like, refused when they would move or cast a
-        shard: the shards are views of padded buffers that the new tensors would not be."""
+        shard: its unit gathers in the dtype and on the device it was sharded with. Shards on the
+        meta device are the exception: ``to_empty`` materializes them (meta-device init), and
+        each is padded into a buffer of its own again."""
+        for state in _states(self, recurse=True):
+            if state.group is not None:
+                state.group.reshard()
         for name, param in self.named_parameters():
-            if isinstance(param, ShardedParameter):
+            if isinstance(param, DTensor) and not param.is_meta:
                 moved = fn(param)
                 if moved.device != param.device or moved.dtype != param.dtype:
                     raise NotImplementedError(
@@ -111,7 +116,11 @@ class FSDPModule:
                         f"{name!r} ({param.dtype} on {param.device} -> {moved.dtype} on "
                         f"{moved.device}): move or cast the model before fully_shard, and use "
                         "MixedPrecisionPolicy for lower-precision compute.")
-        return super()._apply(fn, *args, **kwargs)
+        applied = super()._apply(fn, *args, **kwargs)
+        for state in _states(self, recurse=True):
+            for p in state.group.params if state.group is not None else ():
+                p.reset_sharded()
+        return applied
 
     def __deepcopy__(self, memo):
         raise NotImplementedError(
@@ -149,9 +158,8 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
     shard group, its gradients all-reduced across the replicate group after the reduce-scatter.
     ``ignored_params`` are left alone: not sharded, not gathered, their gradients not reduced."""
     init.check_arguments(module, offload_policy)
-    mesh = mesh_info(mesh)
+    mesh = mesh_info(mesh, init.device_type(module))
     reshard_after_forward = init.reshard_choice(reshard_after_forward, mesh)
-    count_as_plain_tensors_for_foreach()
     ignored = {id(p) for p in ignored_params or ()}
     holders = init.owners(module)
     params = [FSDPParam(param, holders[id(param)], name, mp_policy.param_dtype,
@@ -162,6 +170,7 @@ def fully_shard(module: nn.Module, *, mesh=None, reshard_after_forward: bool | i
         group = ParamGroup(params, reshard_after_forward is not False, mesh)
         for p in params:
             p.register(p.sharded)
+        state_dict.register_hooks(group)
     module._fsdp_state = FSDPState(module, group, mp_policy, reshard_after_forward is None)
     module.__class__ = _fsdp_class(type(module))
     return module

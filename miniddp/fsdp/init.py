@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from miniddp.fsdp.mesh import MeshInfo
-from miniddp.fsdp.shard import ShardedParameter
+from miniddp.fsdp.mesh import MeshInfo, mesh_device_type
+from miniddp.fsdp.shard import DTensor
 
 
 def check_arguments(module, offload_policy) -> None:
@@ -35,6 +36,15 @@ def check_arguments(module, offload_policy) -> None:
         raise NotImplementedError(
             f"offload_policy={offload_policy!r}: miniddp does not offload parameters to the "
             "CPU. Leave offload_policy=None.")
+
+
+def device_type(module: nn.Module) -> str:
+    """The device of ``module``'s parameters, the one its default mesh is for; on the meta
+    device, where the default group's backend communicates (the model is materialized there)."""
+    for param in module.parameters():
+        if not param.is_meta:
+            return torch.device(param.device).type
+    return mesh_device_type()
 
 
 def reshard_choice(reshard_after_forward, mesh: MeshInfo) -> bool | None:
@@ -94,7 +104,7 @@ def managed_params(root: nn.Module, ignored: set[int]) -> list[tuple[nn.Paramete
     params, seen = [], set()
     for module in managed_modules(root):
         for param in module.parameters(recurse=False):
-            if id(param) in ignored or id(param) in seen or isinstance(param, ShardedParameter):
+            if id(param) in ignored or id(param) in seen or isinstance(param, DTensor):
                 continue  # (a sharded one: a module shared with an inner unit)
             seen.add(id(param))
             _check_shardable(param, names[id(param)])
@@ -107,11 +117,6 @@ def _check_shardable(param: nn.Parameter, name: str) -> None:
         raise ValueError(f"parameter {name!r} is a 0-d scalar: fully_shard cuts parameters "
                          "along dim 0. Give it a dimension (shape [1]) or pass it in "
                          "ignored_params.")
-    if param.is_meta:
-        raise NotImplementedError(
-            f"parameter {name!r} is on the meta device: miniddp's fully_shard shards "
-            "materialized parameters (torch's also takes meta parameters, to be materialized "
-            "after sharding). Materialize the model first, or pass it in ignored_params.")
 
 
 def owners(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:

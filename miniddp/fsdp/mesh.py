@@ -6,19 +6,27 @@ smaller group, a *shard group* (the GPUs of one machine, where links are fast), 
 cut on every other shard group: ranks at the same place in each shard group hold the same rows,
 and form a *replicate group* (one rank per machine, across the slow links). Gathers stay inside
 the shard group; a gradient is reduce-scattered there, then all-reduced across the replicate
-group, so each replica's shards stay equal (``collectives.reduce_gradients``).
+group, so each replica's shards stay equal (``collectives.average``).
 
 ``fully_shard(mesh=...)`` takes, as torch's does, a 1-D ``DeviceMesh`` (FSDP over its ranks) or a
 2-D one, replicate dim first (``init_device_mesh("cpu", (replicas, shards),
 mesh_dim_names=("replicate", "shard"))``); or miniddp's :class:`HybridMesh`, the same layout
-without DeviceMesh; or ``None``, every rank of the default group.
+over a DeviceMesh it builds; or ``None``, every rank of the default group (a 1-D DeviceMesh over
+the world, as torch's default). Every unit keeps its DeviceMesh: the sharded parameters are
+DTensors on it (``shard``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+
+try:
+    from torch.distributed.device_mesh import DeviceMesh
+except ImportError:  # torch 2.1
+    from torch.distributed._tensor import DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -28,6 +36,9 @@ class MeshInfo:
 
     shard_group: object = None
     replicate_group: object = None
+    #: The DeviceMesh the sharded parameters are DTensors on: its last dim is the shard group,
+    #: and under HSDP its first the replicate group
+    device_mesh: object = field(default=None, compare=False)
 
     @property
     def shard_size(self) -> int:
@@ -47,8 +58,14 @@ class MeshInfo:
         return self.shard_size * self.replicate_size
 
 
-#: Plain FSDP over the default group: ``fully_shard``'s meaning of ``mesh=None``
+#: Plain FSDP over the default group (as the collectives see it)
 EVERY_RANK = MeshInfo()
+
+
+def mesh_device_type() -> str:
+    """The device a DeviceMesh miniddp builds is for: where the default group's backend
+    communicates (NCCL: the GPU; gloo: the CPU)."""
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
 
 
 class HybridMesh:
@@ -65,7 +82,7 @@ class HybridMesh:
         miniddp.fully_shard(model, mesh=mesh)
     """
 
-    def __init__(self, replicas: int, shards: int):
+    def __init__(self, replicas: int, shards: int, device_type: str | None = None):
         world = dist.get_world_size()
         if replicas < 1 or shards < 1 or replicas * shards != world:
             raise ValueError(
@@ -73,35 +90,30 @@ class HybridMesh:
                 f"ranks, the default group has {world}: replicas x shards must be the world "
                 "size.")
         self.replicas, self.shards = replicas, shards
-        rows = [list(range(k * shards, (k + 1) * shards)) for k in range(replicas)]
-        self.shard_group = _my_group(rows)
-        self.replicate_group = _my_group([list(column) for column in zip(*rows)])
+        #: the same layout as torch's 2-D mesh, so that the sharded parameters are DTensors on it
+        self.device_mesh = DeviceMesh(device_type or mesh_device_type(),
+                                      torch.arange(world).view(replicas, shards),
+                                      mesh_dim_names=("replicate", "shard"))
+        self.shard_group = _dim_group(self.device_mesh, 1)
+        self.replicate_group = _dim_group(self.device_mesh, 0)
 
     def __repr__(self) -> str:
         return f"HybridMesh(replicas={self.replicas}, shards={self.shards})"
 
 
-def _my_group(partition: list[list[int]]):
-    """Every rank creates every group of ``partition`` (a collective), and keeps its own."""
-    rank, mine = dist.get_rank(), None
-    for ranks in partition:
-        group = dist.new_group(ranks)
-        if rank in ranks:
-            mine = group
-    return mine
-
-
-def mesh_info(mesh) -> MeshInfo:
-    """The groups ``fully_shard(mesh=mesh)`` means, or a refusal that says what to pass."""
+def mesh_info(mesh, device_type: str) -> MeshInfo:
+    """The groups ``fully_shard(mesh=mesh)`` means, or a refusal that says what to pass.
+    ``None``: a 1-D DeviceMesh of every rank for ``device_type`` (its group is the default
+    group itself)."""
     if mesh is None:
-        return EVERY_RANK
+        return MeshInfo(device_mesh=DeviceMesh(device_type, list(range(dist.get_world_size()))))
     if isinstance(mesh, HybridMesh):
-        return MeshInfo(mesh.shard_group, mesh.replicate_group)
+        return MeshInfo(mesh.shard_group, mesh.replicate_group, mesh.device_mesh)
     ndim = getattr(mesh, "ndim", None)
     if ndim == 1:
-        return MeshInfo(_dim_group(mesh, 0))
+        return MeshInfo(_dim_group(mesh, 0), device_mesh=mesh)
     if ndim == 2:  # torch's order: (replicate, shard)
-        return MeshInfo(_dim_group(mesh, 1), _dim_group(mesh, 0))
+        return MeshInfo(_dim_group(mesh, 1), _dim_group(mesh, 0), mesh)
     raise NotImplementedError(
         f"fully_shard(mesh={mesh!r}): miniddp takes a 1-D DeviceMesh (FSDP over its ranks), a "
         "2-D one, replicate dim first (HSDP: init_device_mesh(device, (replicas, shards), "

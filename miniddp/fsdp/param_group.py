@@ -4,7 +4,7 @@ together, their gradients reduced together.
 The life of a group in one training step (ZeRO-3; ZeRO-2 skips the free after forward and the
 gather for backward):
 
-1. at rest each parameter is registered on its module as a :class:`ShardedParameter`;
+1. at rest each parameter is registered on its module as its shard, a DTensor (``shard``);
 2. :meth:`ParamGroup.pre_forward`: :meth:`unshard` (one all-gather of every padded shard, cast to
    the compute dtype, copied into each parameter's *unsharded* leaf, which the module now holds),
    and an identity autograd function on the forward's inputs that need a gradient: its backward

@@ -143,7 +143,7 @@ def fsdp_gradient_overwritten(module):
     instead of adding to it."""
     def replaced(original):
         def add_sharded_grad(self, local):
-            self.sharded.grad = module.ShardedTensor.wrap(local, self.spec)
+            self.sharded.grad = module.as_dtensor(local, self.dspec)
         return add_sharded_grad
     breakages._patch(module.FSDPParam, "add_sharded_grad", replaced)
 
@@ -176,31 +176,22 @@ def fsdp_reduce_dtype_ignored(module):
     breakages._patch(module.FSDPParam, "__init__", without)
 
 
-def _local_norm(kind: str):
-    """A ``ShardedTensor.__torch_function__`` whose ``kind`` norm is this rank's own."""
-    import torch
+def fsdp_checkpoint_rows_as_plain_tensors(module):
+    """Lesson 17, part 3: a sharded model's ``state_dict`` holds each rank's rows as plain
+    tensors (what miniddp did before its shards were DTensors): DCP writes one copy of each."""
+    def with_plain_rows(original):
+        def register_hooks(group):
+            original(group)
 
-    def local(original):
-        func_of = {"vector_norm": torch.linalg.vector_norm, "foreach_norm": torch._foreach_norm}
-
-        def torch_function(cls, func, types, args=(), kwargs=None):
-            if func is func_of[kind]:
-                with torch._C.DisableTorchFunctionSubclass():
-                    return func(*args, **(kwargs or {}))
-            return original.__func__(cls, func, types, args, kwargs)
-        return classmethod(torch_function)
-    return local
-
-
-def fsdp_clip_norm_local(module):
-    """Lesson 17: ``clip_grad_norm_(..., foreach=False)`` takes each sharded gradient's norm over
-    this rank's rows only, so every rank clips by its own factor."""
-    breakages._patch(module.ShardedTensor, "__torch_function__", _local_norm("vector_norm"))
-
-
-def fsdp_clip_foreach_norm_local(module):
-    """Lesson 17: ``clip_grad_norm_`` (foreach) takes the norms over this rank's rows only."""
-    breakages._patch(module.ShardedTensor, "__torch_function__", _local_norm("foreach_norm"))
+            def plain_rows(_module, state, prefix, _metadata):
+                for key, value in state.items():
+                    if key.startswith(prefix) and hasattr(value, "to_local"):
+                        state[key] = value.to_local()
+            for p in group.params:
+                for owner, _ in p.owners:
+                    owner._register_state_dict_hook(plain_rows)
+        return register_hooks
+    breakages._patch(module, "register_hooks", with_plain_rows)
 
 
 # ----- miniddp/fsdp: HSDP (lesson 18; tests/test_hsdp.py's negative controls) -----
@@ -283,14 +274,6 @@ HSDP = {
 }
 
 
-def hsdp_norms_over_every_rank(module):
-    """Lesson 18: clipping's norms reduced over every rank, the replicas too (a DTensor reduces
-    a partial norm over its shard dim only)."""
-    def everywhere(original):
-        return lambda local, order, group=None: original(local, order, None)
-    breakages._patch(module, "reduce_over_ranks", everywhere)
-
-
 #: name -> (module it patches, the patch)
 SHARDING = {
     "zero_partition_by_count": ("miniddp.optim.zero", zero_partition_by_count),
@@ -307,8 +290,7 @@ SHARDING = {
     "fsdp_sync_always": ("miniddp.fsdp.param_group", fsdp_sync_always),
     "fsdp_kept_in_compute_dtype": ("miniddp.fsdp.param_group", fsdp_kept_in_compute_dtype),
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
-    "fsdp_clip_norm_local": ("miniddp.fsdp.shard", fsdp_clip_norm_local),
-    "fsdp_clip_foreach_norm_local": ("miniddp.fsdp.shard", fsdp_clip_foreach_norm_local),
+    "fsdp_checkpoint_rows_as_plain_tensors": ("miniddp.fsdp.state_dict",
+                                              fsdp_checkpoint_rows_as_plain_tensors),
     **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
-    "hsdp_norms_over_every_rank": ("miniddp.fsdp.norms", hsdp_norms_over_every_rank),
 }
