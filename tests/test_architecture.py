@@ -341,12 +341,15 @@ def test_no_import_sets_a_class_attribute(tmp_path):
 @pytest.mark.slow
 def test_importing_miniddp_leaves_torchs_lists_alone():
     """``import miniddp`` changes nothing of torch's; the first ``fully_shard`` puts its sharded
-    types on torch's foreach lists (a fresh interpreter: this one has sharded already)."""
+    types on torch's foreach lists (a fresh interpreter: this one has sharded already).
+    (miniddp imports ``torch.distributed.fsdp`` for torch's ``FSDPModule``, its units' base
+    class, and torch's import of it lists torch's DTensor: imported first, that is torch's.)"""
     import subprocess
     import sys
 
     script = (
         "import torch, torch.distributed as dist, torch.optim.optimizer as o\n"
+        "import torch.distributed.fsdp\n"
         "before = list(o._foreach_supported_types)\n"
         "import miniddp\n"
         "assert o._foreach_supported_types == before, o._foreach_supported_types\n"
