@@ -342,13 +342,14 @@ def test_no_import_sets_a_class_attribute(tmp_path):
 def test_importing_miniddp_and_sharding_leave_torchs_lists_alone():
     """``import miniddp`` changes nothing of torch's, and neither does ``fully_shard``: its shards
     are DTensors, which torch's foreach lists hold already (a fresh interpreter: this one has
-    sharded already)."""
+    sharded already). (miniddp imports ``torch.distributed.fsdp``, for torch's ``FSDPModule``,
+    and torch's import of it lists torch's DTensor: imported first, that is torch's.)"""
     import subprocess
     import sys
 
     script = (
         "import torch, torch.distributed as dist, torch.optim.optimizer as o\n"
-        "import torch.distributed.tensor  # torch puts its DTensor on the list itself\n"
+        "import torch.distributed.fsdp  # torch puts its DTensor on the list itself\n"
         "before = list(o._foreach_supported_types)\n"
         "import miniddp\n"
         "assert o._foreach_supported_types == before, o._foreach_supported_types\n"

@@ -22,7 +22,11 @@ starts them: its workers are new interpreters all the same. Lightning's ``ddp`` 
 first process is rank 0, and under ``python -m miniddp.run`` it imports Lightning after the
 install, as a user's does.
 
-The frameworks come with ``pip install -e ".[frameworks]"`` (``.ci/run`` installs them).
+FSDP2 the same way: an unmodified script (``mp.spawn``'s ranks) and Lightning's
+``ModelParallelStrategy`` with an unmodified ``configure_model`` shard with miniddp's
+``fully_shard`` under ``python -m miniddp.run``, bit for bit as with torch's (the baseline, its
+class torch's). The frameworks come with ``pip install -e ".[frameworks]"`` (``.ci/run``
+installs them).
 """
 
 import sys
@@ -114,3 +118,42 @@ def test_lightning_trains_with_miniddp_as_with_torch(lightning_with_torch, tmp_p
                                                      how):
     ours = lightning(tmp_path / f"{strategy}-{how}", strategy, how)
     assert_miniddp_trained_as_torch(ours, lightning_with_torch)
+
+
+# ----- FSDP2: an unmodified script, and Lightning's ModelParallelStrategy -----
+
+TORCHS_FSDP = "torch.distributed.fsdp._fully_shard._fsdp_init"  # where torch's makes the class
+MINIDDPS_FSDP = "miniddp.fsdp.api"
+
+
+def assert_miniddp_sharded_as_torch(ours: list[dict], torchs: list[dict]) -> None:
+    for rank, (a, b) in enumerate(zip(ours, torchs)):
+        assert b["class"] == TORCHS_FSDP, f"rank {rank}: the baseline did not run torch's FSDP2"
+        assert not all_same_bits(b["initial"], b["params"]), f"rank {rank}: nothing trained"
+        assert a["class"] == MINIDDPS_FSDP, f"rank {rank} sharded with {a['class']}"
+        assert a["fsdp_module"] and b["fsdp_module"], "not torch's FSDPModule to isinstance"
+        assert all_same_bits(a["initial"], b["initial"]), f"rank {rank}: other shards"
+        assert all_same_bits(a["params"], b["params"]), f"rank {rank}: parameters differ"
+
+
+@pytest.mark.slow
+def test_an_unmodified_fsdp2_script_shards_with_miniddp_under_run_as_with_torch(tmp_path):
+    """Its ranks are ``mp.spawn``'s, new interpreters; the script and its workers import
+    ``fully_shard`` from ``torch.distributed.fsdp`` at their top."""
+    job = str(JOBS / "fsdp2_job.py")
+    torchs = run_job(tmp_path / "torch", job, str(tmp_path / "torch"), fork=True)
+    ours = run_job(tmp_path / "ours", "-m", "miniddp.run", job, str(tmp_path / "ours"),
+                   fork=True)
+    assert_miniddp_sharded_as_torch(ours, torchs)
+
+
+@pytest.mark.slow
+def test_lightnings_model_parallel_strategy_shards_with_miniddp_under_run_as_with_torch(
+        tmp_path):
+    """Lightning runs the script again for rank 1; ``configure_model`` is FSDP2's as written
+    for torch, on the strategy's data-parallel mesh."""
+    pytest.importorskip("lightning", reason='pip install -e ".[frameworks]"')
+    job = str(JOBS / "lightning_fsdp_job.py")
+    torchs = run_job(tmp_path / "torch", job, str(tmp_path / "torch"))
+    ours = run_job(tmp_path / "ours", "-m", "miniddp.run", job, str(tmp_path / "ours"))
+    assert_miniddp_sharded_as_torch(ours, torchs)

@@ -28,6 +28,7 @@ from miniddp.fsdp import init, state_dict
 from miniddp.fsdp.mesh import mesh_info
 from miniddp.fsdp.param import FSDPParam
 from miniddp.fsdp.param_group import ParamGroup
+from miniddp.fsdp.settings import TORCH_FSDP_MODULE, UnitSettings
 from miniddp.fsdp.shard import DTensor
 from miniddp.fsdp.state import FSDPState
 
@@ -47,15 +48,34 @@ class MixedPrecisionPolicy:
     cast_forward_inputs: bool = True
 
 
-class FSDPModule:
+class FSDPModule(UnitSettings):
     """Mixed into the class of every module ``fully_shard`` was applied to (``FSDPLinear`` for a
-    ``Linear``, as torch names them), for the methods below."""
+    ``Linear``, as torch names them), for the methods below and torch's others (``settings``):
+    a subclass of torch's ``FSDPModule``, as frameworks check."""
 
-    def unshard(self) -> None:
-        """Gather this unit's parameters now (they are freed again at the next reshard)."""
-        if self._fsdp_state.group is not None:
-            self._fsdp_state.group.unshard()
-            self._fsdp_state.group.wait_for_unshard()
+    def __new__(cls, *args, **kwargs):
+        """A new module of this class (``Sequential`` sliced) is of the original class, as
+        torch's: found as the first class in the MRO that is no FSDPModule (torch's picks index
+        2, which here is ``UnitSettings``)."""
+        orig = next(c for c in cls.__mro__
+                    if not issubclass(c, (UnitSettings, TORCH_FSDP_MODULE)))
+        self = orig.__new__(orig, *args, **kwargs)
+        if getattr(_torchs_fully_shard_module(), "_enable_fsdp_module_new_init", True):
+            self.__init__(*args, **kwargs)
+        return self
+
+    def unshard(self, async_op: bool = False):
+        """Gather this unit's parameters now (they are freed again at the next reshard).
+        ``async_op``: return a handle whose ``wait()`` copies them out (the unit's pre-forward
+        waits too)."""
+        group = self._fsdp_state.group
+        if group is not None:
+            group.unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
 
     def reshard(self) -> None:
         """Free this unit's gathered parameters and register the shards again."""
@@ -82,10 +102,13 @@ class FSDPModule:
             if state.group is not None:
                 state.group.requires_all_reduce = requires_all_reduce
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *,
+    def set_reshard_after_forward(self, reshard_after_forward: bool,
                                   recurse: bool = True) -> None:
         """Switch between ZeRO-3 (``True``) and ZeRO-2 (``False``) for later forwards (the
         root too: the user's choice now holds there)."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward should be a bool, got "
+                             f"{type(reshard_after_forward)}")
         for state in _states(self, recurse):
             state.auto_reshard = False
             if state.group is not None:
@@ -128,6 +151,26 @@ class FSDPModule:
             "torch's): the copy would share nothing with the process group's other ranks. "
             "Deep-copy the model before fully_shard, or load miniddp.fsdp.full_state_dict(model) "
             "into a freshly built model.")
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns, as torch's: ``wait()`` makes the gathered
+    parameters the module's."""
+
+    def __init__(self, group: ParamGroup | None):
+        self._group = group
+
+    def wait(self) -> None:
+        if self._group is not None:
+            self._group.wait_for_unshard()
+            self._group = None
+
+
+def _torchs_fully_shard_module():
+    """torch's module that defines its ``FSDPModule`` (its ``__new__`` switch lives there)."""
+    import sys
+
+    return sys.modules.get(getattr(TORCH_FSDP_MODULE, "__module__", ""))
 
 
 def _states(module: nn.Module, recurse: bool) -> list[FSDPState]:

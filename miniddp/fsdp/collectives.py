@@ -71,12 +71,13 @@ def _reduce_scatter(output, buffer, op, group) -> None:
         dist.reduce_scatter_tensor(output, buffer.reshape(-1), op=op, group=group)
 
 
-def fp16_divide_factors(world_size: int) -> tuple[float, float]:
+def fp16_divide_factors(world_size: float) -> tuple[float, float]:
     """How fp16 gradients are averaged: divided by ``pre`` before the sum and by ``post`` after.
 
     Summing W fp16 gradients can overflow and dividing them all by W first can underflow, so
     torch splits W: ``pre`` doubles from 1 while it divides W and ``W / pre`` still exceeds it
-    (about sqrt(W), a power of two), and ``post = W / pre``. W=3 gives (2, 1.5), W=8 (4, 2)."""
+    (about sqrt(W), a power of two), and ``post = W / pre``. W=3 gives (2, 1.5), W=8 (4, 2).
+    (W is a unit's ``set_gradient_divide_factor`` instead when it has one.)"""
     pre = 1
     while world_size % pre == 0 and world_size / pre > pre:
         pre *= 2
@@ -94,7 +95,8 @@ def all_reduce_mean(tensor: torch.Tensor, group) -> None:
 
 
 def average(buffer: torch.Tensor, mesh: MeshInfo = EVERY_RANK, partial=None,
-            all_reduce: bool = True) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            all_reduce: bool = True, *, factor: float | None = None, force_sum: bool = False,
+            hook=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """This rank's row of the average of every rank's ``buffer`` (``W`` rows, rank-major), with
     torch FSDP2's arithmetic for its dtype and in its order (``foreach_reduce``):
 
@@ -109,24 +111,67 @@ def average(buffer: torch.Tensor, mesh: MeshInfo = EVERY_RANK, partial=None,
 
     So an fp32 gradient is divided by the shard group's size, then by the replicate group's, each
     after its sum: not once by the count of all the ranks. Returns ``(row, None)``, or
-    ``(None, partial)`` without all-reduce."""
-    averaged = buffer.dtype in (torch.float32, torch.bfloat16)
-    pre, post = (1, 1) if averaged else fp16_divide_factors(mesh.data_parallel_size)
-    if pre != 1:
+    ``(None, partial)`` without all-reduce.
+
+    A unit's settings (``settings``) change the steps as torch's do: ``factor``
+    (``set_gradient_divide_factor``) replaces the count; ``force_sum``
+    (``set_force_sum_reduction_for_comms``) sums in both collectives and divides after;
+    ``hook`` (``set_all_reduce_hook``) sees the row between steps 3 and 4."""
+    pre, post, scatter_op, all_reduce_op = divide_factors(buffer.dtype, mesh, factor, force_sum)
+    if pre not in (None, 1):
         buffer.div_(pre)
-    output = (reduce_scatter_mean if averaged else reduce_scatter_sum)(buffer, mesh.shard_group)
+    if mesh.shard_size == 1 and factor is not None:
+        output = buffer[0] / factor  # (torch's copy of the input divided by the factor)
+    elif scatter_op == "avg":
+        output = reduce_scatter_mean(buffer, mesh.shard_group)
+    elif scatter_op == "sum":
+        output = reduce_scatter_sum(buffer, mesh.shard_group)
+    else:
+        output = _reduce_scatter_premul(buffer, factor, mesh.shard_group)
     if mesh.replicate_group is not None:
         if not all_reduce:
             return None, output if partial is None else partial.add_(output)
         if partial is not None:
             output += partial
-        if averaged:
+        if all_reduce_op == "avg":
             all_reduce_mean(output, mesh.replicate_group)
         else:
             dist.all_reduce(output, group=mesh.replicate_group)
-    if post != 1:
+    if hook is not None:
+        hook(output)
+    if post not in (None, 1):
         output.div_(post)
     return output, None
+
+
+def divide_factors(dtype: torch.dtype, mesh: MeshInfo, factor: float | None = None,
+                   force_sum: bool = False) -> tuple:
+    """torch's ``_get_gradient_divide_factors``: ``(pre, post, reduce-scatter op, all-reduce
+    op)``, each op ``"avg"``, ``"sum"`` or ``"premul"`` (multiply by ``1 / factor``, then sum)."""
+    averaged = dtype in (torch.float32, torch.bfloat16)
+    if averaged and not force_sum:
+        if factor is None:
+            return (None, None, "sum", "sum") if mesh.data_parallel_size == 1 else (
+                None, None, "avg", "avg")
+        return None, None, "avg" if factor == mesh.shard_size else "premul", "sum"
+    factor = float(mesh.data_parallel_size) if factor is None else factor
+    if averaged:
+        return None, factor, "sum", "sum"
+    return (*fp16_divide_factors(factor), "sum", "sum")
+
+
+def _reduce_scatter_premul(buffer: torch.Tensor, factor: float, group) -> torch.Tensor:
+    if _is_gloo(group):
+        raise RuntimeError(
+            f"set_gradient_divide_factor({factor}) on a unit sharded over "
+            f"{dist.get_world_size(group)} ranks: torch's FSDP2 then multiplies by 1/{factor} "
+            "inside the reduce-scatter (ReduceOp.PREMUL_SUM), and gloo has no PREMUL_SUM "
+            "(torch's fails here too). Use the shard group's size as the factor, or call "
+            "set_force_sum_reduction_for_comms(True) as well: the sum is then divided by the "
+            "factor after the reduce-scatter.")
+    output = buffer.new_empty(buffer.shape[1:])
+    _reduce_scatter(output, buffer, dist._make_nccl_premul_sum(1 / factor), group)
+    return output
 
 
 def all_gather_params(params, group=None) -> torch.Tensor:

@@ -16,3 +16,4 @@ class StateContext:
         #: on its own, as in a recomputation), as torch's ``iter_forward_root``
         self.iter_forward_root = None
         self.profiling = False
+        self.is_last_backward = True  # ``set_is_last_backward``: False keeps the forward order

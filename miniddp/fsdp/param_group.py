@@ -89,6 +89,10 @@ class ParamGroup:
         self.ctx = StateContext()
         self.post_forward_indices: list[int] = []
         self.fqn = ""  # the unit's module, named from the root (at the root's first forward)
+        self.unshard_in_backward = True  # False: the backward needs none of them (an embedding)
+        self.reduce_unused = False  # True: a parameter without a gradient reduces zeros
+        #: ``collectives.average``'s keywords set by the unit's methods (``settings``)
+        self.reduce_settings: dict = {}
 
     def span(self, step: str, nbytes: int | None = None):
         """torch's name for ``step`` (``FSDP::all_gather``), followed while a profiler records
@@ -111,6 +115,8 @@ class ParamGroup:
         """All-gather the shards; :meth:`wait_for_unshard` copies them out (a prefetch stops
         between the two, as torch's does)."""
         if self.is_unsharded or self.gathered is not None:
+            return
+        if not self.unshard_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
             return
         if self.params[0].spec.world_size == 1:  # (a shard group of one: nothing to name)
             self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
@@ -158,14 +164,15 @@ class ParamGroup:
                 self.ctx.post_forward_order.append(self)
             self.training_state = TrainingState.IDLE
 
-    def pre_backward(self) -> None:
+    def pre_backward(self, default_prefetch: bool = True) -> None:
         if self.training_state is TrainingState.PRE_BACKWARD:
             return
         with self.span("pre_backward"):
             self.training_state = TrainingState.PRE_BACKWARD
             self.unshard()
             self.wait_for_unshard()
-            self._backward_prefetch()
+            if default_prefetch:  # (not when the unit names its own: ``state``)
+                self._backward_prefetch()
 
     def _backward_prefetch(self) -> None:
         """All-gather the unit whose forward ran before this call's, as torch does by default:
@@ -175,11 +182,17 @@ class ParamGroup:
             return
         index = self.post_forward_indices.pop()
         if index > 0:
-            target = self.ctx.post_forward_order[index - 1]
-            with target.span("backward_prefetch"):
-                state, target.training_state = target.training_state, TrainingState.PRE_BACKWARD
-                target.unshard()
-                target.training_state = state
+            self.ctx.post_forward_order[index - 1].prefetch("backward")
+
+    def prefetch(self, pass_type: str) -> None:
+        """All-gather now, for this unit's ``pass_type`` (``"forward"`` or ``"backward"``) to
+        come, called from another unit's pre-forward or pre-backward (``state``, and the
+        default above): the gather moves earlier, the copy-out stays at this unit's turn."""
+        with self.span(f"{pass_type}_prefetch"):
+            state, self.training_state = self.training_state, (
+                TrainingState.FORWARD if pass_type == "forward" else TrainingState.PRE_BACKWARD)
+            self.unshard()
+            self.training_state = state
 
     def post_backward(self) -> None:
         """Reduce-scatter what this unit's backward gave (or keep it, without sync), and free
@@ -193,7 +206,9 @@ class ParamGroup:
             for p in self.params:
                 p.to_accumulated_grad_if_needed()
             return
-        with_grad = [(p, g) for p in self.params if (g := p.take_unsharded_grad()) is not None]
+        with_grad = [(p, g) for p in self.params if (g := p.take_unsharded_grad()) is not None
+                     or (self.reduce_unused and p.unsharded.requires_grad
+                         and (g := torch.zeros_like(p.unsharded)) is not None)]
         if self.reshard_after_backward:
             self.reshard()
         if not with_grad:
@@ -223,7 +238,8 @@ class ParamGroup:
         buffer = collectives.chunk_cat(with_grad)
         with_grad.clear()  # the caller's references to the full gradients: free them now
         output, self.partial = collectives.average(buffer, self.mesh, self.partial,
-                                                   self.requires_all_reduce)
+                                                   self.requires_all_reduce,
+                                                   **self.reduce_settings)
         if output is None:
             return []
         output = output.to(self.params[0].orig_dtype)

@@ -44,6 +44,11 @@ class FSDPState:
         self.is_root: bool | None = None
         self.ctx = StateContext()
         self.training_state = TrainingState.IDLE
+        #: The units this one gathers early (``set_modules_to_forward_prefetch`` and
+        #: ``..._backward_prefetch``): in its pre-forward, after its own gather, in that order;
+        #: in its pre-backward, in place of the default (the unit whose forward ran before)
+        self.forward_prefetch: list[FSDPState] = []
+        self.backward_prefetch: list[FSDPState] = []
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -98,12 +103,16 @@ class FSDPState:
                 self.group.unshard()
                 self.group.wait_for_unshard()
             return self._cast_inputs(args, kwargs)
-        if self.training_state is not TrainingState.FORWARD:  # not a call from within itself
+        first_in_pass = self.training_state is not TrainingState.FORWARD  # not from itself
+        if first_in_pass:
             self._root_pre_forward()
         self.training_state = TrainingState.FORWARD
         args, kwargs = self._cast_inputs(args, kwargs)
         if self.group is not None:
             args, kwargs = self.group.pre_forward(args, kwargs)
+        for target in self.forward_prefetch if first_in_pass else ():
+            if target.group is not None:
+                target.group.prefetch("forward")
         return args, kwargs
 
     def _post_forward(self, module, args, output):
@@ -126,7 +135,10 @@ class FSDPState:
             self.ctx.profiling = profiling.recording()  # once a backward
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
         if self.group is not None:
-            self.group.pre_backward()
+            self.group.pre_backward(default_prefetch=not self.backward_prefetch)
+        for target in self.backward_prefetch:
+            if target.group is not None:
+                target.group.prefetch("backward")
         return grad
 
     def _finish_backward(self) -> None:
@@ -139,10 +151,33 @@ class FSDPState:
                 if group.training_state is not TrainingState.POST_BACKWARD:
                     group.post_backward()
                 group.training_state = TrainingState.IDLE
-                group.post_forward_indices.clear()
                 group.gathered = None  # prefetched for a backward that did not come
+                if self.ctx.is_last_backward:
+                    group.post_forward_indices.clear()
+            state.training_state = TrainingState.IDLE
+        if self.ctx.is_last_backward:  # (False: a later backward prefetches by this order)
+            self.ctx.post_forward_order.clear()
+        self.ctx.callback_queued = False
+
+    def reset_iter_state(self) -> None:
+        """After an exception in forward or backward: every unit under this root resharded and
+        idle, and what the step had begun dropped (gathered rows, gradients not yet reduced,
+        HSDP's partial sums, the forward order), as torch's ``reset_iter_state``."""
+        if self.is_root is False:
+            raise RuntimeError("reset_iter_state must be called on the root FSDP module (the "
+                               "module the outermost fully_shard was applied to)")
+        for state in self.ctx.all_states or [self]:
+            group = state.group
+            if group is not None:
+                group.gathered, group.partial = None, None
+                group.post_forward_indices.clear()
+                group.training_state = TrainingState.IDLE
+                group.reshard()
+                for p in group.params:
+                    p.take_unsharded_grad()
             state.training_state = TrainingState.IDLE
         self.ctx.post_forward_order.clear()
+        self.ctx.iter_forward_root = None
         self.ctx.callback_queued = False
 
 

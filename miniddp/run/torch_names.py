@@ -1,4 +1,5 @@
-"""Putting miniddp's DDP where code looks for torch's, so that other people's code uses it.
+"""Putting miniddp's DDP where code looks for torch's, so that other people's code uses it
+(and its ``fully_shard`` where FSDP2 code looks for torch's: ``miniddp.run.fsdp_names``).
 
 Swapping the import in your own script is enough for your script. Frameworks and torch's own
 helpers do not import miniddp: they recognise a DDP model by torch's class, and without help they
@@ -56,7 +57,7 @@ import torch.nn.parallel
 import torch.nn.parallel.distributed
 
 from miniddp.ddp import DistributedDataParallel
-from miniddp.run import children
+from miniddp.run import children, fsdp_names
 
 #: torch's class, as it was when miniddp was imported (before any install).
 TORCH_DDP = torch.nn.parallel.distributed.DistributedDataParallel
@@ -85,8 +86,9 @@ WorkersMissTheInstall = children.WorkersMissTheInstall
 
 
 def install() -> None:
-    """Make torch's DDP names mean miniddp's class, here and in the Python processes started
-    from now on (see the module docstring). Calling it again while installed does nothing."""
+    """Make torch's DDP names mean miniddp's class, and its ``fully_shard`` names miniddp's
+    (``fsdp_names``), here and in the Python processes started from now on (see the module
+    docstring). Calling it again while installed does nothing."""
     global _changes
     with _lock:
         if _changes is not None:
@@ -103,12 +105,14 @@ def install() -> None:
         changes = [(vars(module), "DistributedDataParallel") for module in TORCH_NAMES]
         changes += [(namespace, name) for namespace, name, _ in _holders(TORCH_DDP)
                     if not any(n is namespace and k == name for n, k in changes)]
-        changes = [(namespace, name, namespace.get(name)) for namespace, name in changes]
-        for namespace, name, old in changes:
-            namespace[name] = (_replaced(old) if isinstance(old, tuple)
-                               else DistributedDataParallel)
+        changes = [(namespace, name, old := namespace.get(name),
+                    _replaced(old) if isinstance(old, tuple) else DistributedDataParallel)
+                   for namespace, name in changes]
+        changes += fsdp_names.changes(_holders)  # FSDP2's fully_shard, the same way
+        for namespace, name, _, new in changes:
+            namespace[name] = new
         sys.meta_path.insert(0, _KEEPER)
-        _changes = changes
+        _changes = [(namespace, name, old) for namespace, name, old, _ in changes]
 
 
 def uninstall() -> None:
