@@ -93,6 +93,8 @@ class Run:
     two_forwards: bool = False  # two forwards, their losses summed, one backward
     seed: int = 0
     mesh: tuple[int, int] | None = None  # (replicas, shards): HSDP, on torch's DeviceMesh
+    meta_init: bool = False  # built on the meta device, sharded, to_empty, then initialized
+    reload: bool = False  # after the first step, the state (model, optimizer) into a fresh model
 
 
 class Block(nn.Module):
@@ -193,10 +195,11 @@ def _save_matmuls():
     return create_selective_checkpoint_contexts(policy)
 
 
-def build(spec: ModelSpec, seed: int) -> Net:
+def build(spec: ModelSpec, seed: int, meta: bool = False) -> Net:
     """The model, its frozen layers frozen and its checkpointing applied, before any sharding."""
     torch.manual_seed(seed)
-    model = Net(spec)
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        model = Net(spec)
     for block, b in zip(model.blocks, spec.blocks):
         for name in ("fc1", "fc2") if b.frozen == "all" else [b.frozen] if b.frozen else []:
             getattr(block, name).requires_grad_(False)
@@ -243,6 +246,31 @@ def shard(model: Net, impl: str, run: Run) -> Net:
     if spec.root_wrapped:
         fully_shard(model, reshard_after_forward=spec.root_reshard, mp_policy=policy, **extra)
     return model
+
+
+def built(impl: str, run: Run, seed: int) -> Net:
+    """Built and sharded; with ``meta_init``, on the meta device first, then materialized and
+    every parameter drawn afresh through its DTensor (torchtitan's ``init_weights``)."""
+    model = shard(build(run.model, seed, meta=run.meta_init), impl, run)
+    if run.meta_init:
+        model.to_empty(device="cpu")
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for p in model.parameters():
+                nn.init.trunc_normal_(p, std=0.3)
+    return model
+
+
+def reloaded(model, optimizer, impl: str, run: Run):
+    """A fresh model and optimizer (another seed) given ``model``'s and ``optimizer``'s state
+    through torch's ``get_state_dict`` and ``set_state_dict``, as a resumed job gets it."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    fresh = built(impl, run, run.seed + 1)
+    fresh_optimizer = make_optimizer(fresh, run.optimizer)
+    set_state_dict(fresh, fresh_optimizer, model_state_dict=msd, optim_state_dict=osd)
+    return fresh, fresh_optimizer
 
 
 def make_optimizer(model, name):
@@ -293,7 +321,7 @@ def train(impl: str, run: Run):
     """One run: ``(recorded, None)``, or ``(recorded so far, error)`` if it raised."""
     seen = Recorder(None)
     try:
-        model = seen.model = shard(build(run.model, run.seed), impl, run)
+        model = seen.model = built(impl, run, run.seed)
         optimizer = make_optimizer(model, run.optimizer)
         sizes = iter(run.batch_sizes * 1000)
         for step in range(run.steps):
@@ -308,6 +336,9 @@ def train(impl: str, run: Run):
                 seen.grads(f"step {step} clipped")
             optimizer.step()
             optimizer.zero_grad(set_to_none=run.zero_to_none)
+            if run.reload and step == 0:
+                model, optimizer = reloaded(model, optimizer, impl, run)
+                seen.model = model
             seen.params(f"step {step}")
             if run.eval_at == "after_step":
                 _eval(model, run, seen, step)

@@ -10,9 +10,10 @@ units nested in units, frozen layers, tied embeddings, parameters of the root's 
 blocks returning tuples, dicts or dataclasses, mixed precision, SGD, momentum, Adam or AdamW,
 accumulation with and without gradient sync, activation checkpointing of every kind (reentrant
 and selective included), clipping with the 1-, 2- and inf-norms, uneven batches per rank, a block
-called twice, two forwards before one backward, eval forwards. Every rank compares its gradient
-shards after every backward and its parameter shards after every step; a run torch refuses must
-be refused too.
+called twice, two forwards before one backward, eval forwards, meta-device init, and the state
+reloaded into a fresh model after the first step (``get_state_dict``, ``set_state_dict``).
+Every rank compares its gradient shards after every backward and its parameter shards after
+every step; a run torch refuses must be refused too.
 
 The fast tier draws a fixed set of examples (``derandomize``); the slow tier more. A control
 compares torch with itself (the comparison is deterministic); negative controls break miniddp
@@ -92,6 +93,7 @@ def runs(draw) -> Run:
                batch_sizes=tuple(draw(st.lists(st.integers(1, 6), min_size=1, max_size=4))),
                eval_at=draw(st.sampled_from(evals)), keep_gathered=draw(st.booleans()),
                zero_to_none=draw(st.booleans()), two_forwards=draw(st.booleans()),
+               meta_init=draw(st.booleans()), reload=draw(st.booleans()),
                seed=draw(st.integers(0, 2**16)))
 
 
