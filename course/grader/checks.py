@@ -8,6 +8,7 @@ exercise with ``NotWritten`` and its instruction.
 import os
 import sys
 import time
+import traceback
 from collections import Counter
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
@@ -35,6 +36,33 @@ class OutOfStep(Exception):
     """The ranks were about to make different collective calls; the message names them."""
 
 
+class GraderError(Exception):
+    """The grader's own code raised, with none of the learner's code running: a fault of the
+    grader, not a verdict. The message is the original traceback."""
+
+
+#: Words of a collective that failed because another rank did (it stopped, or never came): the
+#: cause is that rank's, even when this rank was inside the grader's code
+PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                "Timed out waiting", "timed out", "Application timeout caused pair closure",
+                "Socket Timeout")
+
+
+def learner_files(aliases: dict[str, str]) -> set[str]:
+    """The files of the learner's loaded exercises (their frames are the learner's code)."""
+    return {os.path.realpath(sys.modules[loaded].__file__) for loaded in aliases.values()
+            if getattr(sys.modules.get(loaded), "__file__", None)}
+
+
+def graders_own(error: BaseException, learners: set[str]) -> bool:
+    """Whether ``error`` was raised with none of the learner's code on the stack, and not by a
+    collective that another rank left hanging or broke."""
+    frames = traceback.extract_tb(error.__traceback__)
+    if any(os.path.realpath(frame.filename) in learners for frame in frames):
+        return False
+    return not any(word in str(error) for word in PEER_FAILURE)
+
+
 #: Which loaded module each rank must find as ``exercise_NN`` (grade.py grades several files of
 #: one exercise on the same ranks: all are loaded before the ranks fork, and this picks one)
 ALIASES: dict[str, str] = {}
@@ -49,6 +77,10 @@ def _guarded(aliases, task, *args):
         return "todo", str(error)
     except OutOfStep as error:
         return "out of step", str(error)
+    except Exception as error:
+        if not graders_own(error, learner_files(aliases)):
+            raise
+        raise GraderError(traceback.format_exc()) from None
 
 
 _groups: dict[int, RankGroup] = {}  # kept between exercises while they run cleanly
