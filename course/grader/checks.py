@@ -232,6 +232,64 @@ class SameCalls:
                 "waiting for it)")
 
 
+
+#: torch.distributed's all-gathers and reduce-scatters, under every name a release gives them
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                   "_reduce_scatter_base")
+EVERY_COLLECTIVE = tuple(dict.fromkeys(COLLECTIVES + GATHERS + REDUCE_SCATTERS))
+
+
+def kind_of(name: str) -> str:
+    """A collective's kind, as a verdict says it: "gathers", "reduce-scatters", or its name."""
+    return "gathers" if name in GATHERS else "reduce-scatters" if name in REDUCE_SCATTERS else name
+
+
+class EveryCollective:
+    """While open, every collective of torch.distributed made by the learner's ``module`` is
+    first told to ``seen(name)``, whoever wrote the call: called as ``dist.NAME``, or through a
+    name the module bound to one (``all_gather = dist.all_gather_into_tensor``, as the given
+    methods do). Counting only a given method would miss the learner's own calls."""
+
+    def __init__(self, module, seen):
+        self.module, self.seen = module, seen
+        self.saved: dict = {}
+        self.saved_in_module: dict = {}
+
+    def __enter__(self):
+        wrapped, by_id = {}, {}
+        for name in EVERY_COLLECTIVE:
+            if hasattr(dist, name):
+                self.saved[name] = original = getattr(dist, name)
+                wrapped[name] = self._told(name, original)
+                by_id.setdefault(id(original), name)
+                setattr(dist, name, wrapped[name])
+        for attr, value in list(vars(self.module).items()):
+            if id(value) in by_id:
+                self.saved_in_module[attr] = value
+                setattr(self.module, attr, wrapped[by_id[id(value)]])
+        return self
+
+    def __exit__(self, *exc):
+        for name, original in self.saved.items():
+            setattr(dist, name, original)
+        for attr, original in self.saved_in_module.items():
+            setattr(self.module, attr, original)
+        return False
+
+    def _told(self, name: str, inner):
+        def call(*args, **kwargs):
+            self.seen(name)
+            return inner(*args, **kwargs)
+        return call
+
+
+def shown(mine: float, torchs: float) -> str:
+    """Two values that differ, written so that they visibly differ: Python's shortest repr
+    that reads back as the same number (a float32's 0.0112974 alone could be either)."""
+    return f"yours {float(mine)!r}, torch's {float(torchs)!r}"
+
+
 # ----- 03: all_reduce averaging by hand -----
 
 LATE_S = 0.1  # every rank but 0 makes each of the learner's all_reduces this late
