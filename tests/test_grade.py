@@ -313,6 +313,21 @@ def test_an_exception_in_the_learners_code_stays_the_learners(tmp_path, capfd):
     assert "ERROR" not in out, out
 
 
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_two_values_that_differ_are_shown_so_that_they_differ(dtype):
+    """Neighbouring values of each dtype, as a verdict writes them: "yours 0.0112974, torch's
+    0.0112974" would say they are equal."""
+    import torch
+    from course.grader.checks import shown
+    mine = torch.tensor(0.0112974, dtype=getattr(torch, dtype))
+    torchs = torch.nextafter(mine, torch.tensor(1.0, dtype=mine.dtype))
+    said = shown(mine.item(), torchs.item())
+    yours, theirs = said.removeprefix("yours ").split(", torch's ")
+    assert yours != theirs, said
+    assert float(yours) == mine.item() and float(theirs) == torchs.item(), said
+
+
 # ----- wrong solutions of each class the grader must catch, several of each -----
 # Each: (exercise, [(text in the solution, what replaces it), ...], the check whose FAIL line
 # must be the first, words the line after it must hold, words it must not hold).

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from course.grader.checks import NotWritten, on_ranks
+from course.grader.checks import NotWritten, on_ranks, shown
 from course.grader.fsdp_verdicts import (
     buffer_said,
     chunk,
@@ -283,8 +283,8 @@ def buffer_difference(given, grads, world, dtype) -> str:
         return said + f"It is in {dtype_name(given.dtype)}, torch's in {dtype_name(dtype)}"
     k = int((given != torchs).nonzero()[0])
     row = k // (len(given) // world)
-    return said + (f"The first difference from torch's: element {k} (row {row}), yours "
-                   f"{given[k].item():.6g}, torch's {torchs[k].item():.6g}")
+    return said + (f"The first difference from torch's: element {k} (row {row}), "
+                   f"{shown(given[k].item(), torchs[k].item())}")
 
 
 def smallest_difference(got, expected, prefix: str) -> str:
@@ -293,7 +293,7 @@ def smallest_difference(got, expected, prefix: str) -> str:
     at = tuple((got[k] != expected[k]).nonzero()[0].tolist())
     return (prefix + f"could not tell what went wrong: {sum(differ)} elements of your shards "
             f"differ from torch's (per parameter {differ}); the first, parameter {k} at "
-            f"{list(at)}: yours {got[k][at].item():.6g}, torch's {expected[k][at].item():.6g}")
+            f"{list(at)}: {shown(got[k][at].item(), expected[k][at].item())}")
 
 
 def first_problem(results: dict, key: str) -> str | None:
