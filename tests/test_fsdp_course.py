@@ -220,6 +220,21 @@ WRONG_17 = {
                     "    out.copy_(whole.view(world_size, -1)[rank])\n")],
         ONE, ["an all_reduce of the whole buffer"], []),
 }
+#: Mistakes no diagnosis was written for: the first line alone, the first place where the
+#: learner's collectives and shards leave torch's, must locate each
+UNLISTED_17 = {
+    "the rows in reverse rank order": (
+        "17", [("            piece = chunk(g, world_size, r)\n",
+                "            piece = chunk(g, world_size, world_size - 1 - r)\n")],
+        SHARDS, ["your input of collective 1 (reduce_scatter_single) differs from torch's"], []),
+    "the next rank's shard": (
+        "17", [("    shards = [chunk(g, world_size, rank) for g in grads]\n",
+                "    shards = [chunk(g, world_size, (rank + 1) % world_size) for g in grads]\n")],
+        SHARDS, ["your shard of parameter 0 was shape (12, 16)", "torch's shape (14, 16)"], []),
+    "the sum divided by W + 1": (
+        "17", [("    out.div_(after)\n", "    out.div_(after + 1)\n")],
+        SHARDS, ["your shard of parameter 0 differs from torch's", "torch made"], []),
+}
 RIGHT_17 = {
     "AVG for fp32 and bf16": ("17", [(RS + "    out.div_(after)\n",
                                       "    if reduce_dtype == torch.float16:\n"
@@ -240,7 +255,7 @@ RIGHT_17 = {
 
 @pytest.mark.slow
 def test_exercise_17_names_each_mistake_and_passes_other_right_solutions(tmp_path):
-    problems = problems_in_one_run(WRONG_17, RIGHT_17, tmp_path)
+    problems = problems_in_one_run({**WRONG_17, **UNLISTED_17}, RIGHT_17, tmp_path)
     assert not problems, "\n\n".join(problems)
 
 

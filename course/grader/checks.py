@@ -21,6 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
+from course.grader.timeline import Recorder  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
@@ -245,43 +246,18 @@ def kind_of(name: str) -> str:
     return "gathers" if name in GATHERS else "reduce-scatters" if name in REDUCE_SCATTERS else name
 
 
-class EveryCollective:
+class EveryCollective(Recorder):
     """While open, every collective of torch.distributed made by the learner's ``module`` is
     first told to ``seen(name)``, whoever wrote the call: called as ``dist.NAME``, or through a
     name the module bound to one (``all_gather = dist.all_gather_into_tensor``, as the given
     methods do). Counting only a given method would miss the learner's own calls."""
 
-    def __init__(self, module, seen):
-        self.module, self.seen = module, seen
-        self.saved: dict = {}
-        self.saved_in_module: dict = {}
+    def __init__(self, module, told):
+        super().__init__(EVERY_COLLECTIVE, module)
+        self.told = told
 
-    def __enter__(self):
-        wrapped, by_id = {}, {}
-        for name in EVERY_COLLECTIVE:
-            if hasattr(dist, name):
-                self.saved[name] = original = getattr(dist, name)
-                wrapped[name] = self._told(name, original)
-                by_id.setdefault(id(original), name)
-                setattr(dist, name, wrapped[name])
-        for attr, value in list(vars(self.module).items()):
-            if id(value) in by_id:
-                self.saved_in_module[attr] = value
-                setattr(self.module, attr, wrapped[by_id[id(value)]])
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.saved.items():
-            setattr(dist, name, original)
-        for attr, original in self.saved_in_module.items():
-            setattr(self.module, attr, original)
-        return False
-
-    def _told(self, name: str, inner):
-        def call(*args, **kwargs):
-            self.seen(name)
-            return inner(*args, **kwargs)
-        return call
+    def seen(self, name: str, args, kwargs) -> None:
+        self.told(name)
 
 
 def shown(mine: float, torchs: float) -> str:
