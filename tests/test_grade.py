@@ -250,6 +250,13 @@ def the_graders_own_fault():
     return [][0]
 
 
+def torch_raising_on_what_the_grader_was_handed():
+    """The grader's code calling torch, which raises: what it was handed may be the learner's
+    doing (a gradient of the wrong shape), so it is not called the grader's fault."""
+    import torch
+    return torch.zeros(2) + torch.zeros(3)
+
+
 def the_learners_fault():
     """The learner's function, called from the grader's task: its error is the learner's."""
     return sys.modules["exercise_04"].raise_mine()
@@ -296,6 +303,18 @@ def test_an_exception_in_the_graders_verdicts_is_a_grader_error(capfd):
     assert "ERROR the grader itself failed (while judging)" in out, out
     assert "StopIteration" in out and "in grader" in out, out
     assert "FAIL" not in out, out
+
+
+def test_an_exception_raised_inside_torch_is_not_called_the_graders(capfd):
+    from course.grader import checks
+
+    def grader():
+        checks.on_ranks(2, torch_raising_on_what_the_grader_was_handed)
+        yield True, "never reached", ""
+    passed, out = graded_in_process("04", grader, next(SOLUTIONS.glob("04_*.py")), capfd)
+    assert not passed
+    assert "FAIL  rank 0 of 2 raised: RuntimeError" in out, out
+    assert "ERROR" not in out, out
 
 
 def test_an_exception_in_the_learners_code_stays_the_learners(tmp_path, capfd):

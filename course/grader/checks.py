@@ -7,6 +7,7 @@ exercise with ``NotWritten`` and its instruction.
 
 import os
 import sys
+import sysconfig
 import time
 import traceback
 from collections import Counter
@@ -55,11 +56,23 @@ def learner_files(aliases: dict[str, str]) -> set[str]:
             if getattr(sys.modules.get(loaded), "__file__", None)}
 
 
+#: Where torch and Python live: an error raised in there, from the grader's code, may come of
+#: what the learner's code left (a gradient of the wrong shape), so it is not called the grader's
+LIBRARIES = tuple(os.path.realpath(path) + os.sep for path in (
+    os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+    sysconfig.get_paths()["purelib"]))
+
+
 def graders_own(error: BaseException, learners: set[str]) -> bool:
-    """Whether ``error`` was raised with none of the learner's code on the stack, and not by a
-    collective that another rank left hanging or broke."""
+    """Whether ``error`` is a fault of the grader's own lines: raised there (not in torch's or
+    Python's code, and not a RuntimeError, which torch's operations raise on what they are
+    handed, the learner's doing as likely as not), with none of the learner's code on the
+    stack, and not by a collective that another rank left hanging or broke."""
     frames = traceback.extract_tb(error.__traceback__)
-    if any(os.path.realpath(frame.filename) in learners for frame in frames):
+    files = [os.path.realpath(frame.filename) for frame in frames]
+    if not files or any(file in learners for file in files):
+        return False
+    if files[-1].startswith(LIBRARIES) or isinstance(error, RuntimeError):
         return False
     return not any(word in str(error) for word in PEER_FAILURE)
 
