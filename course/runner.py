@@ -17,9 +17,14 @@ When a lesson fails, the line that matters can be far up its output, above a lau
 else the error that ended the lesson) and the rank it came from, which miniddp's launchers print
 as ``rank R of W raised:`` before a rank's traceback. It is shown under the lesson and again under
 the table. The exit status is 1 when any lesson failed.
+
+Beside each lesson's seconds, measured as it ran, the table shows the time its docstring claims
+("About N s"): a measurement to compare, not a test. A lesson far over its claim on a quiet
+machine has a claim to correct.
 """
 
 import argparse
+import ast
 import os
 import re
 import signal
@@ -38,6 +43,18 @@ RANK_LINE = re.compile(r"\brank (\d+ of \d+) raised\b")
 OTHER_RANK = re.compile(r"(?:^|; )rank (\d+) (raised|died without reporting): ")
 # Errors that only say that another one happened: the rank's own error is the one to show.
 WRAPPERS = ("RankError", "ChildFailedError")
+
+
+CLAIM = re.compile(r"\bAbout (\d+) s\b")
+
+
+def claimed_seconds(path: Path) -> int | None:
+    """The time a lesson's docstring claims, "About N s", read without running it."""
+    try:
+        found = CLAIM.search(ast.get_docstring(ast.parse(path.read_text())) or "")
+    except SyntaxError:
+        return None
+    return int(found.group(1)) if found else None
 
 
 def first_error(lines: list[str]) -> str | None:
@@ -183,9 +200,12 @@ def main() -> int:
         results.append((path.name, result, seconds, why))
 
     width = max(len(name) for name, *_ in results)
-    print(f"\n{'lesson':<{width}}  {'result':<18} {'seconds':>7}")
+    claims = {path.name: claimed_seconds(path) for path in lessons}
+    print(f"\n{'lesson':<{width}}  {'result':<18} {'seconds':>7}  {'claimed':>7}")
     for name, result, seconds, _ in results:
-        print(f"{name:<{width}}  {result:<18} {seconds:7.1f}")
+        claim = claims[name]
+        print(f"{name:<{width}}  {result:<18} {seconds:7.1f}  "
+              f"{'-' if claim is None else f'about {claim}':>7}")
     failed = [(name, why) for name, result, _, why in results if result not in ("OK", "SKIPPED")]
     skipped = [(name, why) for name, result, _, why in results if result == "SKIPPED"]
     passed = len(results) - len(failed) - len(skipped)

@@ -242,6 +242,111 @@ def test_a_crash_shows_the_learners_line_and_next_keeps_the_flags(tmp_path):
     assert f"next: python lessons/grade.py 07 --dir {tmp_path}" in done.stdout
 
 
+
+# ----- the grader's own failures are reported as the grader's, never as the learner's -----
+
+def the_graders_own_fault():
+    """Stands for a bug on the grader's side of a rank's task: none of the learner's code runs."""
+    return [][0]
+
+
+def torch_raising_on_what_the_grader_was_handed():
+    """The grader's code calling torch, which raises: what it was handed may be the learner's
+    doing (a gradient of the wrong shape), so it is not called the grader's fault."""
+    import torch
+    return torch.zeros(2) + torch.zeros(3)
+
+
+def the_learners_fault():
+    """The learner's function, called from the grader's task: its error is the learner's."""
+    return sys.modules["exercise_04"].raise_mine()
+
+
+def graded_in_process(number: str, grader, path: Path, capfd, learner: str | None = None):
+    """``cli.grade`` of ``path`` with ``grader`` as exercise ``number``'s checks, in this
+    process; (passed, what it printed)."""
+    from course.grader import checks, cli
+    original = cli.GRADERS[number]
+    cli.GRADERS[number] = grader
+    try:
+        if learner:
+            cli.load(path, f"exercise_{number}_learner")
+            sys.modules[f"exercise_{number}"] = sys.modules[f"exercise_{number}_learner"]
+            checks.ALIASES[f"exercise_{number}"] = f"exercise_{number}_learner"
+        return cli.grade(number, path, None), capfd.readouterr().out
+    finally:
+        cli.GRADERS[number] = original
+        checks.ALIASES.pop(f"exercise_{number}", None)
+        checks.close_groups()
+
+
+def test_an_exception_in_the_graders_code_on_a_rank_is_a_grader_error(capfd):
+    from course.grader import checks
+
+    def grader():
+        yield True, "a check before it", ""
+        checks.on_ranks(2, the_graders_own_fault)
+    passed, out = graded_in_process("04", grader, next(SOLUTIONS.glob("04_*.py")), capfd)
+    assert not passed
+    assert "ERROR the grader itself failed (on rank 0 of 2)" in out, out
+    assert "no verdict on your solution" in unwrapped(out), out
+    assert "in the_graders_own_fault" in out and "IndexError" in out, out
+    assert "FAIL" not in out and "raised:" not in out, out
+
+
+def test_an_exception_in_the_graders_verdicts_is_a_grader_error(capfd):
+    def grader():
+        yield True, "a check before it", ""
+        next(iter([]))
+    passed, out = graded_in_process("04", grader, next(SOLUTIONS.glob("04_*.py")), capfd)
+    assert not passed
+    assert "ERROR the grader itself failed (while judging)" in out, out
+    assert "StopIteration" in out and "in grader" in out, out
+    assert "FAIL" not in out, out
+
+
+def test_an_exception_raised_inside_torch_is_not_called_the_graders(capfd):
+    from course.grader import checks
+
+    def grader():
+        checks.on_ranks(2, torch_raising_on_what_the_grader_was_handed)
+        yield True, "never reached", ""
+    passed, out = graded_in_process("04", grader, next(SOLUTIONS.glob("04_*.py")), capfd)
+    assert not passed
+    assert "FAIL  rank 0 of 2 raised: RuntimeError" in out, out
+    assert "ERROR" not in out, out
+
+
+def test_an_exception_in_the_learners_code_stays_the_learners(tmp_path, capfd):
+    from course.grader import checks
+    path = tmp_path / "04_mine.py"
+    path.write_text("def raise_mine():\n    raise ValueError('my own mistake')\n")
+
+    def grader():
+        checks.on_ranks(2, the_learners_fault)
+        yield True, "never reached", ""
+    passed, out = graded_in_process("04", grader, path, capfd, learner="04")
+    assert not passed
+    assert "FAIL  rank 0 of 2 raised: ValueError: my own mistake" in out, out
+    assert "at 04_mine.py:2 in raise_mine" in out, out
+    assert "ERROR" not in out, out
+
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_two_values_that_differ_are_shown_so_that_they_differ(dtype):
+    """Neighbouring values of each dtype, as a verdict writes them: "yours 0.0112974, torch's
+    0.0112974" would say they are equal."""
+    import torch
+    from course.grader.checks import shown
+    mine = torch.tensor(0.0112974, dtype=getattr(torch, dtype))
+    torchs = torch.nextafter(mine, torch.tensor(1.0, dtype=mine.dtype))
+    said = shown(mine.item(), torchs.item())
+    yours, theirs = said.removeprefix("yours ").split(", torch's ")
+    assert yours != theirs, said
+    assert float(yours) == mine.item() and float(theirs) == torchs.item(), said
+
+
 # ----- wrong solutions of each class the grader must catch, several of each -----
 # Each: (exercise, [(text in the solution, what replaces it), ...], the check whose FAIL line
 # must be the first, words the line after it must hold, words it must not hold).

@@ -229,6 +229,18 @@ def test_run_course_shows_each_lessons_narrative_as_it_runs(tmp_path):
     assert "2 of 2 lessons passed" in quiet.stdout
 
 
+
+def test_run_course_shows_each_lessons_measured_seconds_beside_its_claim(tmp_path):
+    lessons = write_lessons(tmp_path / "lessons", {
+        "00_claims.py": '"""A lesson. About 7 s on two CPU cores."""\nprint("OK: claimed")\n',
+        "01_silent.py": '"""A lesson that claims no time."""\nprint("OK: silent")\n'})
+    done = run_course(lessons, tmp_path, "--quiet")
+    assert done.returncode == 0, done.stdout + done.stderr
+    table = done.stdout.split("\nlesson")[-1]
+    assert re.match(r"\s+result\s+seconds\s+claimed\n", table), table
+    assert re.search(r"00_claims\.py\s+OK\s+\d+\.\d\s+about 7\n", table), table
+    assert re.search(r"01_silent\.py\s+OK\s+\d+\.\d\s+-\n", table), table
+
 TORCHRUN_FAILURE = """
 import sys
 print("[agent 0] step 0/40 | loss 0.52211")

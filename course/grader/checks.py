@@ -7,7 +7,9 @@ exercise with ``NotWritten`` and its instruction.
 
 import os
 import sys
+import sysconfig
 import time
+import traceback
 from collections import Counter
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
@@ -20,6 +22,7 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
+from course.grader.timeline import Recorder  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
@@ -33,6 +36,45 @@ class NotWritten(Exception):
 
 class OutOfStep(Exception):
     """The ranks were about to make different collective calls; the message names them."""
+
+
+class GraderError(Exception):
+    """The grader's own code raised, with none of the learner's code running: a fault of the
+    grader, not a verdict. The message is the original traceback."""
+
+
+#: Words of a collective that failed because another rank did (it stopped, or never came): the
+#: cause is that rank's, even when this rank was inside the grader's code
+PEER_FAILURE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                "Timed out waiting", "timed out", "Application timeout caused pair closure",
+                "Socket Timeout")
+
+
+def learner_files(aliases: dict[str, str]) -> set[str]:
+    """The files of the learner's loaded exercises (their frames are the learner's code)."""
+    return {os.path.realpath(sys.modules[loaded].__file__) for loaded in aliases.values()
+            if getattr(sys.modules.get(loaded), "__file__", None)}
+
+
+#: Where torch and Python live: an error raised in there, from the grader's code, may come of
+#: what the learner's code left (a gradient of the wrong shape), so it is not called the grader's
+LIBRARIES = tuple(os.path.realpath(path) + os.sep for path in (
+    os.path.dirname(torch.__file__), sysconfig.get_paths()["stdlib"],
+    sysconfig.get_paths()["purelib"]))
+
+
+def graders_own(error: BaseException, learners: set[str]) -> bool:
+    """Whether ``error`` is a fault of the grader's own lines: raised there (not in torch's or
+    Python's code, and not a RuntimeError, which torch's operations raise on what they are
+    handed, the learner's doing as likely as not), with none of the learner's code on the
+    stack, and not by a collective that another rank left hanging or broke."""
+    frames = traceback.extract_tb(error.__traceback__)
+    files = [os.path.realpath(frame.filename) for frame in frames]
+    if not files or any(file in learners for file in files):
+        return False
+    if files[-1].startswith(LIBRARIES) or isinstance(error, RuntimeError):
+        return False
+    return not any(word in str(error) for word in PEER_FAILURE)
 
 
 #: Which loaded module each rank must find as ``exercise_NN`` (grade.py grades several files of
@@ -49,6 +91,10 @@ def _guarded(aliases, task, *args):
         return "todo", str(error)
     except OutOfStep as error:
         return "out of step", str(error)
+    except Exception as error:
+        if not graders_own(error, learner_files(aliases)):
+            raise
+        raise GraderError(traceback.format_exc()) from None
 
 
 _groups: dict[int, RankGroup] = {}  # kept between exercises while they run cleanly
@@ -198,6 +244,39 @@ class SameCalls:
         return ("; ".join(said) + f": {verdict}. Every rank must make the same collective calls "
                 "in the same order (a collective under `if rank == ...` leaves the other ranks "
                 "waiting for it)")
+
+
+
+#: torch.distributed's all-gathers and reduce-scatters, under every name a release gives them
+GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single", "_all_gather_base")
+REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single",
+                   "_reduce_scatter_base")
+EVERY_COLLECTIVE = tuple(dict.fromkeys(COLLECTIVES + GATHERS + REDUCE_SCATTERS))
+
+
+def kind_of(name: str) -> str:
+    """A collective's kind, as a verdict says it: "gathers", "reduce-scatters", or its name."""
+    return "gathers" if name in GATHERS else "reduce-scatters" if name in REDUCE_SCATTERS else name
+
+
+class EveryCollective(Recorder):
+    """While open, every collective of torch.distributed made by the learner's ``module`` is
+    first told to ``seen(name)``, whoever wrote the call: called as ``dist.NAME``, or through a
+    name the module bound to one (``all_gather = dist.all_gather_into_tensor``, as the given
+    methods do). Counting only a given method would miss the learner's own calls."""
+
+    def __init__(self, module, told):
+        super().__init__(EVERY_COLLECTIVE, module)
+        self.told = told
+
+    def seen(self, name: str, args, kwargs) -> None:
+        self.told(name)
+
+
+def shown(mine: float, torchs: float) -> str:
+    """Two values that differ, written so that they visibly differ: Python's shortest repr
+    that reads back as the same number (a float32's 0.0112974 alone could be either)."""
+    return f"yours {float(mine)!r}, torch's {float(torchs)!r}"
 
 
 # ----- 03: all_reduce averaging by hand -----

@@ -18,6 +18,10 @@ Several files of one exercise are graded on the same ranks, one after another, a
 of each check (its reference training, the usual mistakes' results) is computed for the first
 and kept for the rest: each further file costs only the running of its own code.
 
+An exception in the grader's own code (on a rank with none of your code running, or in its
+verdicts) is shown as ERROR with its traceback, apart from any verdict: it is the grader's fault,
+not your solution's.
+
 Exit status 0 when every graded exercise passes every check.
 """
 
@@ -27,6 +31,7 @@ import os
 import re
 import sys
 import textwrap
+import traceback
 from pathlib import Path
 
 # Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
@@ -97,6 +102,22 @@ def load(path: Path, name: str) -> None:
 
 
 
+GRADER_ERROR = "GraderError: "
+
+
+def grader_failed(where: str, details: str) -> None:
+    """Say that the grader itself failed, apart from any verdict, with its traceback."""
+    say("  ERROR ", f"the grader itself failed ({where}), in its own code with none of yours "
+        "running: this is no verdict on your solution. Please report it, with this traceback:")
+    for line in details.strip().splitlines():
+        print(" " * (HANG + 2) + line, flush=True)  # deeper than a wrapped verdict line
+
+
+def own_failure(details: str) -> str:
+    """A rank's report, without the other ranks' lines that follow it."""
+    return details.split("\n(then ", 1)[0]
+
+
 def grade(number: str, path: Path, load_error: str | None) -> bool:
     shown = path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
     print(f"\nexercise {number}: {shown}", flush=True)
@@ -118,6 +139,10 @@ def grade(number: str, path: Path, load_error: str | None) -> bool:
         say(" " * 8, str(mismatch))
         return False
     except RankError as error:
+        if GRADER_ERROR in own_failure(error.details):
+            grader_failed(f"on rank {error.rank} of {error.world_size}",
+                          own_failure(error.details).split(GRADER_ERROR, 1)[1])
+            return False
         lines = [line for line in error.details.strip().splitlines()
                  if line.strip() and not line.startswith("(then")]
         say("  FAIL  ", f"rank {error.rank} of {error.world_size} raised: {lines[-1]}")
@@ -130,6 +155,9 @@ def grade(number: str, path: Path, load_error: str | None) -> bool:
             say(" " * 8, f"a collective waited {checks.PG_TIMEOUT_S} s for the other ranks and "
                 "gave up: some rank never made the call this one made. Every rank must make "
                 "the same collective calls in the same order")
+        return False
+    except Exception:  # the grader's own code, in this process: its verdicts, its harness
+        grader_failed("while judging", traceback.format_exc())
         return False
     return passed
 

@@ -5,10 +5,13 @@ First the divide factors, against torch's own function at 1 to 8 ranks (a wrong 
 model and batches, with fp32, bf16 and fp16 reduction: the collectives the learner made, seen by
 a spy standing in for torch's reduce-scatters and all_reduce; and every rank's shards, bit for
 bit. A solution whose shards are torch's passes, whatever its buffer looked like on the way.
-When they differ, the spy's record says why: the buffer handed to the collective is matched
-exactly against layouts built from the same gradients (``fsdp_verdicts.identify``), then the
-collective's op, then what was done to its output; what none of these explains is said plainly,
-with the smallest difference.
+When they differ, the verdict's first words are the first place where the learner's run leaves
+torch's (``timeline``: the same spy records torch's own collectives in its backward): a
+collective of another form or group, a buffer with other elements or bits, a shard. Then the
+spy's record says why, when a known mistake speaks of that place: the buffer handed to the
+collective is matched exactly against layouts built from the same gradients
+(``fsdp_verdicts.identify``), then the collective's op, then what was done to its output; where
+none explains it, the first differing element and what torch's collectives did are said.
 """
 
 import sys
@@ -19,7 +22,17 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from course.grader.checks import NotWritten, on_ranks
+from course.grader.checks import NotWritten, on_ranks, shown
+from course.grader.timeline import (
+    Recorder,
+    argument,  # noqa: F401 (exercise 18's grader takes it from here)
+    collective_events,
+    first_divergence,
+    flat,
+    value_events,
+    verdict,
+    what_torch_did,
+)
 from course.grader.fsdp_verdicts import (
     buffer_said,
     chunk,
@@ -60,52 +73,12 @@ def grade_factors() -> str | None:
     return factors_verdict(got, DTYPES)
 
 
-class Spy:
-    """Stands in for torch's reduce-scatters and all_reduce during the learner's call: records
-    each call's name, input (flat), op and output (after the call), then makes it."""
+class Spy(Recorder):
+    """Stands in for the reduce-scatters and the all_reduce, on the learner's side and on
+    torch's: each call's name, group, input (flat), op and output (after the call)."""
 
-    def __init__(self):
-        self.calls, self.originals = [], {n: getattr(dist, n) for n in COLLECTIVES
-                                          if hasattr(dist, n)}
-
-    def __enter__(self):
-        for name, original in self.originals.items():
-            setattr(dist, name, self.wrapped(name, original))
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self.originals.items():
-            setattr(dist, name, original)
-
-    def wrapped(self, name, original):
-        def call(*args, **kwargs):
-            in_place = name == "all_reduce"  # (tensor, op); the others (output, input, op)
-            given = (argument(args, kwargs, 0, "tensor") if in_place
-                     else argument(args, kwargs, 1, "input", "input_list"))
-            output = given if in_place else argument(args, kwargs, 0, "output")
-            op = argument(args, kwargs, 1 if in_place else 2, "op") or dist.ReduceOp.SUM
-            record = {"name": name, "given": flat(given), "op": str(op), "out": None}
-            self.calls.append(record)  # before the call: a collective that raises was made too
-            done = original(*args, **kwargs)
-            record["out"] = flat(output)
-            return done
-        return call
-
-
-def argument(args, kwargs, position: int, *names):
-    """A call's argument, given by one of ``names`` or at ``position``; None if absent."""
-    for name in names:
-        if name in kwargs:
-            return kwargs[name]
-    return args[position] if len(args) > position else None
-
-
-def flat(t):
-    if torch.is_tensor(t):
-        return t.detach().clone().reshape(-1)
-    if isinstance(t, (list, tuple)):
-        return torch.cat([x.detach().reshape(-1) for x in t])
-    return None
+    def __init__(self, module=None):
+        super().__init__(COLLECTIVES, module)
 
 
 # ----- one backward beside torch's fully_shard -----
@@ -117,21 +90,35 @@ def make_model() -> nn.Module:
                              nn.Tanh(), nn.Linear(HIDDEN, OUT_FEATURES))
 
 
-def torch_shards(mesh, dtype) -> list[tuple[int, list, list]]:
-    """(unit, this rank's gradients, torch's shards of them) for each unit (each Linear), after
-    one backward of a plain copy of the model and of torch's ``fully_shard`` of it on ``mesh``."""
+def torch_shards(mesh, dtype) -> list[tuple[int, list, list, list]]:
+    """(unit, this rank's gradients, torch's shards of them, torch's collectives for them) for
+    each unit (each Linear), after one backward of a plain copy of the model and of torch's
+    ``fully_shard`` of it on ``mesh``; its collectives recorded by the learner's ``Spy``."""
     rank, world = dist.get_rank(), dist.get_world_size()
     x, y = make_dataset(n=16 * world, seed=0).tensors
     x, y = x[16 * rank:16 * (rank + 1)], y[16 * rank:16 * (rank + 1)]
     theirs, plain = make_model(), make_model()
     for m in [m for m in theirs if isinstance(m, nn.Linear)] + [theirs]:
         fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=dtype))
-    for model in (theirs, plain):
-        F.mse_loss(model(x), y).backward()
-    return [(unit, [p.grad for p in mine.parameters()],
-             [p.grad.to_local() for p in torchs.parameters()])
-            for unit, (mine, torchs) in enumerate(zip(plain, theirs))
-            if isinstance(mine, nn.Linear)]
+    F.mse_loss(plain(x), y).backward()
+    loss = F.mse_loss(theirs(x), y)
+    with Spy() as spy:
+        loss.backward()
+    units = [unit for unit, m in enumerate(plain) if isinstance(m, nn.Linear)]
+    calls = dict(zip(reversed(units), per_unit(spy.calls)))  # the backward runs last unit first
+    return [(unit, [p.grad for p in plain[unit].parameters()],
+             [p.grad.to_local() for p in theirs[unit].parameters()], calls.get(unit, []))
+            for unit in units]
+
+
+def per_unit(calls: list[dict]) -> list[list[dict]]:
+    """A backward's collectives, cut where each unit's reduce-scatter begins."""
+    cut: list[list[dict]] = []
+    for call in calls:
+        if call["name"] in REDUCE_SCATTERS or not cut:
+            cut.append([])
+        cut[-1].append(call)
+    return cut
 
 
 #: torch_shards by (world size, dtype): it does not depend on the learner's file, so it is
@@ -140,7 +127,7 @@ def torch_shards(mesh, dtype) -> list[tuple[int, list, list]]:
 _REFERENCES: dict[tuple[int, str], list] = {}
 
 
-def torch_reference(dtype_name_: str) -> list[tuple[int, list, list]]:
+def torch_reference(dtype_name_: str) -> list[tuple[int, list, list, list]]:
     world = dist.get_world_size()
     if (world, dtype_name_) not in _REFERENCES:
         mesh = init_device_mesh("cpu", (world,))  # torch's default is a GPU wherever there is one
@@ -152,19 +139,39 @@ def reduce_task(dtype_name_: str) -> list[dict]:
     """One report per unit (each Linear): the collectives the learner made, and what differs
     from torch's shards and why."""
     dtype, reports = DTYPES[dtype_name_], []
-    for unit, cached, expected in torch_reference(dtype_name_):
+    for unit, cached, expected, torch_calls in torch_reference(dtype_name_):
         grads = [g.clone() for g in cached]  # fresh for each file, as the learner's are
         error, got = None, []
-        with Spy() as spy:
+        with Spy(exercise()) as spy:
             try:
                 got = list(exercise().reduce_scatter_gradients([g.clone() for g in grads], dtype))
             except NotImplementedError:
                 raise
             except Exception as e:  # reported after the collectives, which may name the cause
                 error = f"{type(e).__name__}: {e}"
+        bits = bits_problem(spy.calls, grads, got, expected, dtype, error)
         reports.append({"unit": unit, "calls": call_problem(spy.calls, grads, error),
-                        "bits": bits_problem(spy.calls, grads, got, expected, dtype, error)})
+                        "bits": bits and located(bits, spy.calls, got, torch_calls, expected)})
     return reports
+
+
+def located(known: str, calls: list[dict], got: list, torch_calls: list[dict], expected: list,
+            groups: dict | None = None, about=("collective", "input", "shard")) -> str:
+    """A verdict whose first words are the first event where the learner's collectives and
+    shards leave torch's (``timeline``), then ``known`` if it speaks of that event; where only
+    the shards differ, what torch's collectives did."""
+    mine = collective_events(calls, "", groups) + value_events("shard of parameter", got, "")
+    theirs = (collective_events(torch_calls, "", groups)
+              + value_events("shard of parameter", expected, ""))
+    found = first_divergence(mine, theirs)
+    said = verdict(found, known, about)
+    if found is None or (known and said.endswith(known[1:])):
+        return said
+    shards = first_divergence(value_events("shard of parameter", got, ""),
+                              value_events("shard of parameter", expected, ""))
+    if shards and not found.kind.startswith("shard"):
+        said += f"; then {shards.line}"
+    return said + f" ({what_torch_did(torch_calls, groups)})"
 
 
 def call_problem(calls: list[dict], grads, error) -> str | None:
@@ -283,8 +290,8 @@ def buffer_difference(given, grads, world, dtype) -> str:
         return said + f"It is in {dtype_name(given.dtype)}, torch's in {dtype_name(dtype)}"
     k = int((given != torchs).nonzero()[0])
     row = k // (len(given) // world)
-    return said + (f"The first difference from torch's: element {k} (row {row}), yours "
-                   f"{given[k].item():.6g}, torch's {torchs[k].item():.6g}")
+    return said + (f"The first difference from torch's: element {k} (row {row}), "
+                   f"{shown(given[k].item(), torchs[k].item())}")
 
 
 def smallest_difference(got, expected, prefix: str) -> str:
@@ -293,7 +300,7 @@ def smallest_difference(got, expected, prefix: str) -> str:
     at = tuple((got[k] != expected[k]).nonzero()[0].tolist())
     return (prefix + f"could not tell what went wrong: {sum(differ)} elements of your shards "
             f"differ from torch's (per parameter {differ}); the first, parameter {k} at "
-            f"{list(at)}: yours {got[k][at].item():.6g}, torch's {expected[k][at].item():.6g}")
+            f"{list(at)}: {shown(got[k][at].item(), expected[k][at].item())}")
 
 
 def first_problem(results: dict, key: str) -> str | None:

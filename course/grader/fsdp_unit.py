@@ -6,8 +6,10 @@ and the root, which owns the first and last layers. Five runs, each at 2 and 3 r
 observed, in the order it is judged: what the learner's optimizer holds; whether a unit's
 parameters were gathered whenever its forward or backward ran (the hooks check, so a freed unit
 fails with its name, not with torch's "data is not allocated"); which units hold their full
-parameters after forward (torch's, seen on its modules) and after backward; the gathers and
-reduce-scatters of each unit in each backward; the gradients handed to each reduce-scatter
+parameters after forward (torch's, seen on its modules) and after backward, and whether a full
+parameter keeps a full-size gradient; every collective the learner's code makes in each unit's
+methods (``EveryCollective``: the given methods' and its own), a gather of a unit that holds its
+parameters being an extra one; the gradients handed to each reduce-scatter
 (beside this rank's own gradients of each backward, from a plain copy of the model: a lost or
 stale gradient is named so); every gradient shard and parameter shard against torch's, bit for
 bit.
@@ -16,6 +18,7 @@ bit.
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from course.grader.checks import on_ranks
+from course.grader.checks import EveryCollective, kind_of, on_ranks
 from course.grader.fsdp import fully_shard
 from course.grader.unit_verdicts import (
     bits_problem,
@@ -38,10 +41,14 @@ OPTIONS = load_lesson("17_fsdp_options")
 WORLDS, STEPS, ADAM = (2, 3), 2, {"lr": 0.01}
 INNER, ROOT_LAYERS = OPTIONS.INNER, OPTIONS.ROOT  # the layers that are inner units; the root's
 #: In this order: the first runs show most mistakes, and with two backwards per step the
-#: gradients of each are kept to name a lost or a left-over one
+#: gradients of each are kept to name a lost or a left-over one. ZeRO-2's evaluation forward
+#: (no_grad, after each step) leaves units gathered for the next forward: one gathered again
+#: there is an extra all-gather. The frozen weight is its unit's first parameter, not its last.
 RUNS = {"two backwards per step": {"micro": 2},
         "a backward without sync, then one with": {"micro": 2, "no_sync": True},
-        "ZeRO-3": {}, "ZeRO-2": {"zero2": True}, "a frozen bias": {"frozen": True}}
+        "ZeRO-3": {}, "ZeRO-2 with an evaluation forward after each step":
+        {"zero2": True, "evaluate": True},
+        "a frozen bias in one unit, a frozen weight in the other": {"frozen": True}}
 
 
 def exercise():
@@ -53,38 +60,59 @@ class Unfed(Exception):
 
 
 def make_model(frozen: bool) -> nn.Module:
-    """Lesson 17, part 2's model: two inner units and the root's first and last layers."""
-    return OPTIONS.make_model(frozen)
+    """Lesson 17, part 2's model: two inner units and the root's first and last layers; frozen,
+    the lesson's frozen bias (its unit's last parameter) and the other unit's weight (its
+    first)."""
+    model = OPTIONS.make_model(frozen)
+    if frozen:
+        model[INNER[1]].weight.requires_grad_(False)
+    return model
 
 
 class Driven:
-    """The learner's units on ``model``, called where torch's hooks act, with what each did
-    counted per backward and every reduce-scatter's input kept."""
+    """The learner's units on ``model``, called where torch's hooks act. Every collective the
+    learner's code makes while a unit's method runs is counted for that unit, per window (a
+    backward, or an evaluation forward), with the gathers made while the unit was gathered
+    already; every reduce-scatter's input is kept."""
 
     def __init__(self, model: nn.Module, unit_class, zero2: bool):
-        self.model, self.counts, self.reduced = model, {}, {}
+        self.model, self.current = model, None
         self.units = {f"unit {i}": unit_class(list(model[i].parameters()),
                                               reshard_after_forward=not zero2) for i in INNER}
         self.units["the root"] = unit_class([p for i in ROOT_LAYERS for p in model[i].parameters()],
                                             reshard_after_forward=True, is_root=True)
+        self.start_window()
         for name, unit in self.units.items():
             module = model if name == "the root" else model[int(name.split()[1])]
-            self._count(name, unit)
+            self._keep_inputs(name, unit)
             self._hook(name, unit, module)
 
-    def _count(self, name: str, unit) -> None:
-        gather, reduce_scatter = unit.gather, unit.reduce_scatter
+    def collective(self, name: str) -> None:
+        """``EveryCollective``'s call: one collective of the unit whose method is running."""
+        if self.current is not None:
+            self.counts[self.current][kind_of(name)] += 1
 
-        def counted_gather():
-            self.counts[name]["gathers"] += 1
-            return gather()
+    def _keep_inputs(self, name: str, unit) -> None:
+        reduce_scatter = unit.reduce_scatter
 
-        def counted_reduce_scatter(grads):
-            self.counts[name]["reduce-scatters"] += 1
+        def kept_reduce_scatter(grads):
             out = reduce_scatter(grads)
             self.reduced.setdefault(name, []).append((clones(grads), clones(out)))
             return out
-        unit.gather, unit.reduce_scatter = counted_gather, counted_reduce_scatter
+        unit.reduce_scatter = kept_reduce_scatter
+
+    def _called(self, name: str, unit, method: str) -> None:
+        """``unit.method()``, its collectives counted; a gather it makes while the unit holds
+        its parameters already is an extra one."""
+        was_gathered, before = bool(unit.gathered), self.counts[name]["gathers"]
+        self.current = name
+        try:
+            getattr(unit, method)()
+        finally:
+            self.current = None
+        made = self.counts[name]["gathers"] - before
+        if made > (0 if was_gathered else 1):
+            self.extra[name].append(method)
 
     def _hook(self, name: str, unit, module: nn.Module) -> None:
         def fed(when: str, needed: str):
@@ -93,16 +121,16 @@ class Driven:
                             f"{when} must gather them (self.gather()) when they are not")
 
         def before_forward(_module, _args):
-            unit.before_forward()
+            self._called(name, unit, "before_forward")
             fed("before_forward", "forward")
 
         def before_backward(grad):
-            unit.before_backward()
+            self._called(name, unit, "before_backward")
             fed("before_backward", "backward")
             return grad
 
         def after_forward(_module, _args, output):
-            unit.after_forward()
+            self._called(name, unit, "after_forward")
             if output.requires_grad:
                 output.register_hook(before_backward)
             return output
@@ -114,7 +142,7 @@ class Driven:
             arrived.append(1)
             if len(arrived) == len(waiting):
                 arrived.clear()
-                unit.after_backward()
+                self._called(name, unit, "after_backward")
         module.register_forward_pre_hook(before_forward)
         module.register_forward_hook(after_forward)
         for p in waiting:
@@ -123,11 +151,20 @@ class Driven:
     def held(self) -> dict[str, bool]:
         return {name: bool(unit.gathered) for name, unit in self.units.items()}
 
+    def full_gradients(self) -> dict[str, int]:
+        """Each unit's elements of full-size gradient still held in its full parameters' .grad."""
+        return {name: sum(p.grad.numel() for p in unit.full if p.grad is not None)
+                for name, unit in self.units.items()}
+
+    def start_window(self) -> None:
+        self.counts = {name: Counter({"gathers": 0, "reduce-scatters": 0}) for name in self.units}
+        self.extra = {name: [] for name in self.units}  # the methods that gathered again
+        self.reduced = {}
+
     def start_backward(self, sync: bool) -> None:
         for unit in self.units.values():
             unit.requires_gradient_sync = sync
-        self.counts = {name: {"gathers": 0, "reduce-scatters": 0} for name in self.units}
-        self.reduced = {}
+        self.start_window()
 
 
 def clones(tensors) -> list:
@@ -214,11 +251,22 @@ def unit_task(run: str) -> dict:
     config = RUNS[run]
     mine = make_model(config.get("frozen", False))
     driven = Driven(mine, exercise().Unit, config.get("zero2", False))
-    shards = shards_in_model_order(mine, driven)
-    report = {"run": run, "optimizer": None, "backwards": [], "unfed": None,
+    report = {"run": run, "optimizer": None, "backwards": [], "evaluations": [], "unfed": None,
               "params_differ": None, "names": [name for name, _ in mine.named_parameters()]}
-    optimizer = None  # made after the first backward: the methods' instructions come first
     reference = torch_reference(run)
+    try:
+        with EveryCollective(exercise(), driven.collective):
+            train(run, mine, driven, reference, report)
+    except Unfed as unfed:
+        report["unfed"] = str(unfed)
+    return report
+
+
+def train(run: str, mine: nn.Module, driven: Driven, reference: dict, report: dict) -> None:
+    """The learner's units through ``run``'s steps, beside torch's: what was seen, in
+    ``report``."""
+    shards = shards_in_model_order(mine, driven)
+    optimizer = None  # made after the first backward: the methods' instructions come first
     torchs = iter(reference["backwards"])  # one per backward, in the order they are made
     for step, backwards in enumerate(batches(run)):
         for k, (sync, x, y) in enumerate(backwards):
@@ -226,15 +274,12 @@ def unit_task(run: str) -> dict:
             driven.start_backward(sync)
             seen = {"step": step, "micro": k, "sync": sync, "torch_after_forward":
                     torch_side["held"], "own": torch_side["own"], "world": dist.get_world_size()}
-            try:
-                my_loss = F.mse_loss(mine(x), y)
-                seen["after_forward"] = driven.held()
-                my_loss.backward()
-            except Unfed as unfed:
-                report["unfed"] = str(unfed)
-                return report
-            seen.update(after_backward=driven.held(), counts=driven.counts,
-                        reduced=driven.reduced, unit_params=unit_param_order(mine, driven),
+            my_loss = F.mse_loss(mine(x), y)
+            seen["after_forward"] = driven.held()
+            my_loss.backward()
+            seen.update(after_backward=driven.held(), full_grads=driven.full_gradients(),
+                        counts=driven.counts, extra=driven.extra, reduced=driven.reduced,
+                        unit_params=unit_param_order(mine, driven),
                         grads=[local(s.grad) for s in shards], torch_grads=torch_side["grads"])
             report["backwards"].append(seen)
         if optimizer is None:
@@ -242,14 +287,19 @@ def unit_task(run: str) -> dict:
                                                   torch.optim.Adam, **ADAM)
             report["optimizer"] = optimizer_holds(optimizer, shards, driven)
             if report["optimizer"]:
-                return report
+                return
         optimizer.step()
         differ = [i for i, (s, p) in enumerate(zip(shards, reference["params"][step]))
                   if not torch.equal(s.detach(), p)]
         if differ and report["params_differ"] is None:
             report["params_differ"] = (step, differ)
         optimizer.zero_grad()
-    return report
+        if RUNS[run].get("evaluate"):
+            driven.start_window()
+            with torch.no_grad():
+                mine(backwards[0][1])
+            report["evaluations"].append({"step": step, "counts": driven.counts,
+                                          "extra": driven.extra})
 
 
 def unit_param_order(model: nn.Module, driven: Driven) -> dict[str, list[int]]:
@@ -298,10 +348,12 @@ CHECKS = (
             ("each unit's parameters are gathered whenever its forward or its backward runs",
              lambda r: r["unfed"]),
             ("after forward only the root holds its full parameters (with ZeRO-2 every unit); "
-             "after backward none does", held_problem),
+             "after backward none does, nor a full-size gradient after a backward with sync",
+             held_problem),
             ("all-gathers: one for a unit's forward, one more for its backward unless it kept "
-             "its parameters (the root, ZeRO-2); one reduce-scatter per unit in each backward "
-             "with sync, none without", count_problem),
+             "its parameters (the root, ZeRO-2), none while it holds them; one reduce-scatter "
+             "per unit in each backward with sync, none without; every collective of your "
+             "code counted", count_problem),
             ("2 and 3 ranks: every gradient shard and parameter shard equals torch's "
              "fully_shard bit for bit, after every backward and step", bits_problem))
 

@@ -4,11 +4,13 @@ First the divisions, against torch's own function for shard and replicate groups
 (a wrong rule is named: ``DIVISION_RULES``). Then, on 2 nodes of 3, 3 of 2 and 2 of 2 ranks
 beside torch's ``fully_shard`` on the same 2-D mesh, model and batches, with fp32, bf16 and fp16
 reduction: every rank's shards, bit for bit. A solution whose shards are torch's passes, however
-it got them. When they differ, a spy standing in for torch's collectives says why: which
-collectives the learner made, in which group and in what order (a missing all-reduce across
-the replicas, the groups in the other order or swapped, a group of every rank), then what was
-divided between them, matched exactly against candidates computed from what the spy recorded;
-what none of these explains is said plainly, with the smallest difference.
+it got them. When they differ, the first words name the first place where the learner's run
+leaves torch's, each recorded by the same spy (``timeline``): a collective of another form or
+group, a buffer with other elements or bits, a shard. Then a known mistake is named when it
+speaks of that place: which collectives the learner made, in which group and in what order (a
+missing all-reduce across the replicas, the groups in the other order or swapped, a group of
+every rank), then what was divided between them, matched exactly against candidates computed
+from what the spy recorded.
 """
 
 import math
@@ -20,7 +22,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from course.grader import fsdp
 from course.grader.checks import NotWritten, on_ranks
-from course.grader.fsdp import DTYPES, flat, fully_shard, smallest_difference
+from course.grader.fsdp import DTYPES, Spy, fully_shard, located, smallest_difference
+from course.grader.timeline import ranks_of
 from course.grader.fsdp_verdicts import fp16_loop
 
 MESHES = ((2, 3), (3, 2), (2, 2))  # (nodes, ranks per node): one division by W shows at 3 a node
@@ -103,29 +106,6 @@ def same(a, b) -> bool:
 
 # ----- one backward beside torch's fully_shard on a 2-D mesh -----
 
-class Spy(fsdp.Spy):
-    """Exercise 17's spy on torch's reduce-scatters and all_reduce, recording each call's group
-    (its ranks) too."""
-
-    def wrapped(self, name, original):
-        def call(*args, **kwargs):
-            at = 2 if name == "all_reduce" else 3  # (tensor, op, group); (output, input, op, group)
-            group = kwargs.get("group", args[at] if len(args) > at else None)
-            given = args[0] if name == "all_reduce" else kwargs.get("input", args[1])
-            output = given if name == "all_reduce" else kwargs.get("output", args[0])
-            record = {"name": name, "ranks": ranks_of(group), "given": flat(given), "out": None}
-            self.calls.append(record)
-            done = original(*args, **kwargs)
-            record["out"] = flat(output)
-            return done
-        return call
-
-
-def ranks_of(group) -> tuple[int, ...]:
-    return tuple(range(dist.get_world_size()) if group is None
-                 else dist.get_process_group_ranks(group))
-
-
 #: This rank's 2-D meshes, one per shape: each makes process groups of its own, which costs more
 #: than the backward it grades, so every dtype and solution graded on these ranks shares them
 _meshes: dict = {}
@@ -159,7 +139,7 @@ def hsdp_task(nodes: int, names: list[str]) -> list[tuple[str, list[dict]]]:
 _REFERENCES: dict[tuple[int, int, str], list] = {}
 
 
-def torch_reference(nodes: int, dtype_name_: str) -> list[tuple[int, list, list]]:
+def torch_reference(nodes: int, dtype_name_: str) -> list[tuple[int, list, list, list]]:
     key = (nodes, dist.get_world_size(), dtype_name_)
     if key not in _REFERENCES:
         _REFERENCES[key] = fsdp.torch_shards(mesh_of(nodes), DTYPES[dtype_name_])
@@ -171,13 +151,15 @@ def unit_reports(nodes: int, dtype_name_: str) -> list[dict]:
     mesh = mesh_of(nodes)
     groups = {"shard": mesh.get_group("shard"), "replicate": mesh.get_group("replicate")}
     return [{"unit": unit, "problem": learner_problem([g.clone() for g in grads], expected,
-                                                      groups, DTYPES[dtype_name_])}
-            for unit, grads, expected in torch_reference(nodes, dtype_name_)]
+                                                      groups, DTYPES[dtype_name_], torch_calls)}
+            for unit, grads, expected, torch_calls in torch_reference(nodes, dtype_name_)]
 
 
-def learner_problem(grads, expected, groups, dtype) -> str | None:
+def learner_problem(grads, expected, groups, dtype, torch_calls) -> str | None:
+    """What differs from torch's shards: first where the learner's collectives and shards leave
+    torch's, then a known mistake's name when it speaks of that place."""
     error, got = None, []
-    with Spy() as spy:
+    with Spy(exercise()) as spy:
         try:
             got = list(exercise().reduce_gradients([g.clone() for g in grads], groups["shard"],
                                                    groups["replicate"], dtype))
@@ -187,16 +169,21 @@ def learner_problem(grads, expected, groups, dtype) -> str | None:
             error = f"{type(e).__name__}: {e}"
     if not error and equal(got, expected):
         return None
+    names = {ranks_of(g): k for k, g in groups.items()}
+
+    def where(known, about):
+        return located(known, spy.calls, got, torch_calls, expected, names, about)
     said = collectives_problem(spy.calls, {k: ranks_of(g) for k, g in groups.items()})
     if said:
-        return said + (f" (then reduce_gradients raised {error})" if error else "")
+        return where(said + (f" (then reduce_gradients raised {error})" if error else ""),
+                     ("collective",))
     if error:
-        return f"reduce_gradients raised {error}"
+        return where(f"reduce_gradients raised {error}", ("collective", "input", "shard"))
     if [t.shape for t in got] != [t.shape for t in expected] or any(
             a.dtype != b.dtype for a, b in zip(got, expected)):
-        return (f"your shards are {[(tuple(t.shape), str(t.dtype)[6:]) for t in got]}, torch's "
-                f"{[(tuple(t.shape), str(t.dtype)[6:]) for t in expected]}: use shards_of")
-    return division_problem(spy.calls, grads, got, expected, dtype, groups)
+        return where(None, ())
+    return where(division_problem(spy.calls, grads, got, expected, dtype, groups),
+                 ("input", "shard"))
 
 
 def equal(got, expected) -> bool:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from course.grader.checks import shown
+
 
 def optimizer_problem(report: dict) -> str | None:
     return report["optimizer"]
@@ -42,27 +44,48 @@ def held_problem(report: dict) -> str | None:
         if kept:
             return (f"in {where(seen)}, after backward {' and '.join(kept)} still held "
                     "full parameters: after_backward frees them, with sync or without")
+        left = {name: n for name, n in seen["full_grads"].items() if n}
+        if seen["sync"] and left:
+            name, n = next(iter(left.items()))
+            return (f"in {where(seen)}, after backward {name}'s full parameters still held "
+                    f"full-size gradients in .grad ({n} elements on this rank): the memory "
+                    "sharding saves. Once reduce-scattered, set each full parameter's .grad to "
+                    "None (zeroing it keeps the memory)")
     return None
 
 
 def count_problem(report: dict) -> str | None:
-    for seen in report["backwards"]:
+    windows = [(f"in {where(seen)}", seen) for seen in report["backwards"]]
+    windows += [(f"in the evaluation forward after step {e['step']}", e)
+                for e in report["evaluations"]]
+    windows.sort(key=lambda w: (w[1]["step"], "evaluation" in w[0]))
+    for when, seen in windows:
         for name, counts in seen["counts"].items():
-            kept = seen["torch_after_forward"][name]
-            gathers, expected = counts["gathers"], 1 if kept else 2
-            said = f"in {where(seen)}, {name} "
-            if gathers > expected:
-                return said + (f"was gathered {gathers} times, torch's {expected}: "
-                               + ("its parameters were still gathered when its backward "
-                                  "began; " if kept else "") +
-                               "gather only when they are not (self.gathered)")
+            said = f"{when}, {name} "
+            extra = seen["extra"][name]
+            if extra:
+                gathers = counts["gathers"]
+                return said + (f"was gathered {gathers} times, torch's {gathers - len(extra)}: "
+                               f"its {extra[0]} gathered the parameters though they were "
+                               "gathered already, an extra all-gather of the whole unit. "
+                               "Gather only when they are not (self.gathered)")
+            other = {kind: n for kind, n in counts.items()
+                     if kind not in ("gathers", "reduce-scatters") and n}
+            if other:
+                kind, n = next(iter(other.items()))
+                return said + (f"made {n} {kind} call{'s' if n > 1 else ''}: a unit's life "
+                               "makes only all-gathers and reduce-scatters, each one a given "
+                               "method")
+            if "evaluation" in when:
+                continue
             reductions = counts["reduce-scatters"]
             if reductions and not seen["sync"]:
                 return said + ("made a reduce-scatter in a backward without sync: with "
                                "requires_gradient_sync False no collective is made, the full "
                                "gradients stay for the next backward to add to")
             if seen["sync"] and reductions != 1:
-                return said + (f"made {reductions} reduce-scatters in one backward with sync; "
+                return said + (f"made {reductions} reduce-scatters in one backward with sync "
+                               "(every collective counts, the given method's and your own); "
                                "torch makes one per unit, of all its gradients at once")
     return None
 
@@ -100,7 +123,7 @@ def gradient_problem(seen: dict, since: list[dict], before: list[dict], i: int, 
                 "gradient in its shard's .grad")
     position = seen["unit_params"][unit].index(i)
     calls = seen["reduced"].get(unit, [])
-    if calls:
+    if calls and position < len(calls[-1][0]) and position < len(calls[-1][1]):
         given, out = calls[-1][0][position], calls[-1][1][position]
         wrong_input = since[0]["own"] and input_problem(
             given, [s["own"][i] for s in since], [s["own"][i] for s in before if s["own"]])
@@ -169,5 +192,5 @@ def could_not_tell(what: str, mine: torch.Tensor, torchs: torch.Tensor) -> str:
     differ = (mine != torchs).nonzero()
     at = tuple(differ[0].tolist())
     return (f"{what} differs from torch's in {len(differ)} of {mine.numel()} elements; could "
-            f"not tell what went wrong. The first: at {list(at)} yours {mine[at].item():.9g}, "
-            f"torch's {torchs[at].item():.9g}")
+            f"not tell what went wrong. The first: at {list(at)} "
+            f"{shown(mine[at].item(), torchs[at].item())}")

@@ -22,10 +22,12 @@ four methods below at four moments of every forward and backward; you write what
 And ``make_optimizer``: the optimizer the training loop steps, over what each rank keeps.
 
 Graded by ``python lessons/grade.py 17b`` at 2 and 3 ranks beside torch's ``fully_shard`` on the
-same model (two inner units and the root), over Adam steps in five runs (ZeRO-3, ZeRO-2, two
-backwards per step, a backward without sync then one with, a frozen bias): which units hold
-their full parameters after forward and after backward, the all-gathers and reduce-scatters of
-each step, then every gradient and parameter shard bit for bit.
+same model (two inner units and the root), over Adam steps in five runs (ZeRO-3, ZeRO-2 with
+an evaluation forward after each step, two backwards per step, a backward without sync then one
+with, a frozen bias in one unit and a frozen weight in the other): which units hold their full
+parameters after forward and after backward (and no full-size gradient once reduce-scattered),
+every collective your code makes (an all-gather of a unit already gathered is one too many),
+then every gradient and parameter shard bit for bit.
 """
 
 import torch
