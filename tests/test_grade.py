@@ -338,6 +338,7 @@ def test_two_values_that_differ_are_shown_so_that_they_differ(dtype):
     """Neighbouring values of each dtype, as a verdict writes them: "yours 0.0112974, torch's
     0.0112974" would say they are equal."""
     import torch
+
     from course.grader.checks import shown
     mine = torch.tensor(0.0112974, dtype=getattr(torch, dtype))
     torchs = torch.nextafter(mine, torch.tensor(1.0, dtype=mine.dtype))

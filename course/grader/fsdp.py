@@ -23,16 +23,6 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from course.grader.checks import NotWritten, on_ranks, shown
-from course.grader.timeline import (
-    Recorder,
-    argument,  # noqa: F401 (exercise 18's grader takes it from here)
-    collective_events,
-    first_divergence,
-    flat,
-    value_events,
-    verdict,
-    what_torch_did,
-)
 from course.grader.fsdp_verdicts import (
     buffer_said,
     chunk,
@@ -41,6 +31,15 @@ from course.grader.fsdp_verdicts import (
     identify,
     laid_out,
     torch_divide_factors,
+)
+from course.grader.timeline import (
+    Recorder,
+    argument,  # noqa: F401 (exercise 18's grader takes it from here)
+    collective_events,
+    first_divergence,
+    value_events,
+    verdict,
+    what_torch_did,
 )
 from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 

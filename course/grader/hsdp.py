@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from course.grader import fsdp
 from course.grader.checks import NotWritten, on_ranks
 from course.grader.fsdp import DTYPES, Spy, fully_shard, located, smallest_difference
-from course.grader.timeline import ranks_of
 from course.grader.fsdp_verdicts import fp16_loop
+from course.grader.timeline import ranks_of
 
 MESHES = ((2, 3), (3, 2), (2, 2))  # (nodes, ranks per node): one division by W shows at 3 a node
 
