@@ -190,9 +190,9 @@ def _class_facts() -> dict:
             refused[name] = str(e)
     facts["refused"] = refused
     handle = model[0].unshard(async_op=True)
-    facts["before_wait"] = tuple(model[0].weight.shape)
+    facts["before_wait"] = _held(model[0].weight)
     handle.wait()
-    facts["after_wait"] = tuple(model[0].weight.shape)
+    facts["after_wait"] = _held(model[0].weight)
     model[0].reshard()
     return facts
 
@@ -206,7 +206,7 @@ def test_every_public_method_of_torchs_fsdp_module_is_miniddps(ranks):
         assert "NCCL" in f["refused"]["set_symm_mem_for_comm"]
         assert set(f["refused"]) == {"set_symm_mem_for_comm", "set_custom_all_gather",
                                      "set_custom_reduce_scatter"}
-        assert f["before_wait"] == (3, 4) and f["after_wait"] == (6, 4)
+        assert f["before_wait"] == ("shard", 3, 4) and f["after_wait"] == ("whole", 6, 4)
 
 
 # ----- register_fsdp_forward_method -----
@@ -324,3 +324,10 @@ def test_explicit_prefetch_moves_the_gathers_in_the_trace_as_torchs(ranks):
     assert with_["ours"] == with_["torch's"], with_
     assert with_["ours"] == PREFETCHED, with_["ours"]
     assert without["ours"] != PREFETCHED and sorted(without["ours"]) == sorted(PREFETCHED)
+
+
+def _held(param) -> tuple:
+    """What a module holds: its shard (a DTensor: this rank's rows) or the whole parameter."""
+    if hasattr(param, "to_local"):
+        return ("shard", *param.to_local().shape)
+    return ("whole", *param.shape)
