@@ -45,12 +45,18 @@ TORCH_FULLY_SHARD = next((vars(m)["fully_shard"] for m in _HOMES
                           if callable(vars(m).get("fully_shard"))), None)
 
 
-@functools.wraps(fully_shard)
-def IN_TORCHS_PLACE(module, *args, **kwargs):  # noqa: N802  (a name like a constant's: one object)
-    return fully_shard(module, *args, **kwargs)
+class _InTorchsPlace:
+    """miniddp's ``fully_shard`` under torch's name, with torch's ``state`` attribute."""
+
+    def __init__(self):
+        functools.update_wrapper(self, fully_shard)
+        self.state = getattr(TORCH_FULLY_SHARD, "state", None)
+
+    def __call__(self, module, *args, **kwargs):
+        return fully_shard(module, *args, **kwargs)
 
 
-IN_TORCHS_PLACE.state = getattr(TORCH_FULLY_SHARD, "state", None)
+IN_TORCHS_PLACE = _InTorchsPlace()
 
 
 def changes(holders) -> list[tuple[dict, str, object, object]]:
