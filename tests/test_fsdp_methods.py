@@ -63,7 +63,7 @@ class Interrupted(Exception):
     pass
 
 
-def _steps(setup: str, steps: int = 2) -> list[str]:
+def _steps(setup: str, steps: int = 2, hsdp: bool = False) -> list[str]:
     torch.manual_seed(0)
     models = []
     for shard, policy in ((miniddp.fully_shard, miniddp.MixedPrecisionPolicy()),
@@ -71,7 +71,8 @@ def _steps(setup: str, steps: int = 2) -> list[str]:
         torch.manual_seed(0)
         model = Net()
         model.unused = nn.Linear(3, 3)  # in the root unit, never called
-        mesh = {} if shard is miniddp.fully_shard else {"mesh": device_mesh("cpu")}
+        mesh = ({"mesh": device_mesh("cpu", (2, 2))} if hsdp else
+                {} if shard is miniddp.fully_shard else {"mesh": device_mesh("cpu")})
         models.append(shard_model(model, shard, policy, Case(), **mesh))
         SETUPS[setup](model)
     ours, theirs = models
@@ -98,15 +99,25 @@ def _steps(setup: str, steps: int = 2) -> list[str]:
     return problems
 
 
-def _each(setups):
+def _each(setups, hsdp: bool = False):
     torch.set_num_threads(1)
-    return {s: _steps(s) for s in setups}
+    return {s: _steps(s, hsdp=hsdp) for s in setups}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_methods_that_change_the_step_train_bit_for_bit_as_torchs(ranks, world_size):
     setups = [s for s in SETUPS if s != "none"]
     for rank, by_setup in enumerate(ranks(world_size).run(_each, setups, timeout=180)):
+        failing = {s: p[:3] for s, p in by_setup.items() if p}
+        assert not failing, f"rank {rank}: {failing}"
+
+
+def test_under_hsdp_the_reduction_settings_train_bit_for_bit_as_torchs(ranks):
+    """On a 2 x 2 mesh: with a divide factor, force-sum sums across both groups and divides
+    once after; the hook sees the row after the all-reduce across the replicas."""
+    setups = ["force_sum", "force_sum_factor_5", "all_reduce_hook",
+              "unused_params", "prefetch"]
+    for rank, by_setup in enumerate(ranks(4).run(_each, setups, True, timeout=180)):
         failing = {s: p[:3] for s, p in by_setup.items() if p}
         assert not failing, f"rank {rank}: {failing}"
 
@@ -285,6 +296,8 @@ def _gather_order(prefetch: bool) -> dict:
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
         seen = []
+        orders[who + " prefetch spans"] = sorted(
+            e["name"] for e in events if e["name"].startswith("FSDP::forward_prefetch"))
         for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
             name = e["name"]
             step = name.split(" ")[0].removeprefix("FSDP::")
@@ -315,4 +328,8 @@ def test_explicit_prefetch_moves_the_gathers_in_the_trace_as_torchs(ranks):
     assert without["ours"] == without["torch's"], without
     assert with_["ours"] == with_["torch's"], with_
     assert with_["ours"] == PREFETCHED, with_["ours"]
+    assert with_["ours prefetch spans"] == [
+        "FSDP::forward_prefetch (unit blocks.0)", "FSDP::forward_prefetch (unit blocks.1)",
+        "FSDP::forward_prefetch (unit blocks.2)"], with_["ours prefetch spans"]
+    assert without["ours prefetch spans"] == []
     assert without["ours"] != PREFETCHED and sorted(without["ours"]) == sorted(PREFETCHED)
