@@ -40,7 +40,7 @@ MAY_IMPORT = {
     "optim": {"engine", "optim"},
     "fsdp": {"engine", "fsdp"},
     "launch": {"engine", "launch"},
-    "run": {"engine", "public", "launch", "run"},
+    "run": {"engine", "public", "launch", "run", "fsdp"},  # fsdp: its fully_shard in torch's place
     "train": {"engine", "public", "baselines", "launch", "train", "optim", "run"},
 }
 

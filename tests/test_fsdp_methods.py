@@ -18,13 +18,21 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from test_fsdp import (Case, Net, count_differences, device_mesh, make_optimizer, needs_torch_fsdp2,
-                       shard_model, torch_fully_shard, TorchPolicy)
+from test_fsdp import (
+    Case,
+    Net,
+    TorchPolicy,
+    count_differences,
+    device_mesh,
+    make_optimizer,
+    needs_torch_fsdp2,
+    shard_model,
+    torch_fully_shard,
+)
 from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
 import miniddp
-from miniddp.fsdp import settings
 
 pytestmark = needs_torch_fsdp2
 
