@@ -43,6 +43,37 @@ def _prefetch(model):
     model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1], model.blocks[0]])
 
 
+class CountingAllGather:
+    """torch's ``AllGather`` protocol: ``allocate`` the buffer, then the collective."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    """torch's ``ReduceScatter`` protocol, with the op FSDP passes (AVG for fp32)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _custom_comms(model):
+    model.comms = CountingAllGather(), CountingReduceScatter()
+    for module in [*model.blocks, model]:
+        module.set_custom_all_gather(model.comms[0])
+        module.set_custom_reduce_scatter(model.comms[1])
+
+
 def _each_unit(name, *args):
     def call(model):
         for module in [*model.blocks, model]:
@@ -64,6 +95,7 @@ SETUPS = {
     "no_unshard_in_backward": lambda m: m.blocks[0].set_unshard_in_backward(False),
     "not_last_backward": lambda m: m.set_is_last_backward(False),
     "reset_iter_state": lambda m: None,  # (the step is aborted below)
+    "custom_comms": _custom_comms,
 }
 
 
@@ -104,6 +136,10 @@ def _steps(setup: str, steps: int = 2, hsdp: bool = False) -> list[str]:
             opt.zero_grad()
         count_differences(f"step {step} param", list(ours.named_parameters()),
                           list(theirs.named_parameters()), problems)
+    if setup == "custom_comms":
+        calls = [[c.calls for c in m.comms] for m in models]
+        if calls[0] != calls[1] or 0 in calls[0]:
+            problems.append(f"the custom collectives' calls, ours and torch's: {calls}")
     return problems
 
 
@@ -193,8 +229,7 @@ def _class_facts() -> dict:
              "missing": [n for n in torchs_public_methods() if not hasattr(model, n)],
              "sliced": type(model[0:1]).__name__}
     refused = {}
-    for name, args in [("set_symm_mem_for_comm", ()), ("set_custom_all_gather", (None,)),
-                       ("set_custom_reduce_scatter", (None,))]:
+    for name, args in [("set_symm_mem_for_comm", ())]:
         try:
             getattr(model[0], name)(*args)
         except (RuntimeError, NotImplementedError) as e:
@@ -215,8 +250,7 @@ def test_every_public_method_of_torchs_fsdp_module_is_miniddps(ranks):
         assert f["missing"] == [] and f["torchs"] == [], f
         assert f["sliced"] == "Sequential"  # torch's __new__ picks the original class; so here
         assert "NCCL" in f["refused"]["set_symm_mem_for_comm"]
-        assert set(f["refused"]) == {"set_symm_mem_for_comm", "set_custom_all_gather",
-                                     "set_custom_reduce_scatter"}
+        assert set(f["refused"]) == {"set_symm_mem_for_comm"}
         assert f["before_wait"] == (3, 4) and f["after_wait"] == (6, 4)
 
 
