@@ -150,7 +150,7 @@ def _each(setups, hsdp: bool = False):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_methods_that_change_the_step_train_bit_for_bit_as_torchs(ranks, world_size):
-    setups = [s for s in SETUPS if s != "none"]
+    setups = list(SETUPS)
     for rank, by_setup in enumerate(ranks(world_size).run(_each, setups, timeout=180)):
         failing = {s: p[:3] for s, p in by_setup.items() if p}
         assert not failing, f"rank {rank}: {failing}"
@@ -252,6 +252,20 @@ def test_every_public_method_of_torchs_fsdp_module_is_miniddps(ranks):
         assert "NCCL" in f["refused"]["set_symm_mem_for_comm"]
         assert set(f["refused"]) == {"set_symm_mem_for_comm"}
         assert f["before_wait"] == (3, 4) and f["after_wait"] == (6, 4)
+
+
+def test_each_method_takes_torchs_arguments():
+    """The same parameters, kinds and defaults as torch's, so that a call written for torch's
+    binds the same way."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    def parameters(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    differing = [name for name in torchs_public_methods()
+                 if parameters(getattr(_fully_shard.FSDPModule, name))
+                 != parameters(getattr(miniddp.FSDPModule, name))]
+    assert differing == []
 
 
 # ----- register_fsdp_forward_method -----
