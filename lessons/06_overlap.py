@@ -200,7 +200,8 @@ def reducer_work_problems(events, buckets: int) -> list[str]:
 
 def traced_backward(ddp, x, y, show: bool) -> None:
     """One more backward, recorded by ``ddp.trace()`` on every rank and checked; printed event
-    by event with ``--trace`` (tests/test_lesson_mechanisms.py checks what the trace prints)."""
+    by event with ``--trace`` (tests/course/test_lesson_mechanisms.py checks what the trace
+    prints)."""
     dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)
     with ddp.trace(all_ranks=True) as trace:
