@@ -417,3 +417,40 @@ def test_no_tracked_file_holds_a_path_of_the_machine_it_was_made_on():
     planted = '{\n "before": "' + "/".join(("", "work", "wt-before")) + '"\n}'
     assert machine_paths({"planted.json": planted}) == ["planted.json:2"]
 
+
+# ----- tests/: a folder per room, helpers in support/, at most twice the library -----
+
+TESTS = PACKAGE.parent / "tests"
+TEST_ROOMS = {"engine", "options", "compat", "fsdp", "optim", "operations", "course",
+              "torch_suites"}
+MAX_TESTS_PER_LIBRARY_LINE = 2.0
+
+
+def lines_of(folder: pathlib.Path) -> int:
+    return sum(len(p.read_text().splitlines()) for p in folder.rglob("*.py")
+               if "__pycache__" not in p.parts)
+
+
+def misplaced_tests(tests: pathlib.Path) -> list[str]:
+    """What breaks the layout: a test file at the top, a folder no room is named for, a test
+    file among the helpers."""
+    wrong = [p.name for p in tests.glob("test_*.py")]
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and p.name != "__pycache__"}
+    wrong += sorted(f"{name}/" for name in folders - TEST_ROOMS - {"support"})
+    wrong += [f"support/{p.name}" for p in (tests / "support").rglob("test_*.py")]
+    return wrong
+
+
+def test_tests_sit_in_the_room_they_prove_and_stay_within_twice_the_library(tmp_path):
+    assert misplaced_tests(TESTS) == []
+    ratio = lines_of(TESTS) / lines_of(PACKAGE)
+    assert ratio <= MAX_TESTS_PER_LIBRARY_LINE, (
+        f"tests/ is {ratio:.2f} times the library's lines: where two tests prove one claim, "
+        "keep the stronger")
+    planted = tmp_path / "tests"
+    for folder in ("engine", "support", "misc"):
+        (planted / folder).mkdir(parents=True)
+    (planted / "test_loose.py").write_text("")
+    (planted / "support" / "test_helper.py").write_text("")
+    assert misplaced_tests(planted) == ["test_loose.py", "misc/", "support/test_helper.py"]
+

@@ -582,36 +582,6 @@ def test_no_gradient_sync_means_no_reduce_scatter(ranks):
         assert f["with_sync"] == 4  # one reduce-scatter per unit: three blocks and the root
 
 
-def _state_dict_facts() -> dict:
-    torch.manual_seed(0)
-    model = Net()
-    original = copy.deepcopy(model.state_dict())
-    shard_model(model, miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), Case())
-    saved = miniddp.fsdp.full_state_dict(model)
-    facts = {"saved_equal": all(torch.equal(saved[k], original[k]) for k in original)
-             and saved.keys() == original.keys()}
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(4, 12)).pow(2).mean().backward()
-    opt.step()
-    trained = miniddp.fsdp.full_state_dict(model)
-    torch.manual_seed(1)
-    fresh = shard_model(Net(), miniddp.fully_shard, miniddp.MixedPrecisionPolicy(), Case())
-    miniddp.fsdp.load_full_state_dict(fresh, trained)
-    facts["loaded_equal"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in
-                                zip(fresh.parameters(), model.parameters()))
-    facts["changed"] = not torch.equal(trained["head.weight"], original["head.weight"])
-    unsharded = Net()
-    unsharded.load_state_dict(trained)
-    facts["loads_unsharded"] = True
-    return facts
-
-
-def test_full_state_dict_gathers_on_save_and_cuts_on_load(ranks):
-    for f in ranks(3).run(_state_dict_facts):
-        assert f == {"saved_equal": True, "loaded_equal": True, "changed": True,
-                     "loads_unsharded": True}
-
-
 def _ignored_facts() -> dict:
     torch.manual_seed(0)
     model = Net()
