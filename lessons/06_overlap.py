@@ -35,7 +35,7 @@ Run it:
 What you should see: ``SmallReducer`` equal to torch's DDP bit for bit at 2 ranks, then at 3;
 its steps beside the library's; the library's buckets by layer; the trace's verdict (with
 ``--trace``, every gradient ready, each bucket launched, finished and waited for, the
-write-back); ``OK: ...``. About 10 s.
+write-back); ``OK: ...``. About 15 s.
 """
 
 import argparse
