@@ -454,3 +454,27 @@ def test_tests_sit_in_the_room_they_prove_and_stay_within_twice_the_library(tmp_
     (planted / "support" / "test_helper.py").write_text("")
     assert misplaced_tests(planted) == ["test_loose.py", "misc/", "support/test_helper.py"]
 
+
+# ----- the front doors stay short -----
+
+#: file -> (most lines, most bytes): read in five minutes; reference material goes to docs/
+FRONT_DOORS = {"README.md": (250, 16_384), "benchmarks/README.md": (400, None)}
+
+
+def over_budget(root: pathlib.Path, budgets: dict) -> list[str]:
+    found = []
+    for name, (most_lines, most_bytes) in budgets.items():
+        text = (root / name).read_text()
+        if len(text.splitlines()) > most_lines:
+            found.append(f"{name}: {len(text.splitlines())} lines, budget {most_lines}")
+        if most_bytes is not None and len(text.encode()) > most_bytes:
+            found.append(f"{name}: {len(text.encode())} bytes, budget {most_bytes}")
+    return found
+
+
+def test_the_front_doors_stay_within_their_budgets(tmp_path):
+    assert over_budget(PACKAGE.parent, FRONT_DOORS) == []
+    (tmp_path / "README.md").write_text("line\n" * 251)
+    assert over_budget(tmp_path, {"README.md": (250, 16_384)}) == [
+        "README.md: 251 lines, budget 250"]
+
