@@ -18,7 +18,8 @@ outside in the same way:
   per step with sync (each reduced, added into the shard's ``.grad``) and without
   (``set_requires_gradient_sync(False)``: the full gradient kept, in the reduction's dtype, and
   reduced once); ``clip_grad_norm_`` with both of its kernels (the norm of a sharded gradient is
-  taken over every rank, or each rank would clip by its own factor); a frozen bias.
+  taken over every rank, or each rank would clip by its own factor); a frozen bias, and a weight
+  frozen after sharding (the gathered parameter must then need no gradient either).
 
 Proven for each path, on every rank: the same units gathered after forward and after backward,
 the same counts, and every gradient shard (after each backward) and parameter shard (after
@@ -73,6 +74,7 @@ PATHS = {
     "clip_grad_norm_, foreach": {"clip": True},
     "clip_grad_norm_, one tensor at a time": {"clip": False},
     "a frozen bias": {"frozen": True},
+    "a weight frozen after fully_shard": {"frozen_after": True},
 }
 UNITS = [f"layer {i}" for i in INNER] + ["root"]
 
@@ -97,7 +99,10 @@ def sharded(fully_shard, policy_class, path: dict) -> nn.Module:
     for i in INNER:
         fully_shard(model[i], mesh=mesh, mp_policy=policy,
                     reshard_after_forward=not path.get("zero2", False))
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if path.get("frozen_after"):  # the shard frozen: the gathered weight must follow it
+        model[INNER[0]].weight.requires_grad_(False)
+    return model
 
 
 # ----- watching a sharded model from outside -----
@@ -237,7 +242,8 @@ def main():
     world = launch(on_every_rank, args.nproc, backend="gloo")[0]
     ok(f"on {world} ranks miniddp.fully_shard equals torch's fully_shard bit for bit on "
        f"{len(PATHS)} paths (ZeRO-3 and ZeRO-2, bf16 and fp16, accumulation with and without "
-       "sync, clipping, a frozen bias), gathering and reducing as torch's does")
+       "sync, clipping, a bias frozen before sharding and a weight after), gathering and "
+       "reducing as torch's does")
 
 
 if __name__ == "__main__":
