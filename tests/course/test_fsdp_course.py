@@ -97,6 +97,7 @@ LIBRARY = {
     "fsdp_sync_always": ("two backwards, the first without sync (bf16/fp32)", GATHERS),
     "fsdp_kept_in_compute_dtype": ("two backwards, the first without sync (bf16/fp32)", BITS),
     "fsdp_reduce_dtype_ignored": ("bf16 compute, fp32 reduction", BITS),
+    "fsdp_frozen_after_sharding_ignored": ("a weight frozen after fully_shard", BITS),
 }
 
 

@@ -177,6 +177,13 @@ def fsdp_reduce_dtype_ignored(module):
     breakages._patch(module.FSDPParam, "__init__", without)
 
 
+def fsdp_frozen_after_sharding_ignored(module):
+    """Lesson 17, part 2: a parameter frozen after ``fully_shard`` is gathered still needing a
+    gradient, so its gradient is computed and reduced (the shard's flag is not followed)."""
+    breakages._patch(module.FSDPParam, "to_unsharded",
+                     lambda original: lambda self: self.register(self.unsharded))
+
+
 def fsdp_checkpoint_rows_as_plain_tensors(module):
     """Lesson 17, part 3: a sharded model's ``state_dict`` holds each rank's rows as plain
     tensors (what miniddp did before its shards were DTensors): DCP writes one copy of each."""
@@ -291,6 +298,8 @@ SHARDING = {
     "fsdp_sync_always": ("miniddp.fsdp.param_group", fsdp_sync_always),
     "fsdp_kept_in_compute_dtype": ("miniddp.fsdp.param_group", fsdp_kept_in_compute_dtype),
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
+    "fsdp_frozen_after_sharding_ignored": ("miniddp.fsdp.param",
+                                           fsdp_frozen_after_sharding_ignored),
     "fsdp_checkpoint_rows_as_plain_tensors": ("miniddp.fsdp.state_dict",
                                               fsdp_checkpoint_rows_as_plain_tensors),
     **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
