@@ -246,6 +246,26 @@ def _all_reduce_each_micro_batch(c, buffer, mesh, partial, all_reduce):
     return (output if partial is None else output.add_(partial)), None
 
 
+def _partial_replaced(c, buffer, mesh, partial, all_reduce):
+    if not all_reduce:
+        return c.average.__wrapped__(buffer, mesh, None, False)  # the kept rows dropped
+    return c.average.__wrapped__(buffer, mesh, partial, all_reduce)
+
+
+def hsdp_mesh_dims_swapped(module):
+    """Lesson 18: a 2-D DeviceMesh read shard dim first: each rank shards with the ranks that
+    should hold its rows, and replicates across the ones it should shard with."""
+    def swapped(original):
+        def mesh_info(mesh, device_type):
+            if getattr(mesh, "ndim", None) != 2:
+                return original(mesh, device_type)
+            from miniddp.fsdp.mesh import MeshInfo
+
+            return MeshInfo(mesh.get_group(0), mesh.get_group(1), mesh)
+        return mesh_info
+    breakages._patch(module, "mesh_info", swapped)
+
+
 def _hsdp(dtypes, wrong, doc):
     def breakage(module):
         def patch(original):
@@ -279,6 +299,10 @@ HSDP = {
         ("float32", "bfloat16", "float16"), _all_reduce_each_micro_batch, """Lesson 18:
         set_requires_all_reduce(False) ignored: each micro-batch all-reduced at once and the
         averages added up, instead of the rows added up and all-reduced once."""),
+    "hsdp_partial_replaced": _hsdp(
+        ("float32", "bfloat16", "float16"), _partial_replaced, """Lesson 18: a micro-batch
+        without all-reduce replaces the rows kept from the one before instead of adding to
+        them (seen from the third micro-batch on)."""),
 }
 
 
@@ -303,4 +327,5 @@ SHARDING = {
     "fsdp_checkpoint_rows_as_plain_tensors": ("miniddp.fsdp.state_dict",
                                               fsdp_checkpoint_rows_as_plain_tensors),
     **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
+    "hsdp_mesh_dims_swapped": ("miniddp.fsdp.api", hsdp_mesh_dims_swapped),
 }
