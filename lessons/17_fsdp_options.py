@@ -23,7 +23,8 @@ outside in the same way:
 
 Proven for each path, on every rank: the same units gathered after forward and after backward,
 the same counts, and every gradient shard (after each backward) and parameter shard (after
-each step) equal to torch's bit for bit.
+each step) equal to torch's bit for bit. Last, fp16's two divisions at 1 to 8 ranks, beside
+torch's own function: the rule shows only from 4 ranks on, more than this lesson runs.
 
 Run it:
 
@@ -199,6 +200,32 @@ def one_path(name: str, rank: int, world: int) -> dict:
     return row
 
 
+def divide_factors_beside_torchs(most: int = 8) -> list[tuple]:
+    """fp16's (before, after) divisions at 1 to ``most`` ranks, miniddp's and torch's own
+    (``_get_gradient_divide_factors``, asked with a stand-in group of each size): the rule
+    differs between 2 and 3 ranks from 4 on, where neither division is a plain W."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors as torchs,
+    )
+
+    from miniddp.fsdp.collectives import fp16_divide_factors
+
+    rows = []
+    for world in range(1, most + 1):
+        group = type("Group", (), {"size": lambda self, w=world: w})()
+        pre, post = torchs(group, None, torch.float16)[:2]
+        rows.append((world, tuple(fp16_divide_factors(world)), (pre or 1, post or 1)))
+    return rows
+
+
+def prove_divide_factors() -> None:
+    print0("\n  fp16's divisions, before and after the sum, at 1 to 8 ranks (miniddp / torch):")
+    rows = divide_factors_beside_torchs()
+    print0("  " + "  ".join(f"{w}: {ours[0]:g}, {ours[1]:g}" for w, ours, _ in rows))
+    wrong = [(w, ours, theirs) for w, ours, theirs in rows if ours != theirs]
+    check(not wrong, f"fp16's divide factors (ranks, miniddp's, torch's) differ: {wrong}")
+
+
 # ----- the lesson -----
 
 def prove_path(name: str) -> dict:
@@ -225,6 +252,7 @@ def on_every_rank():
            f" {'differ':>6} {'loss':>7}")
     for name in PATHS:
         prove_path(name)
+    prove_divide_factors()
     print0("\n  After forward the root keeps its parameters (its layers are the first the "
            "backward needs);\n  ZeRO-2 keeps every unit's, one all-gather per unit and step "
            "fewer. Without sync, a backward\n  makes no reduction: the full gradient waits for "

@@ -110,6 +110,12 @@ def test_part_2_fails_on_the_path_that_teaches_what_the_library_broke(ranks, bre
         said[-3000:]
 
 
+def test_part_2_fails_on_fp16s_factors_wrong_only_beyond_its_ranks(ranks):
+    said = failure_with_the_library_broken(ranks, 2, "fsdp_fp16_factors_halved_once",
+                                           options.prove_divide_factors)
+    assert "fp16's divide factors (ranks, miniddp's, torch's) differ: [(6," in said, said[-3000:]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("breakage", ["fsdp_scales_before_the_sum", "fsdp_flat_layout"])
 def test_part_1_fails_on_miniddps_shards_when_its_averaging_or_layout_is_broken(ranks, breakage):

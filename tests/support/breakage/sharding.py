@@ -86,6 +86,13 @@ def fsdp_fp16_like_fp32(module):
     breakages._patch(module, "fp16_divide_factors", lambda original: lambda world: (1, world))
 
 
+def fsdp_fp16_factors_halved_once(module):
+    """Lesson 17, part 2: fp16 divided by 2 before the sum whatever the world size, the rest
+    after (right at 2, 3, 4, 5 and 7 ranks; wrong at 6 and 8, beyond the lesson's runs)."""
+    breakages._patch(module, "fp16_divide_factors",
+                     lambda original: lambda world: (1, 1) if world < 2 else (2, world / 2))
+
+
 def fsdp_root_resharded(module):
     """Lesson 17: the root frees its parameters after forward like any unit (torch keeps the
     root's: the backward needs them first)."""
@@ -314,6 +321,7 @@ SHARDING = {
     "zero_broadcasts_from_rank_0": ("miniddp.optim.zero", zero_broadcasts_from_rank_0),
     "zero_never_sends": ("miniddp.optim.zero", zero_never_sends),
     "fsdp_fp16_like_fp32": ("miniddp.fsdp.collectives", fsdp_fp16_like_fp32),
+    "fsdp_fp16_factors_halved_once": ("miniddp.fsdp.collectives", fsdp_fp16_factors_halved_once),
     "fsdp_root_resharded": ("miniddp.fsdp.state", fsdp_root_resharded),
     "fsdp_never_frees_after_forward": ("miniddp.fsdp.state", fsdp_never_frees_after_forward),
     "fsdp_zero2_ignored": ("miniddp.fsdp.param_group", fsdp_zero2_ignored),
