@@ -191,6 +191,24 @@ def fsdp_frozen_after_sharding_ignored(module):
                      lambda original: lambda self: self.register(self.unsharded))
 
 
+def fsdp_full_state_dict_keeps_padding(module):
+    """Lesson 17, part 3: a full state dict gathered with every rank's padded rows, so a
+    parameter cut unevenly comes back with zero rows at its end."""
+    import torch
+    import torch.distributed as dist
+
+    def padded(original):
+        def full_state_dict(model):
+            world, state = dist.get_world_size(), original(model)
+            for key, value in state.items():
+                if value.dim() and value.shape[0] % world:
+                    pad = world - value.shape[0] % world
+                    state[key] = torch.cat([value, value.new_zeros(pad, *value.shape[1:])])
+            return state
+        return full_state_dict
+    breakages._patch(module, "full_state_dict", padded)
+
+
 def fsdp_checkpoint_rows_as_plain_tensors(module):
     """Lesson 17, part 3: a sharded model's ``state_dict`` holds each rank's rows as plain
     tensors (what miniddp did before its shards were DTensors): DCP writes one copy of each."""
@@ -332,6 +350,7 @@ SHARDING = {
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
     "fsdp_frozen_after_sharding_ignored": ("miniddp.fsdp.param",
                                            fsdp_frozen_after_sharding_ignored),
+    "fsdp_full_state_dict_keeps_padding": ("miniddp.fsdp", fsdp_full_state_dict_keeps_padding),
     "fsdp_checkpoint_rows_as_plain_tensors": ("miniddp.fsdp.state_dict",
                                               fsdp_checkpoint_rows_as_plain_tensors),
     **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
