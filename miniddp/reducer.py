@@ -24,12 +24,19 @@ The life of one synchronized step:
 This file is the whole of it, one copy of each step. Each of DDP's options acts at the line
 where it changes a step, and that line names its module in ``miniddp.options`` (this file
 imports none): ``views`` (``gradient_views``), ``comm_hook`` (``comm_hooks``: a hook replaces
-the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``create_graph``),
-each ``None`` until ``miniddp.ddp`` attaches it; ``batched_copy`` (torch's
-``batched_grad_copy``) makes every bucket wait and be divided whole. What happened is emitted as
-``(event, ident, time)`` records (``miniddp.events``), and, while torch.profiler records, as
-named spans. ``overlap=False`` launches at the end of backward: the naive "reduce after
-backward" baselines share this code.
+the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``create_graph``).
+An option comes in one way, :meth:`Reducer.attach` (until then each is ``None``, and
+``comm_hook`` the plain all_reduce), and acts only through the reducer's public methods:
+``lay_out_buckets``, ``initial_assignment``, ``mark_all_ready``, ``abandon_step``,
+``emit``. The constructor takes settings only: the bucket caps, ``find_unused_parameters``,
+``overlap`` and ``batched_copy`` (torch's ``batched_grad_copy``: every bucket waits and is
+divided whole). What happened is emitted as ``(event, ident, time)`` records
+(``miniddp.events``), and, while torch.profiler records, as named spans. ``overlap=False``
+launches at the end of backward: the naive "reduce after backward" baselines share this code.
+
+One module because it is the one copy of the step: a reader follows one backward from a
+parameter's hook to its averaged ``.grad`` here, and each option's line where it acts. The
+bucket's own part of the step is ``miniddp.buckets``, and each option's is its module.
 """
 
 from __future__ import annotations
@@ -67,6 +74,10 @@ COPY_AT_END_BYTES_CPU = 64 * 1024
 DEFAULT_SAMPLE_RATE = 100
 
 
+#: What :meth:`Reducer.attach` takes: the options of ``miniddp.options``, by the step they change.
+OPTIONS = ("views", "comm_hook", "unused", "static_graph", "graph_gradients")
+
+
 class Step(enum.Enum):
     """Where the reducer stands in a step."""
 
@@ -82,7 +93,7 @@ class Reducer(EventStream):
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 overlap: bool = True, bucket_caps: list[int] | None = None, views=None,
+                 overlap: bool = True, bucket_caps: list[int] | None = None,
                  batched_copy: bool = False):
         super().__init__()
         self.params, self.names = params, names
@@ -93,14 +104,14 @@ class Reducer(EventStream):
         #: (the last repeats); ``bucket_caps`` (torch's ``bucket_cap_mb_list``) when given.
         self.bucket_limits = bucket_caps or list(bucket_limits(bucket_cap_mb))
         self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
-        self.overlap, self.find_unused = overlap, find_unused_parameters
-        self.views, self.batched_copy = views, batched_copy
-        self.unused = self.static_graph = self.graph_gradients = None  # attached by miniddp.ddp
+        self.overlap = overlap
+        self.batched_copy = batched_copy
+        self.views = self.unused = self.static_graph = self.graph_gradients = None  # (attach)
         self.comm_hook = AllReduceSum(self.group)  # what reduces a bucket
         self.state = Step.IDLE
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.iterations, self.sample_rate = 0, DEFAULT_SAMPLE_RATE  # torch's num_iterations_
-        self.profiling = False  # whether torch.profiler records this step (see _span)
+        self.profiling = False  # whether torch.profiler records this step (see _spanned)
         self.ready: set[int] = set()
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
@@ -120,49 +131,53 @@ class Reducer(EventStream):
         self._me = weakref.ref(self)
         self._hooks = [node.register_hook(functools.partial(_call_hook, self._me, i))
                        for i, node in enumerate(self._accumulators)]
-        self._init_buckets(self.initial_assignment())
+        self.lay_out_buckets(self.initial_assignment(find_unused_parameters))
 
     # ----- bucket layout (torch's rules: miniddp.buckets) -----
 
-    def initial_assignment(self) -> list[list[int]]:
+    def initial_assignment(self, find_unused: bool = False) -> list[list[int]]:
         """Iteration 0: one bucket per dtype/device, unless unused parameters are expected."""
-        limits = self.bucket_limits if self.find_unused else [UNLIMITED_BYTES]
+        limits = self.bucket_limits if find_unused else [UNLIMITED_BYTES]
         limits = self.bucket_caps or limits  # bucket_cap_mb_list applies from iteration 0
         return list(reversed(assign_buckets(self.params, limits)))
 
     @property
     def should_rebuild(self) -> bool:
-        return not self.find_unused and not self.has_rebuilt
+        return self.unused is None and not self.has_rebuilt
 
-    def _init_buckets(self, assignment: list[list[int]]) -> None:
+    def lay_out_buckets(self, assignment: list[list[int]]) -> None:
+        """New buckets, one per list of parameter indices (at construction, the rebuild, or
+        an option that changes the layout: ``options/static_graph.py``)."""
         # Free the old buffers before allocating the new ones (as torch does), or a rebuild holds
         # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
         self.buckets, self.slot_of = [], {}
-        self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(assignment)]
+        self.buckets = [Bucket(b, indices, self.params, self.copy_at_end_bytes, self.batched_copy,
+                               self.views is not None) for b, indices in enumerate(assignment)]
         self.slot_of = {i: (b, k) for b in self.buckets for k, i in enumerate(b.param_indices)}
         if self.views is not None:  # options/gradient_views.py: .grad moves with its bucket
             self.views.move_into(self.buckets, self.params)
-        self.copy_buckets_at_end(self.copy_at_end_bytes)
 
     def copy_buckets_at_end(self, max_bytes: float) -> None:
-        """A bucket whose gradients are all of at most ``max_bytes`` has them wait for its
-        last one: then one call copies them all in, and one scales the whole bucket.
-
-        Every element is multiplied by the same operand as it would be on the way in, so the
-        bits are the same. Each copy on the way in is one call from this thread (on a GPU, one
-        more kernel launched by the thread that launches the backward's); waiting trades those
-        calls for one more pass over the bucket, which pays on a CPU only for small gradients
-        (measured in benchmarks/README.md). ``float("inf")``: every bucket (a GPU's); -1: none.
-        With ``batched_copy`` (torch's ``batched_grad_copy``) every bucket waits and is
-        *divided* whole, as torch's does: other bits than the multiply at 3 ranks and more.
-        """
+        """A bucket whose gradients are all of at most ``max_bytes`` copies them in with its
+        last one (``Bucket.choose_copy`` says why); ``float("inf")``: every bucket (a GPU's);
+        -1: none."""
         self.copy_at_end_bytes = max_bytes
-        for bucket in self.buckets:
-            small = len(bucket.views) > 1 and max(v.nbytes for v in bucket.views) <= max_bytes
-            bucket.defers = self.batched_copy or (small and self.views is None)
-            # (options/gradient_views.py: a .grad that is its view has nothing to wait for)
-            bucket.waits = bucket.defers and self.views is None
-            bucket.reset()
+        for bucket in self.buckets:  # (options/gradient_views.py: a view waits for nothing)
+            bucket.choose_copy(max_bytes, self.batched_copy, self.views is not None)
+
+    def attach(self, **options) -> None:
+        """The one way an option joins: ``attach(unused=UnusedParameters(...))``; ``None``
+        detaches one (``comm_hook=None``: the plain all_reduce)."""
+        for name, option in options.items():
+            if name not in OPTIONS:
+                raise TypeError(f"the reducer has no option {name!r}; its options: {OPTIONS}")
+            setattr(self, name, option)
+        if options.get("comm_hook", self.comm_hook) is None:
+            self.comm_hook = AllReduceSum(self.group)
+        if options.get("views") is not None:  # options/gradient_views.py
+            self.views.move_into(self.buckets, self.params)
+        if "views" in options:
+            self.copy_buckets_at_end(self.copy_at_end_bytes)
 
     def bucket_info(self) -> list[BucketInfo]:
         return [bucket.info(self.names) for bucket in self.buckets]
@@ -183,14 +198,14 @@ class Reducer(EventStream):
         self.profiling = profiling.recording()  # asked once a step
         self.iterations += sync  # torch's num_iterations_; compat/logging_data.py times some:
         if sync and (self.iterations <= 10 or self.iterations % self.sample_rate == 0):
-            self._record("sampled", self.iterations)
+            self.emit("sampled", self.iterations)
         if self.ready_order and self.should_rebuild:
-            self._record("rebuild", -1)
-            with self._span("rebuild") if self.profiling else NO_SPAN:  # (once)
-                self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
+            self.emit("rebuild", -1)
+            with profiling.span("miniddp.ddp.rebuild") if self.profiling else NO_SPAN:  # (once)
+                self.lay_out_buckets(rebuilt_assignment(self.params, self.ready_order,
                                                       self.bucket_limits, self.group))
             self.has_rebuilt, self.ready_order = True, []
-        self._record("forward", int(sync))
+        self.emit("forward", int(sync))
 
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
@@ -201,7 +216,7 @@ class Reducer(EventStream):
         self.state, self.next_bucket = Step.EXPECTING, 0
         self.synced_forwards += 1
         self.ready_order.clear()  # this backward's order (for the rebuild, if one is to come)
-        self._record("forward_end", -1)
+        self.emit("forward_end", -1)
         if self.unused is not None:  # options/unused.py: find what no output reaches
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # options/static_graph.py: the first backward waits
@@ -211,15 +226,8 @@ class Reducer(EventStream):
         return outputs
 
     def outputs_of_unsynced_forward(self, outputs):
-        """A forward with grad enabled inside ``no_sync``: with ``find_unused_parameters``,
-        its outputs are watched too, as torch routes every forward's outputs through its sink.
-
-        It matters after a synced forward that no backward followed (a validation forward
-        without ``torch.no_grad()``): the hooks that forward expects are still expected, so the
-        ``no_sync`` backward is reduced after all, and a parameter behind an output its loss
-        ignores must still fire its hook to be marked ready (``find_unused_parameters``).
-        Otherwise the watch changes nothing: hooks that are not expected only note use.
-        """
+        """A forward with grad enabled inside ``no_sync``: its outputs, watched with
+        ``find_unused_parameters`` (``UnusedParameters.watch`` says why)."""
         if self.unused is None:
             return outputs
         return self.unused.watch(outputs)  # options/unused.py
@@ -231,11 +239,11 @@ class Reducer(EventStream):
                 return  # options/static_graph.py: not yet this parameter's last firing
             if not awaited:
                 if self.state is Step.SECOND_BACKWARD:  # through a reduced forward: warn, or
-                    self._record("late_gradient", index)  # raise
+                    self.emit("late_gradient", index)  # raise
                 elif self.unused is not None:  # options/unused.py: no_sync, or a forward
                     self.unused.note_use(index)  # through ddp.module: the gradient accumulates
                 return
-            self._record("ready", index)
+            self.emit("ready", index)
             if self.unused is not None:  # options/unused.py: the unreached are ready, zeros
                 self.unused.note_use(index)
                 for unreached in self.unused.take_unreached():
@@ -253,15 +261,28 @@ class Reducer(EventStream):
         self.state = Step.REDUCING
         bucket, slot = self.slot_of[index]
         if bucket.fill(slot, self._copy_into_bucket):
-            if bucket.defers:  # its gradients copied in at once, and scaled
+            if bucket.scales_whole:  # its gradients copied in at once (if kept), and scaled
                 self._spanned("copy_in", bucket, bucket.complete, self._scale_bucket)
             if self.overlap:
                 self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:  # options/unused.py: which were used, on which rank
-                self._record("used_flags", -1)
+                self.emit("used_flags", -1)
                 self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def mark_all_ready(self) -> None:
+        """Every parameter ready, in index order (``options/static_graph.py``: the end of the
+        first backward, torch's ``delay_all_reduce``); then the usual end of backward."""
+        with self._lock:
+            for index in range(len(self.params)):
+                self._mark_ready(index)
+
+    def abandon_step(self, error: BaseException) -> BaseException:
+        """An option found that this backward cannot be reduced: the next forward reports the
+        step unfinished, as torch's does. Returns ``error``, logged, to raise."""
+        self.state = Step.REDUCING
+        return errors.logged(self, error)
 
     def _copy_into_bucket(self, param: torch.Tensor, view: torch.Tensor,
                           scale: bool = True) -> None:
@@ -280,7 +301,8 @@ class Reducer(EventStream):
         except RuntimeError as error:  # options/create_graph.py: a gradient that requires grad?
             if self.graph_gradients is None:
                 raise
-            self.graph_gradients.copy_value(self, param, view, error)
+            with self.graph_gradients.value_only(param, error, self.views is not None):
+                self._copy_into_bucket(param, view, scale)
 
     def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
@@ -291,7 +313,7 @@ class Reducer(EventStream):
             torch.mul(source, self._reciprocal(out.dtype), out=out)
 
     def _scale_bucket(self, buffer: torch.Tensor) -> None:
-        """A complete bucket that defers its scaling: multiplied (divided, as torch's
+        """A complete bucket that scales whole: multiplied (divided, as torch's
         ``batched_grad_copy``), unless a comm hook does its own averaging."""
         if self.comm_hook.averages:
             return
@@ -315,20 +337,19 @@ class Reducer(EventStream):
     def _launch(self, bucket: Bucket) -> None:
         if self.unused is not None and self.unused.skips(bucket):
             return  # options/unused.py: skip_all_reduce_unused_params
-        self._record("launch", bucket.index)
-        self._spanned("launch", bucket, bucket.launch, self.comm_hook, len(self.buckets))
+        self.emit("launch", bucket.index)
+        on_done = self._on_done if "done" in self._listeners else None
+        self._spanned("launch", bucket, bucket.launch, self.comm_hook, len(self.buckets), on_done)
         self.allreduce_calls += 1
-        if "done" in self._listeners:
-            # A chained future, waited for with the bucket: the callback runs on a
-            # communication thread, and must not still be running when the process exits.
-            bucket.done = bucket.work.get_future().then(
-                lambda _future, b=bucket.index: self._record("done", b))
+
+    def _on_done(self, bucket: Bucket) -> None:
+        self.emit("done", bucket.index)
 
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
-        self._record("backward_end", -1)
+        self.emit("backward_end", -1)
         self.state = Step.REDUCED
-        with self._span("end_of_backward") if self.profiling else NO_SPAN:  # (once a step)
+        with profiling.span("miniddp.ddp.end_of_backward") if self.profiling else NO_SPAN:
             self._launch_ready_buckets()  # (overlap=False launches every bucket here)
             # Which parameters some rank used (None: all of them): options/unused.py finds them
             # at each step, options/static_graph.py in the first backward.
@@ -343,17 +364,17 @@ class Reducer(EventStream):
         while self.output_nodes:  # a backward reaching them again is a second one; popped, as
             # each holds its graph
             self.output_nodes.pop().register_prehook(functools.partial(_reached_again, self._me))
-        self._record("finalized", -1)
+        self.emit("finalized", -1)
 
     def _wait(self, bucket: Bucket) -> None:
         try:
             self._spanned("wait", bucket, bucket.wait)
         except RuntimeError as error:  # the listeners may say where every rank was
             self.error = error
-            self._record("wait_failed", bucket.index)
+            self.emit("wait_failed", bucket.index)
             raise
         self.comm_hook.finish(bucket)  # options/comm_hooks.py: a hook's result into the bucket
-        self._record("waited", bucket.index)
+        self.emit("waited", bucket.index)
 
     def _write_back_bucket(self, bucket: Bucket, used: list[bool] | None) -> None:
         if self.views is not None:  # options/gradient_views.py: .grad is the bucket already
@@ -377,20 +398,11 @@ class Reducer(EventStream):
         """``work(*args)``; while torch.profiler records (asked once a step), inside a span
         named for the step, the bucket, its tensors and bytes. (A ``with`` per bucket step
         would cost more than the call: about 0.16 us each, with no profiler.)"""
-        return self._in_span(step, bucket, work, args) if self.profiling else work(*args)
+        return profiling.bucket_span(step, bucket, work, args) if self.profiling else work(*args)
 
-    def _in_span(self, step: str, bucket: Bucket, work, args: tuple):
-        with self._span(f"{step} bucket {bucket.index} ({len(bucket.params)} tensors, "
-                        f"{bucket.buffer.nbytes} bytes)"):
-            return work(*args)
-
-    def _span(self, what: str):
-        """A span named ``miniddp.ddp.<what>`` in torch.profiler's trace; the steps ask
-        ``self.profiling`` first, so a step without a profiler calls nothing here."""
-        return profiling.span(f"miniddp.ddp.{what}")
-
-    def _record(self, event: str, ident: int) -> None:
-        """Emit ``(event, ident, now)`` to its listeners (``miniddp.events``)."""
+    def emit(self, event: str, ident: int) -> None:
+        """``(event, ident, now)`` to the event's listeners (``EventStream``: who listens).
+        (Here, not in ``miniddp.events``, so that one step reads in the engine's files.)"""
         for listener in self._listeners.get(event, self._others):
             listener((event, ident, time.perf_counter()))
 
