@@ -12,8 +12,8 @@ control's spread. Before any time is kept, the three DDPs must hold the same buc
 the warm-up steps, bit-identical parameters. Models: ``wide`` and ``small_tensors``
 (benchmarks/harness.py); caps 1 MB, 25 MB and one bucket per parameter.
 
-    git -C /work/main worktree add --detach /work/wt/engine-before 6258cad
-    python benchmarks/engine_redesign.py --before /work/wt/engine-before --rounds 30
+    git worktree add --detach ../engine-before 6258cad
+    python benchmarks/engine_redesign.py --before ../engine-before --rounds 30
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "ratios": rows, "rounds": args.rounds, "warmup": args.warmup,
-        "before": str(args.before), "times_s": {" ".join(k): v for k, v in times.items()}},
+        "before": _commit_of(args.before), "times_s": {" ".join(k): v for k, v in times.items()}},
         indent=1))
     print(f"{'model cap':28} {'after/before [q1, q3]':>24} {'A/A control [q1, q3]':>24}"
           "  before (ms)")
@@ -143,6 +143,16 @@ def main(argv=None) -> None:
         cells = [f"{row[n]['median']:.3f} [{row[n]['q1']:.3f}, {row[n]['q3']:.3f}]"
                  for n in ("after", "before again")]
         print(f"{key:28} {cells[0]:>24} {cells[1]:>24}  {row['before_ms']:.1f}")
+
+
+def _commit_of(tree) -> str:
+    """The commit checked out at ``tree`` (what the results were measured against), not the
+    path, which is only this machine's."""
+    import subprocess
+
+    done = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True)
+    return done.stdout.strip() or "unknown"
 
 
 if __name__ == "__main__":

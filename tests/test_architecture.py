@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -40,7 +41,7 @@ MAY_IMPORT = {
     "optim": {"engine", "optim"},
     "fsdp": {"engine", "fsdp"},
     "launch": {"engine", "launch"},
-    "run": {"engine", "public", "launch", "run"},
+    "run": {"engine", "public", "fsdp", "launch", "run"},
     "train": {"engine", "public", "baselines", "launch", "train", "optim", "run"},
 }
 
@@ -517,3 +518,59 @@ def test_a_long_module_without_a_reason_is_caught(tmp_path):
         "short.py": body[:-6]})
     assert long_modules_without_a_reason(root) == ["comment_only.py (302 lines)",
                                                    "long.py (301 lines)"]
+
+
+# ----- the map: docs/code.md names every module -----
+
+MAP = PACKAGE.parent / "docs" / "code.md"
+
+
+def unmapped(package: pathlib.Path, text: str) -> list[str]:
+    """The modules of ``package`` that the map does not name: an engine module as ``name.py``,
+    a room's as `` `name` `` (its package files aside)."""
+    missing = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and path.parent != package:
+            continue
+        rel = path.relative_to(package)
+        named = f"`{rel.name}`" if len(rel.parts) == 1 else f"`{path.stem}`"
+        if named not in text and f"{rel.name}" not in text:
+            missing.append(str(rel))
+    return missing
+
+
+def test_the_map_names_every_module(tmp_path):
+    assert unmapped(PACKAGE, MAP.read_text()) == []
+    root = write_package(tmp_path, {"fsdp/__init__.py": "", "fsdp/planted.py": ""})
+    assert unmapped(root, MAP.read_text()) == ["fsdp/planted.py"]
+
+
+# ----- no machine's own paths in the repository -----
+
+MACHINE_PATH = re.compile(r"(?<![\w.~])/(?:work|root|home|Users)/[\w.-]+")
+
+
+def machine_paths(files: dict[str, str]) -> list[str]:
+    """``file:line`` of every absolute path of one machine (a work tree, a home directory)."""
+    return [f"{name}:{number}" for name, text in files.items()
+            for number, line in enumerate(text.splitlines(), 1) if MACHINE_PATH.search(line)]
+
+
+def test_no_tracked_file_holds_a_path_of_the_machine_it_was_made_on():
+    import subprocess
+
+    root = PACKAGE.parent
+    listed = subprocess.run(["git", "-C", str(root), "ls-files"], capture_output=True,
+                            text=True)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    files = {}
+    for name in listed.stdout.split():
+        try:
+            files[name] = (root / name).read_text()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue  # images and the like
+    assert machine_paths(files) == []
+    planted = '{\n "before": "' + "/".join(("", "work", "wt-before")) + '"\n}'
+    assert machine_paths({"planted.json": planted}) == ["planted.json:2"]
+

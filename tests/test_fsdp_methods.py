@@ -43,6 +43,37 @@ def _prefetch(model):
     model.blocks[2].set_modules_to_backward_prefetch([model.blocks[1], model.blocks[0]])
 
 
+class CountingAllGather:
+    """torch's ``AllGather`` protocol: ``allocate`` the buffer, then the collective."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        self.calls += 1
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                           async_op=async_op)
+
+
+class CountingReduceScatter(CountingAllGather):
+    """torch's ``ReduceScatter`` protocol, with the op FSDP passes (AVG for fp32)."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        self.calls += 1
+        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group,
+                                          async_op=async_op)
+
+
+def _custom_comms(model):
+    model.comms = CountingAllGather(), CountingReduceScatter()
+    for module in [*model.blocks, model]:
+        module.set_custom_all_gather(model.comms[0])
+        module.set_custom_reduce_scatter(model.comms[1])
+
+
 def _each_unit(name, *args):
     def call(model):
         for module in [*model.blocks, model]:
@@ -64,6 +95,7 @@ SETUPS = {
     "no_unshard_in_backward": lambda m: m.blocks[0].set_unshard_in_backward(False),
     "not_last_backward": lambda m: m.set_is_last_backward(False),
     "reset_iter_state": lambda m: None,  # (the step is aborted below)
+    "custom_comms": _custom_comms,
 }
 
 
@@ -71,7 +103,7 @@ class Interrupted(Exception):
     pass
 
 
-def _steps(setup: str, steps: int = 2) -> list[str]:
+def _steps(setup: str, steps: int = 2, hsdp: bool = False) -> list[str]:
     torch.manual_seed(0)
     models = []
     for shard, policy in ((miniddp.fully_shard, miniddp.MixedPrecisionPolicy()),
@@ -79,7 +111,8 @@ def _steps(setup: str, steps: int = 2) -> list[str]:
         torch.manual_seed(0)
         model = Net()
         model.unused = nn.Linear(3, 3)  # in the root unit, never called
-        mesh = {} if shard is miniddp.fully_shard else {"mesh": device_mesh("cpu")}
+        mesh = ({"mesh": device_mesh("cpu", (2, 2))} if hsdp else
+                {} if shard is miniddp.fully_shard else {"mesh": device_mesh("cpu")})
         models.append(shard_model(model, shard, policy, Case(), **mesh))
         SETUPS[setup](model)
     ours, theirs = models
@@ -103,18 +136,32 @@ def _steps(setup: str, steps: int = 2) -> list[str]:
             opt.zero_grad()
         count_differences(f"step {step} param", list(ours.named_parameters()),
                           list(theirs.named_parameters()), problems)
+    if setup == "custom_comms":
+        calls = [[c.calls for c in m.comms] for m in models]
+        if calls[0] != calls[1] or 0 in calls[0]:
+            problems.append(f"the custom collectives' calls, ours and torch's: {calls}")
     return problems
 
 
-def _each(setups):
+def _each(setups, hsdp: bool = False):
     torch.set_num_threads(1)
-    return {s: _steps(s) for s in setups}
+    return {s: _steps(s, hsdp=hsdp) for s in setups}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_methods_that_change_the_step_train_bit_for_bit_as_torchs(ranks, world_size):
-    setups = [s for s in SETUPS if s != "none"]
+    setups = list(SETUPS)
     for rank, by_setup in enumerate(ranks(world_size).run(_each, setups, timeout=180)):
+        failing = {s: p[:3] for s, p in by_setup.items() if p}
+        assert not failing, f"rank {rank}: {failing}"
+
+
+def test_under_hsdp_the_reduction_settings_train_bit_for_bit_as_torchs(ranks):
+    """On a 2 x 2 mesh: with a divide factor, force-sum sums across both groups and divides
+    once after; the hook sees the row after the all-reduce across the replicas."""
+    setups = ["force_sum", "force_sum_factor_5", "all_reduce_hook",
+              "unused_params", "prefetch"]
+    for rank, by_setup in enumerate(ranks(4).run(_each, setups, True, timeout=180)):
         failing = {s: p[:3] for s, p in by_setup.items() if p}
         assert not failing, f"rank {rank}: {failing}"
 
@@ -182,8 +229,7 @@ def _class_facts() -> dict:
              "missing": [n for n in torchs_public_methods() if not hasattr(model, n)],
              "sliced": type(model[0:1]).__name__}
     refused = {}
-    for name, args in [("set_symm_mem_for_comm", ()), ("set_custom_all_gather", (None,)),
-                       ("set_custom_reduce_scatter", (None,))]:
+    for name, args in [("set_symm_mem_for_comm", ())]:
         try:
             getattr(model[0], name)(*args)
         except (RuntimeError, NotImplementedError) as e:
@@ -204,9 +250,22 @@ def test_every_public_method_of_torchs_fsdp_module_is_miniddps(ranks):
         assert f["missing"] == [] and f["torchs"] == [], f
         assert f["sliced"] == "Sequential"  # torch's __new__ picks the original class; so here
         assert "NCCL" in f["refused"]["set_symm_mem_for_comm"]
-        assert set(f["refused"]) == {"set_symm_mem_for_comm", "set_custom_all_gather",
-                                     "set_custom_reduce_scatter"}
+        assert set(f["refused"]) == {"set_symm_mem_for_comm"}
         assert f["before_wait"] == ("shard", 3, 4) and f["after_wait"] == ("whole", 6, 4)
+
+
+def test_each_method_takes_torchs_arguments():
+    """The same parameters, kinds and defaults as torch's, so that a call written for torch's
+    binds the same way."""
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    def parameters(f):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    differing = [name for name in torchs_public_methods()
+                 if parameters(getattr(_fully_shard.FSDPModule, name))
+                 != parameters(getattr(miniddp.FSDPModule, name))]
+    assert differing == []
 
 
 # ----- register_fsdp_forward_method -----
@@ -293,6 +352,8 @@ def _gather_order(prefetch: bool) -> dict:
         with open(path) as f:
             events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
         seen = []
+        orders[who + " prefetch spans"] = sorted(
+            e["name"] for e in events if e["name"].startswith("FSDP::forward_prefetch"))
         for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
             name = e["name"]
             step = name.split(" ")[0].removeprefix("FSDP::")
@@ -323,6 +384,10 @@ def test_explicit_prefetch_moves_the_gathers_in_the_trace_as_torchs(ranks):
     assert without["ours"] == without["torch's"], without
     assert with_["ours"] == with_["torch's"], with_
     assert with_["ours"] == PREFETCHED, with_["ours"]
+    assert with_["ours prefetch spans"] == [
+        "FSDP::forward_prefetch (unit blocks.0)", "FSDP::forward_prefetch (unit blocks.1)",
+        "FSDP::forward_prefetch (unit blocks.2)"], with_["ours prefetch spans"]
+    assert without["ours prefetch spans"] == []
     assert without["ours"] != PREFETCHED and sorted(without["ours"]) == sorted(PREFETCHED)
 
 

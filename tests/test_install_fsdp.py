@@ -55,10 +55,10 @@ def test_install_points_every_fully_shard_name_at_miniddps_and_uninstall_puts_th
     sys.modules[before.__name__] = before
     try:
         with miniddp.installed():
-            assert set(homes().values()) == {fsdp_names.IN_TORCHS_PLACE}, homes()
-            assert fsdp_names.IN_TORCHS_PLACE.__wrapped__ is miniddp.fully_shard
-            assert torch.distributed.fsdp.fully_shard is fsdp_names.IN_TORCHS_PLACE
-            assert before.shard_it is fsdp_names.IN_TORCHS_PLACE
+            assert set(homes().values()) == {fsdp_names.in_torchs_place}, homes()
+            assert fsdp_names.in_torchs_place.__wrapped__ is miniddp.fully_shard
+            assert torch.distributed.fsdp.fully_shard is fsdp_names.in_torchs_place
+            assert before.shard_it is fsdp_names.in_torchs_place
         assert set(homes().values()) == {torchs} and before.shard_it is torchs
     finally:
         miniddp.uninstall()

@@ -96,7 +96,7 @@ def all_reduce_mean(tensor: torch.Tensor, group) -> None:
 
 def average(buffer: torch.Tensor, mesh: MeshInfo = EVERY_RANK, partial=None,
             all_reduce: bool = True, *, factor: float | None = None, force_sum: bool = False,
-            hook=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+            hook=None, reduce_scatter=None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """This rank's row of the average of every rank's ``buffer`` (``W`` rows, rank-major), with
     torch FSDP2's arithmetic for its dtype and in its order (``foreach_reduce``):
 
@@ -116,12 +116,16 @@ def average(buffer: torch.Tensor, mesh: MeshInfo = EVERY_RANK, partial=None,
     A unit's settings (``settings``) change the steps as torch's do: ``factor``
     (``set_gradient_divide_factor``) replaces the count; ``force_sum``
     (``set_force_sum_reduction_for_comms``) sums in both collectives and divides after;
-    ``hook`` (``set_all_reduce_hook``) sees the row between steps 3 and 4."""
+    ``hook`` (``set_all_reduce_hook``) sees the row between steps 3 and 4; ``reduce_scatter``
+    (``set_custom_reduce_scatter``) makes step 2."""
     pre, post, scatter_op, all_reduce_op = divide_factors(buffer.dtype, mesh, factor, force_sum)
     if pre not in (None, 1):
         buffer.div_(pre)
     if mesh.shard_size == 1 and factor is not None:
         output = buffer[0] / factor  # (torch's copy of the input divided by the factor)
+    elif reduce_scatter is not None and mesh.shard_size > 1:
+        output = _custom_reduce_scatter(buffer, scatter_op, factor, mesh.shard_group,
+                                        reduce_scatter)
     elif scatter_op == "avg":
         output = reduce_scatter_mean(buffer, mesh.shard_group)
     elif scatter_op == "sum":
@@ -174,16 +178,45 @@ def _reduce_scatter_premul(buffer: torch.Tensor, factor: float, group) -> torch.
     return output
 
 
-def all_gather_params(params, group=None) -> torch.Tensor:
+def all_gather_params(params, group=None, comm=None) -> torch.Tensor:
     """Every rank's padded shards of ``params``, rank-major in one flat buffer: each padded
     shard, cast to the compute dtype on the way, into this rank's piece, then one all-gather
-    (torch's ``foreach_all_gather``)."""
+    (torch's ``foreach_all_gather``). ``comm``: torch's ``AllGather`` the user set
+    (``set_custom_all_gather``), called as torch calls it: on its own buffer, whose piece for
+    this rank is the input."""
     world_size = params[0].spec.world_size
     with torch.no_grad():
         flat = torch.cat([p.padded.reshape(-1).to(p.compute_dtype) for p in params])
-        gathered = flat.new_empty((world_size * flat.numel(),))
-        all_gather_flat(gathered, flat, group)
+        if comm is None or world_size == 1:
+            gathered = flat.new_empty((world_size * flat.numel(),))
+            all_gather_flat(gathered, flat, group)
+            return gathered
+        gathered = comm.allocate((world_size * flat.numel(),), dtype=flat.dtype,
+                                 device=flat.device)
+        piece = gathered.narrow(0, dist.get_rank(group) * flat.numel(), flat.numel())
+        piece.copy_(flat)
+        _wait(comm(output_tensor=gathered, input_tensor=piece, group=group or dist.group.WORLD,
+                   async_op=False))
     return gathered
+
+
+def _wait(work) -> None:
+    if work is not None:
+        work.wait()
+
+
+def _custom_reduce_scatter(buffer: torch.Tensor, op: str, factor, group, comm) -> torch.Tensor:
+    """torch's ``ReduceScatter`` the user set (``set_custom_reduce_scatter``), called as torch
+    calls it: on buffers it allocates, with the op torch would use (gloo's AVG is the comm's
+    business then)."""
+    ops = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
+    op = ops[op] if op in ops else dist._make_nccl_premul_sum(1 / factor)
+    flat = comm.allocate((buffer.numel(),), dtype=buffer.dtype, device=buffer.device)
+    flat.copy_(buffer.reshape(-1))
+    output = comm.allocate((buffer.shape[1],), dtype=buffer.dtype, device=buffer.device)
+    _wait(comm(output_tensor=output, input_tensor=flat, group=group or dist.group.WORLD, op=op,
+               async_op=False))
+    return output
 
 
 def copy_out(params, gathered: torch.Tensor) -> None:

@@ -91,6 +91,7 @@ class ParamGroup:
         self.fqn = ""  # the unit's module, named from the root (at the root's first forward)
         self.unshard_in_backward = True  # False: the backward needs none of them (an embedding)
         self.reduce_unused = False  # True: a parameter without a gradient reduces zeros
+        self.all_gather_comm = None  # torch's ``AllGather`` the user set, if any
         #: ``collectives.average``'s keywords set by the unit's methods (``settings``)
         self.reduce_settings: dict = {}
 
@@ -119,10 +120,12 @@ class ParamGroup:
         if not self.unshard_in_backward and self.training_state is TrainingState.PRE_BACKWARD:
             return
         if self.params[0].spec.world_size == 1:  # (a shard group of one: nothing to name)
-            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
+            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group,
+                                                         self.all_gather_comm)
             return
         with self.span("all_gather", self.ctx.profiling and self.gathered_bytes()):
-            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group)
+            self.gathered = collectives.all_gather_params(self.params, self.mesh.shard_group,
+                                                         self.all_gather_comm)
 
     def wait_for_unshard(self) -> None:
         """The gathered rows into the unsharded parameters, which the modules now hold."""

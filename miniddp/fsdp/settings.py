@@ -16,12 +16,13 @@ What each does on CPU and gloo, as torch's does there (measured against torch 2.
   ``set_unshard_in_backward``, ``set_reduce_scatter_unused_params``,
   ``set_gradient_divide_factor`` (refused at the backward when it needs ``PREMUL_SUM``, which
   gloo lacks), ``set_force_sum_reduction_for_comms``, ``set_all_reduce_hook``,
-  ``set_is_last_backward``, ``reset_iter_state``;
+  ``set_is_last_backward``, ``reset_iter_state``, ``set_custom_all_gather`` and
+  ``set_custom_reduce_scatter`` (torch's ``AllGather`` and ``ReduceScatter``, called as torch
+  calls them);
 * accepted, and change nothing on CPU (they order CUDA streams or choose buffers and
   communicators, not values): ``set_post_optim_event``, ``set_reduce_scatter_max_input_buffers``,
   ``set_separate_reduce_scatter_group``, ``set_allocate_memory_from_process_group_for_comm``;
-* refused: ``set_symm_mem_for_comm`` (NCCL's symmetric memory), ``set_custom_all_gather`` and
-  ``set_custom_reduce_scatter`` (miniddp's collectives are its own: ``collectives``).
+* refused: ``set_symm_mem_for_comm`` (NCCL's symmetric memory).
 """
 
 from __future__ import annotations
@@ -127,6 +128,18 @@ class UnitSettings(TORCH_FSDP_MODULE):
                 raise ValueError("stream cannot be set when using native HSDP")
             group.reduce_settings["hook"] = hook
 
+    def set_custom_all_gather(self, comm) -> None:
+        """torch's ``AllGather`` (``allocate`` and a call) in place of this unit's all-gather,
+        given the buffers torch gives it (``collectives.all_gather_params``)."""
+        for group in _groups(self):
+            group.all_gather_comm = comm
+
+    def set_custom_reduce_scatter(self, comm) -> None:
+        """torch's ``ReduceScatter`` in place of this unit's reduce-scatter, given the buffers
+        and the op torch gives it (``collectives.average``)."""
+        for group in _groups(self):
+            group.reduce_settings["reduce_scatter"] = comm
+
     # ----- nothing to change on CPU: streams, buffers, communicators -----
 
     def set_post_optim_event(self, event) -> None:
@@ -159,17 +172,6 @@ class UnitSettings(TORCH_FSDP_MODULE):
             "gloo: 'SymmetricMemory does not find allocation backend NCCL'); leave it out on "
             "CPU.")
 
-    def set_custom_all_gather(self, comm) -> None:
-        raise NotImplementedError(
-            "set_custom_all_gather: miniddp's all-gather is its own "
-            "(miniddp.fsdp.collectives.all_gather_params) and takes no torch AllGather; use "
-            "torch's fully_shard for a custom collective.")
-
-    def set_custom_reduce_scatter(self, comm) -> None:
-        raise NotImplementedError(
-            "set_custom_reduce_scatter: miniddp's reduce-scatter is its own "
-            "(miniddp.fsdp.collectives.average) and takes no torch ReduceScatter; use torch's "
-            "fully_shard for a custom collective.")
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

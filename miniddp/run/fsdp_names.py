@@ -9,7 +9,7 @@ pointed at miniddp's, and so is every global of an imported module that holds to
 (``from torch.distributed.fsdp import fully_shard`` run before the install: a framework's module,
 your ``__main__``). Modules imported afterwards import miniddp's through torch's names.
 
-What the install puts there is :data:`IN_TORCHS_PLACE`: miniddp's ``fully_shard`` carrying
+What the install puts there is :func:`in_torchs_place`: miniddp's ``fully_shard`` carrying
 torch's ``state`` attribute (torch's own function looks itself up through its module's global,
 ``fully_shard.state(module)``, so a reference to torch's kept from before the install still
 works). torch's ``FSDPModule`` needs no replacing: miniddp's units are instances of it
@@ -46,11 +46,11 @@ TORCH_FULLY_SHARD = next((vars(m)["fully_shard"] for m in _HOMES
 
 
 @functools.wraps(fully_shard)
-def IN_TORCHS_PLACE(module, *args, **kwargs):  # noqa: N802  (a name like a constant's: one object)
+def in_torchs_place(module, *args, **kwargs):
     return fully_shard(module, *args, **kwargs)
 
 
-IN_TORCHS_PLACE.state = getattr(TORCH_FULLY_SHARD, "state", None)
+in_torchs_place.state = getattr(TORCH_FULLY_SHARD, "state", None)
 
 
 def changes(holders) -> list[tuple[dict, str, object, object]]:
@@ -64,4 +64,4 @@ def changes(holders) -> list[tuple[dict, str, object, object]]:
     places += [(namespace, name) for namespace, name, _ in holders(TORCH_FULLY_SHARD)
                if type(namespace.get(name)) is not tuple
                and not any(n is namespace and k == name for n, k in places)]
-    return [(namespace, name, namespace[name], IN_TORCHS_PLACE) for namespace, name in places]
+    return [(namespace, name, namespace[name], in_torchs_place) for namespace, name in places]
