@@ -25,18 +25,18 @@ This file is the whole of it, one copy of each step. Each of DDP's options acts 
 where it changes a step, and that line names its module in ``miniddp.options`` (this file
 imports none): ``views`` (``gradient_views``), ``comm_hook`` (``comm_hooks``: a hook replaces
 the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``create_graph``).
-An option comes in one way, :meth:`Reducer.attach` (until then each is ``None``, and
-``comm_hook`` the plain all_reduce), and acts only through the reducer's public methods:
-``lay_out_buckets``, ``initial_assignment``, ``mark_all_ready``, ``abandon_step``,
-``emit``. The constructor takes settings only: the bucket caps, ``find_unused_parameters``,
-``overlap`` and ``batched_copy`` (torch's ``batched_grad_copy``: every bucket waits and is
-divided whole). What happened is emitted as ``(event, ident, time)`` records
+An option comes in one way, ``attach`` (until then each is ``None``, and ``comm_hook`` the
+plain all_reduce), and acts only through the reducer's public methods: ``lay_out_buckets``,
+``initial_assignment``, ``mark_all_ready``, ``abandon_step``, ``emit``. What the reducer is
+built with (its settings, the options attached, the buckets' layout) is its base class's,
+``miniddp.reducer_layout``. What happened is emitted as ``(event, ident, time)`` records
 (``miniddp.events``), and, while torch.profiler records, as named spans. ``overlap=False``
 launches at the end of backward: the naive "reduce after backward" baselines share this code.
 
 One module because it is the one copy of the step: a reader follows one backward from a
-parameter's hook to its averaged ``.grad`` here, and each option's line where it acts. The
-bucket's own part of the step is ``miniddp.buckets``, and each option's is its module.
+parameter's hook to its averaged ``.grad`` here, and each option's line where it acts. How
+the reducer is built is ``miniddp.reducer_layout``, the bucket's own part of the step
+``miniddp.buckets``, and each option's part its module.
 """
 
 from __future__ import annotations
@@ -48,34 +48,16 @@ import time
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from miniddp import errors, profiling
-from miniddp.buckets import (
-    UNLIMITED_BYTES,
-    AllReduceSum,
-    Bucket,
-    BucketInfo,
-    assign_buckets,
-    bucket_limits,
-    rebuilt_assignment,
-)
-from miniddp.events import EventStream
+from miniddp.buckets import Bucket, rebuilt_assignment
 from miniddp.profiling import NO_SPAN
-from miniddp.sync import held
-
-#: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
-#: its last one (``Reducer.copy_buckets_at_end``).
-COPY_AT_END_BYTES_CPU = 64 * 1024
+from miniddp.reducer_layout import ReducerLayout
 
 #: torch's reducer times the first ten synchronized iterations, then one in this many
 #: (``_set_ddp_runtime_logging_sample_rate``): those emit a ``sampled`` record.
 DEFAULT_SAMPLE_RATE = 100
-
-
-#: What :meth:`Reducer.attach` takes: the options of ``miniddp.options``, by the step they change.
-OPTIONS = ("views", "comm_hook", "unused", "static_graph", "graph_gradients")
 
 
 class Step(enum.Enum):
@@ -88,26 +70,16 @@ class Step(enum.Enum):
     SECOND_BACKWARD = "a backward reached this forward's outputs again after the reduction"
 
 
-class Reducer(EventStream):
-    """Owns the buckets and the hooks of one DDP module. See the module docstring."""
+class Reducer(ReducerLayout):
+    """Owns the hooks of one DDP module, and runs its steps; what it is built with (settings,
+    options, the buckets' layout) is its base's, ``miniddp.reducer_layout``."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
                  overlap: bool = True, bucket_caps: list[int] | None = None,
                  batched_copy: bool = False):
-        super().__init__()
-        self.params, self.names = params, names
-        self.group = held(process_group)  # None for the default group (see held)
-        self.world_size = dist.get_world_size(process_group)
-        self.divisor = self.world_size  # what gradients are divided by
-        #: Byte limits of the buckets after the rebuild: the first bucket's, then the rest's
-        #: (the last repeats); ``bucket_caps`` (torch's ``bucket_cap_mb_list``) when given.
-        self.bucket_limits = bucket_caps or list(bucket_limits(bucket_cap_mb))
-        self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
+        super().__init__(params, names, process_group, bucket_cap_mb, bucket_caps, batched_copy)
         self.overlap = overlap
-        self.batched_copy = batched_copy
-        self.views = self.unused = self.static_graph = self.graph_gradients = None  # (attach)
-        self.comm_hook = AllReduceSum(self.group)  # what reduces a bucket
         self.state = Step.IDLE
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.iterations, self.sample_rate = 0, DEFAULT_SAMPLE_RATE  # torch's num_iterations_
@@ -116,81 +88,24 @@ class Reducer(EventStream):
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
         self.ready_order: list[int] = []  # the last synced backward's order, for the rebuild
-        self.has_rebuilt = False
         self.output_nodes: list = []  # the last synced forward's, until its backward ends
         self.error: BaseException | None = None  # what the last wait_failed or error names
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
-        # A bucket of gradients of at most this many bytes each waits for its last one.
-        on_gpu = bool(params) and params[0].device.type != "cpu"
-        self.copy_at_end_bytes = float("inf") if on_gpu else COPY_AT_END_BYTES_CPU
         self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
-        # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
-        # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
-        # weakly, so a dropped DDP wrapper leaves no live hook on a module used afterwards.
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
-        self._me = weakref.ref(self)
-        self._hooks = [node.register_hook(functools.partial(_call_hook, self._me, i))
-                       for i, node in enumerate(self._accumulators)]
+        self._me = weakref.ref(self)  # what the hooks hold: see _hook_every_parameter
+        self._accumulators, self._hooks = _hook_every_parameter(self._me, params)
         self.lay_out_buckets(self.initial_assignment(find_unused_parameters))
-
-    # ----- bucket layout (torch's rules: miniddp.buckets) -----
-
-    def initial_assignment(self, find_unused: bool = False) -> list[list[int]]:
-        """Iteration 0: one bucket per dtype/device, unless unused parameters are expected."""
-        limits = self.bucket_limits if find_unused else [UNLIMITED_BYTES]
-        limits = self.bucket_caps or limits  # bucket_cap_mb_list applies from iteration 0
-        return list(reversed(assign_buckets(self.params, limits)))
 
     @property
     def should_rebuild(self) -> bool:
         return self.unused is None and not self.has_rebuilt
 
-    def lay_out_buckets(self, assignment: list[list[int]]) -> None:
-        """New buckets, one per list of parameter indices (at construction, the rebuild, or
-        an option that changes the layout: ``options/static_graph.py``)."""
-        # Free the old buffers before allocating the new ones (as torch does), or a rebuild holds
-        # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
-        self.buckets, self.slot_of = [], {}
-        self.buckets = [Bucket(b, indices, self.params, self.copy_at_end_bytes, self.batched_copy,
-                               self.views is not None) for b, indices in enumerate(assignment)]
-        self.slot_of = {i: (b, k) for b in self.buckets for k, i in enumerate(b.param_indices)}
-        if self.views is not None:  # options/gradient_views.py: .grad moves with its bucket
-            self.views.move_into(self.buckets, self.params)
-
-    def copy_buckets_at_end(self, max_bytes: float) -> None:
-        """A bucket whose gradients are all of at most ``max_bytes`` copies them in with its
-        last one (``Bucket.choose_copy`` says why); ``float("inf")``: every bucket (a GPU's);
-        -1: none."""
-        self.copy_at_end_bytes = max_bytes
-        for bucket in self.buckets:  # (options/gradient_views.py: a view waits for nothing)
-            bucket.choose_copy(max_bytes, self.batched_copy, self.views is not None)
-
-    def attach(self, **options) -> None:
-        """The one way an option joins: ``attach(unused=UnusedParameters(...))``; ``None``
-        detaches one (``comm_hook=None``: the plain all_reduce)."""
-        for name, option in options.items():
-            if name not in OPTIONS:
-                raise TypeError(f"the reducer has no option {name!r}; its options: {OPTIONS}")
-            setattr(self, name, option)
-        if options.get("comm_hook", self.comm_hook) is None:
-            self.comm_hook = AllReduceSum(self.group)
-        if options.get("views") is not None:  # options/gradient_views.py
-            self.views.move_into(self.buckets, self.params)
-        if "views" in options:
-            self.copy_buckets_at_end(self.copy_at_end_bytes)
-
-    def bucket_info(self) -> list[BucketInfo]:
-        return [bucket.info(self.names) for bucket in self.buckets]
-
     # ----- one step -----
 
     def begin_forward(self, sync: bool = True) -> None:
         """At a forward with grad enabled (``sync``: not inside ``no_sync``): fail on an
-        unfinished reduction; rebuild the buckets once, after the first synchronized backward.
-
-        An unfinished reduction raises at once, naming the parameters, as torch does: waiting
-        for the launched buckets could hang, since a rank missing a different parameter never
-        launched some of them."""
+        unfinished reduction, naming the parameters, as torch does (waiting could hang: a rank
+        missing another parameter never launched some buckets); rebuild the buckets once."""
         if self.state is Step.REDUCING:
             raise errors.logged(self, errors.unfinished_reduction(self))
         self.forwards, self.allreduce_calls = self.forwards + 1, 0
@@ -315,11 +230,9 @@ class Reducer(EventStream):
     def _scale_bucket(self, buffer: torch.Tensor) -> None:
         """A complete bucket that scales whole: multiplied (divided, as torch's
         ``batched_grad_copy``), unless a comm hook does its own averaging."""
-        if self.comm_hook.averages:
-            return
-        if self.batched_copy:
+        if self.batched_copy and not self.comm_hook.averages:
             buffer.div_(self.divisor)
-        else:
+        elif not self.comm_hook.averages:
             self._scale(buffer, buffer)
 
     def _reciprocal(self, dtype: torch.dtype):
@@ -338,12 +251,9 @@ class Reducer(EventStream):
         if self.unused is not None and self.unused.skips(bucket):
             return  # options/unused.py: skip_all_reduce_unused_params
         self.emit("launch", bucket.index)
-        on_done = self._on_done if "done" in self._listeners else None
+        on_done = (lambda b: self.emit("done", b.index)) if "done" in self._listeners else None
         self._spanned("launch", bucket, bucket.launch, self.comm_hook, len(self.buckets), on_done)
         self.allreduce_calls += 1
-
-    def _on_done(self, bucket: Bucket) -> None:
-        self.emit("done", bucket.index)
 
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
@@ -390,14 +300,9 @@ class Reducer(EventStream):
         else:  # options/create_graph.py: copied into the graph's gradient in place
             self.graph_gradients.write_back(self.names[index], param.grad, view)
 
-    def _reached_again(self) -> None:
-        if self.state is Step.REDUCED:
-            self.state = Step.SECOND_BACKWARD
-
     def _spanned(self, step: str, bucket: Bucket, work, *args):
-        """``work(*args)``; while torch.profiler records (asked once a step), inside a span
-        named for the step, the bucket, its tensors and bytes. (A ``with`` per bucket step
-        would cost more than the call: about 0.16 us each, with no profiler.)"""
+        """``work(*args)``, inside a span while torch.profiler records (asked once a step). (A
+        ``with`` per bucket step would cost more than the call: about 0.16 us, no profiler.)"""
         return profiling.bucket_span(step, bucket, work, args) if self.profiling else work(*args)
 
     def emit(self, event: str, ident: int) -> None:
@@ -405,8 +310,6 @@ class Reducer(EventStream):
         (Here, not in ``miniddp.events``, so that one step reads in the engine's files.)"""
         for listener in self._listeners.get(event, self._others):
             listener((event, ident, time.perf_counter()))
-
-    # ----- clean-up -----
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -418,11 +321,23 @@ class Reducer(EventStream):
             self.remove_hooks()
 
 
+def _hook_every_parameter(reducer_ref, params: list[torch.Tensor]) -> tuple[list, list]:
+    """A post-hook on each parameter's AccumulateGrad node; return the nodes and the handles.
+
+    The node is created lazily and held weakly by the parameter: keep it, or a new node
+    (without the hook) replaces it. The hooks hold the reducer weakly, so a dropped DDP wrapper
+    leaves no live hook on a module used afterwards."""
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+    return accumulators, [node.register_hook(functools.partial(_call_hook, reducer_ref, i))
+                          for i, node in enumerate(accumulators)]
+
+
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
     if (reducer := reducer_ref()) is not None:
         reducer._hook(index)
 
 
 def _reached_again(reducer_ref, _grad_outputs) -> None:
-    if (reducer := reducer_ref()) is not None:
-        reducer._reached_again()
+    """A backward reached a reduced forward's outputs again: a second backward through it."""
+    if (reducer := reducer_ref()) is not None and reducer.state is Step.REDUCED:
+        reducer.state = Step.SECOND_BACKWARD
