@@ -5,7 +5,7 @@
     bash benchmarks/gpu.sh --cpu                           # the same steps, tiny, on the CPU
     bash benchmarks/gpu.sh --cpu --ranks 3                 # ... the several-GPU path, on CPUs
 
-Runs ``tests/test_ddp_cuda.py``, then every benchmark, each as a process of its own under a
+Runs ``tests/engine/test_ddp_cuda.py``, then every benchmark, each as a process of its own under a
 time limit that names it when it is exceeded (it is stopped with everything it started, and the
 rest still runs), all within ``--budget`` seconds (9.5 minutes). Results go to
 ``benchmarks/results`` (JSON, PNG), every part's output to ``<out>/logs/<part>.log``, and the
@@ -16,7 +16,8 @@ Where the ranks come from is the harness's choice (``harness.plan``), the same o
 with one GPU, NCCL at world size 1 and then 2 ranks sharing the GPU over gloo; with several,
 NCCL with one rank per GPU, started by torchrun (``--standalone --nproc_per_node=<GPUs>``).
 ``--ranks N`` asks for that torchrun path with N ranks anywhere: with ``--cpu`` it runs it on
-gloo, which is how the suite tests the path no machine here can run (tests/test_benchmarks.py).
+gloo, which is how the suite tests the path no machine here can run
+(tests/operations/test_benchmarks.py).
 memory.py forks its own rank group per configuration (``--world-size N``) instead: under
 torchrun its configurations would share the ranks' processes, the fault it exists to avoid
 (zero_memory.py, where present, forks its own groups too).
@@ -169,7 +170,7 @@ def where(result: dict) -> str:
 def tests_line(run: dict) -> str:
     last = [line for line in run.get("output", "").splitlines()
             if re.search(r"\b(passed|failed|skipped|error)", line)]
-    return f"tests/test_ddp_cuda.py: {last[-1].strip('= ') if last else run['status']}"
+    return f"tests/engine/test_ddp_cuda.py: {last[-1].strip('= ') if last else run['status']}"
 
 
 def summary(runs: list[dict], args, gpus: int, since: float) -> str:

@@ -381,7 +381,7 @@ _INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.in
 
 def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
     """Same dtype, shape and bits (viewed as integers): the same NaN is equal, unlike in
-    ``torch.equal`` (as tests/bits.py, which the suite uses)."""
+    ``torch.equal`` (as tests/support/bits.py, which the suite uses)."""
     if x.dtype != y.dtype or x.shape != y.shape:
         return False
     as_int = _INTEGER_OF_WIDTH[x.element_size()]

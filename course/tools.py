@@ -28,7 +28,7 @@ LESSONS = Path(__file__).resolve().parents[1] / "lessons"
 def load_lesson(stem: str):
     """The module of ``lessons/<stem>.py`` (a lesson builds on an earlier one's code), loaded
     once and kept in ``sys.modules`` so that forked ranks find its functions by name."""
-    name = f"lesson_{stem}"  # as tests/lesson_modules.py names it
+    name = f"lesson_{stem}"  # as tests/support/lesson_modules.py names it
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, LESSONS / f"{stem}.py")
         module = importlib.util.module_from_spec(spec)

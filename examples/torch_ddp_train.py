@@ -11,7 +11,8 @@ Swap its two imports marked below for
     from miniddp import DistributedDataParallel as DDP
     from miniddp import DistributedSampler
 
-and it runs unchanged, to the same final weights bit for bit (``tests/test_faults.py`` does
+and it runs unchanged, to the same final weights bit for bit (``tests/operations/test_faults.py``
+does
 exactly that, resume included). Run it:
 
     torchrun --standalone --nproc_per_node=2 examples/torch_ddp_train.py --snapshot /tmp/s.pt

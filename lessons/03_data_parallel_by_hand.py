@@ -38,7 +38,7 @@ With one GPU per rank (``--nproc N`` on an N-GPU machine) it uses NCCL and the G
 What you will see: the ranks' weights differing before the broadcast and equal after it, the loss
 (averaged over ranks) falling with milliseconds per step, the largest difference from the
 one-process oracle (about 1e-7) next to the control's (about 1e-1), the library's rung agreeing,
-and ``OK: ...``. About 10 s.
+and ``OK: ...``. About 15 s.
 """
 
 import argparse

@@ -37,7 +37,7 @@ With one GPU per rank (``--nproc N`` on an N-GPU machine) it trains with NCCL on
 
 What you will see: each rank's indices for a small dataset (with the padding and ``drop_last``),
 the first indices of three epochs with and without ``set_epoch``, the share of distinct samples
-with and without the sampler, a resumed epoch, the loss falling, and ``OK: ...``. About 10 s.
+with and without the sampler, a resumed epoch, the loss falling, and ``OK: ...``. About 15 s.
 """
 
 import argparse

@@ -39,7 +39,7 @@ What you should see: the one bucket of construction, then the rebuilt buckets (t
 at 1 MiB), equal to torch's; gradients by hand equal to miniddp's and torch's bit for bit; the
 all_reduce time per size next to the fitted line, ``alpha``, ``beta`` and the size where they
 balance; predicted and measured costs of one call per tensor, a few buckets, one bucket, ranked
-alike; ``runs/05_buckets.png``; ``OK: ...``. About 15 s.
+alike; ``runs/05_buckets.png``; ``OK: ...``. About 20 s.
 """
 
 import argparse

@@ -35,7 +35,7 @@ Run it:
 What you should see: ``SmallReducer`` equal to torch's DDP bit for bit at 2 ranks, then at 3;
 its steps beside the library's; the library's buckets by layer; the trace's verdict (with
 ``--trace``, every gradient ready, each bucket launched, finished and waited for, the
-write-back); ``OK: ...``. About 10 s.
+write-back); ``OK: ...``. About 15 s.
 """
 
 import argparse
@@ -200,7 +200,8 @@ def reducer_work_problems(events, buckets: int) -> list[str]:
 
 def traced_backward(ddp, x, y, show: bool) -> None:
     """One more backward, recorded by ``ddp.trace()`` on every rank and checked; printed event
-    by event with ``--trace`` (tests/test_lesson_mechanisms.py checks what the trace prints)."""
+    by event with ``--trace`` (tests/course/test_lesson_mechanisms.py checks what the trace
+    prints)."""
     dist.barrier()  # start together: each rank's times count from its own ``with``
     loss = F.mse_loss(ddp(x), y)
     with ddp.trace(all_ranks=True) as trace:

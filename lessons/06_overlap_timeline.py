@@ -30,7 +30,7 @@ Run it:
 What you should see: the loss falling with each run's milliseconds per step; how often
 gradients became ready while an all_reduce was in flight, in the timed and in the staggered
 steps; median step times and exposed communication; ``runs/06_overlap.png`` (per bucket: its
-gradients arriving, its all_reduce in flight); ``OK: ...``. About 15 s.
+gradients arriving, its all_reduce in flight); ``OK: ...``. About 20 s.
 
 Every rank in one picture: ``runs/06_overlap.json``, beside the PNG, is the last staggered step
 of every rank as a Chrome trace (``miniddp.checks.chrome_trace``). Open it at

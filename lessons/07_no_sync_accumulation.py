@@ -30,7 +30,7 @@ With one GPU per rank (``--nproc N`` on N GPUs) it uses NCCL.
 What you should see: in the first step's table, all_reduce calls only in the last micro-batch
 and the ranks' gradients equal only after it; the loss falling; a k-th of a plain loop's
 all_reduces; miniddp equal to torch's DDP bit for bit and close to the oracle; the trap
-behaving alike on both DDPs and by hand; ``OK: ...``. About 10 s.
+behaving alike on both DDPs and by hand; ``OK: ...``. About 20 s.
 """
 
 import argparse

@@ -25,6 +25,7 @@ Run it:
 What you should see: the nested case "NOT synchronized" on all three; the no_sync micro-batch
 after a validation forward "synchronized" on both DDPs, with their gradients equal bit for bit
 (both warn that find_unused_parameters found nothing unused: said in one line); ``OK: ...``.
+About 15 s.
 """
 
 import argparse

@@ -29,7 +29,7 @@ With one GPU per rank it uses NCCL; the claim then rests on both DDPs calling NC
 
 What you should see: every rank's own random model replaced by rank 0's; the buckets before and
 after the rebuild; the loss falling; "equal to torch's DDP bit for bit after each of the ...
-steps"; the controls equal at 2 ranks and not at 3, each with its cause; ``OK: ...``. 15 s.
+steps"; the controls equal at 2 ranks and not at 3, each with its cause; ``OK: ...``. About 20 s.
 """
 
 import argparse

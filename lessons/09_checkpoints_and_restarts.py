@@ -36,7 +36,7 @@ after a resume may differ in the last bits (the buckets are rebuilt: lesson 08).
 What you should see: the naive file gone and the atomic one intact after a killed writer; the
 prefix refused, then loaded both ways; the loss falling, a snapshot every 10 steps; rank 1
 killed and torchrun's restart; the resume in epoch 3 of 4 after step 40; the same weights as an
-uninterrupted run bit for bit; the three controls differing; ``OK: ...``. 8-15 s, most of it
+uninterrupted run bit for bit; the three controls differing; ``OK: ...``. About 25 s, most of it
 processes starting (the SGD is written out: torch.optim would import ``torch._dynamo`` each time).
 """
 

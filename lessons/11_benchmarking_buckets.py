@@ -41,7 +41,7 @@ Run it:
 What you should see: ``alpha`` and ``beta``; "bit-identical" for every cap; a table of median
 step times and ratios with 95% intervals and the model's prediction; the A/A control; the two
 rules on simulated rounds; ``runs/11_benchmarking_buckets.png``; one line per saved sweep;
-``OK: ...``. 10-20 s. Times are shown and read, never a condition of OK.
+``OK: ...``. About 30 s. Times are shown and read, never a condition of OK.
 """
 
 import argparse

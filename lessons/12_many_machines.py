@@ -42,7 +42,7 @@ Without a second machine the lesson plays the nodes on this one, over loopback, 
 
 What you should see: each agent's command, then their output prefixed ``[agent N]``: the
 variables every worker received, the two ports, the loss falling, the parameters equal on every
-worker and close to a one-process oracle; ``OK: ...``. 5-15 s, most of it start-up.
+worker and close to a one-process oracle; ``OK: ...``. About 25 s, most of it start-up.
 """
 
 import argparse

@@ -34,7 +34,7 @@ What you will see: the hang: which ranks waited, in which collective, the error 
 matters; join by hand, close to the real one; the loss falling on every
 rank while the ranks that ran out shadow the others; miniddp equal to torch's DDP bit for bit
 after every step, for both divisors; the same model on every rank at the end, equal to torch's
-bit for bit; and ``OK: ...``. 10-20 seconds, 3 of them waiting for the timeout. Gloo on the CPU
+bit for bit; and ``OK: ...``. About 25 s, 3 of them waiting for the timeout. Gloo on the CPU
 even where there are GPUs: the hang is shown with gloo's timeout.
 """
 

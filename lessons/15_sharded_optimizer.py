@@ -35,7 +35,7 @@ Run it:
 What you should see: bytes per parameter for SGD, momentum and Adam, counted; for each optimizer
 the loss falling, each rank's share next to torch's, and every sharded run equal to the
 unsharded one bit for bit; the equal layers' owners, torch's, through the schedule; the control
-apart; ``OK: ...``. About 10 s.
+apart; ``OK: ...``. About 20 s.
 """
 
 import argparse

@@ -31,7 +31,7 @@ What you should see: the state per rank at 1, 2 and 3 ranks equal to torch's and
 for the equal layers; the reduce-scatter's chunk equal to all_reduce then slicing and the
 elements each rank sent; ZeRO-2's loss falling, each rank keeping only its share's gradients,
 equal to torch's DDP with ZeroRedundancyOptimizer; ``miniddp.fully_shard``'s ZeRO-2 equal to
-torch's; the table; ``OK: ...``. About 15 s.
+torch's; the table; ``OK: ...``. About 25 s.
 """
 
 import argparse

@@ -35,7 +35,7 @@ What you should see: one backward with one compiled graph, event by event (every
 the only piece returned) and its buckets; the layers compiled one by one (launches between
 pieces); miniddp and torch's compiled DDP side by side in both orders (pieces, graph breaks,
 all_reduces during backward, buckets, "equal bit for bit"), the loss falling; the refused cap;
-``OK: ...``. 10-25 s, most of it compiling; gloo on the CPU even with GPUs. Needs torch >= 2.3:
+``OK: ...``. About 45 s, most of it compiling; gloo on the CPU even with GPUs. Needs torch >= 2.3:
 before, it prints ``SKIPPED: ...`` and ``run_course.py`` lists it as skipped.
 """
 

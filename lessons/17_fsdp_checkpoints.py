@@ -27,7 +27,7 @@ Run it:
 
 It forks its own ranks twice, at two world sizes (torchrun runs one world size per job). What
 you will see: the bytes per rank, the rows each new rank reads, 0 elements differing, rows
-wrong with plain tensors; ``OK: ...``. About 10 s. It needs torch's FSDP2 (torch 2.4 or
+wrong with plain tensors; ``OK: ...``. About 25 s. It needs torch's FSDP2 (torch 2.4 or
 later): before, it prints ``SKIPPED: ...``.
 """
 

@@ -32,7 +32,7 @@ Run it:
 
 What you will see: one row per path, what was gathered after forward, the all-gathers and
 reductions per step, the elements that differ from torch's (0 in every row), the loss of the
-last step; ``OK: ...``. About 5 s. It needs torch's FSDP2 (torch 2.4 or later): before, it
+last step; ``OK: ...``. About 25 s. It needs torch's FSDP2 (torch 2.4 or later): before, it
 prints ``SKIPPED: ...``.
 """
 

@@ -33,7 +33,7 @@ Run it:
         lessons/18_hsdp.py                       # two machines, on each
 
 What you will see: 0 elements differing from torch's on every path, the loss falling; each
-mistake's differing elements; a table of bytes and memory per rank; ``OK: ...``. About 10 s on
+mistake's differing elements; a table of bytes and memory per rank; ``OK: ...``. About 20 s on
 two CPU cores. It needs torch's FSDP2 (torch 2.4 or later): before, it prints ``SKIPPED``.
 """
 

@@ -42,7 +42,8 @@ TORCHRUN_CAN_RESTART_WORKERS = TORCH_RELEASE != (2, 3)
 #: group held the GIL while waiting for gloo's worker threads. A worker still dropping its last
 #: collective, whose tensors need the GIL to be freed, then waits for the main thread, and the
 #: main thread for it, forever (pytorch issue 56297). Seen here on 2.1 (2 of 8 torchrun runs of
-#: lesson 07) and 2.4; ``miniddp.launch.leave_group`` works around it (tests/test_launch.py).
+#: lesson 07) and 2.4; ``miniddp.launch.leave_group`` works around it
+#: (tests/operations/test_launch.py).
 DESTROY_HOLDS_THE_GIL = TORCH_RELEASE < (2, 8)
 
 #: A missing API: ``torch.compiler.is_compiling`` (torch 2.3 on), which tells miniddp's forward

@@ -12,13 +12,24 @@ the tiers in one place instead of in every file.
 """
 
 import re
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 import torch._dynamo  # noqa: F401  (see the module docstring)
 
 from miniddp.launch import RankGroup, start_methods
+
+#: ``tests/`` holds a folder per room of the library (``engine``, ``options``, ``compat``,
+#: ``fsdp``, ``optim``, ``operations``, ``course``, ``torch_suites``) and ``support``, the helpers
+#: they share. Every folder is importable by its modules' names (``from bits import same_bits``,
+#: ``from test_fsdp import Net``), whichever folder a test sits in: test module names are unique.
+HERE = Path(__file__).resolve().parent
+for folder in sorted(p for p in HERE.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 torch.set_num_threads(1)
 
@@ -68,54 +79,54 @@ def ranks_see_monkeypatches():
 
 
 #: The one lesson the fast tier runs end to end: the whole DDP against torch's, bit for bit.
-FAST_TIER_LESSON = ("tests/test_lessons.py::test_lesson_runs_and_ends_with_ok"
+FAST_TIER_LESSON = ("tests/course/test_lessons.py::test_lesson_runs_and_ends_with_ok"
                     "[08_miniddp_vs_torch_ddp]")
 
 #: Node id patterns (``*`` matches anything, nothing else is special) of the tests the fast tier
 #: leaves out, each group with why. They stay in the whole suite.
 SLOW = {
     "a lesson or a grader run: a process of its own, seconds each (``-m lesson`` selects them)": [
-        "tests/test_lessons.py::test_lesson_runs_and_ends_with_ok[*]",
-        "tests/test_lessons.py::test_run_course_names_the_failed_check_and_rank_of_a_broken_*",
-        "tests/test_lesson_breakage.py::*",
-        "tests/test_lesson_mechanisms.py::test_lesson_0*_fails_when_*",
-        "tests/test_lesson_mechanisms.py::test_lesson_16_fails_when_*",
-        "tests/test_trace.py::test_lesson_06_prints_the_trace_with_trace",
-        "tests/test_zero_course.py::test_lesson_runs_at_3_ranks",
+        "tests/course/test_lessons.py::test_lesson_runs_and_ends_with_ok[*]",
+        "tests/course/test_lessons.py::test_run_course_names_the_failed_check_and_rank_of_a_broken_*",
+        "tests/course/test_lesson_breakage.py::*",
+        "tests/course/test_lesson_mechanisms.py::test_lesson_0*_fails_when_*",
+        "tests/course/test_lesson_mechanisms.py::test_lesson_16_fails_when_*",
+        "tests/operations/test_trace.py::test_lesson_06_prints_the_trace_with_trace",
+        "tests/course/test_zero_course.py::test_lesson_runs_at_3_ranks",
     ],
     "waits out a timeout on purpose, to show what a hang turns into": [
-        "tests/test_consistency.py::test_without_debug_*",
-        "tests/test_consistency.py::test_the_checks_without_detail_name_a_skipped_backward_*",
-        "tests/test_consistency.py::test_debug_mode_names_a_rank_that_ran_one_step_fewer",
-        "tests/test_launch.py::test_timeout_reports_where_each_rank_was",
-        "tests/test_launch.py::test_a_rank_that_stops_taking_part_is_blamed_*",
-        "tests/test_join.py::test_without_join_the_ranks_still_training_time_out_*",
-        "tests/test_torch_ddp_suite.py::test_torch_ddp_suite[test_ddp_model_diff_shape_across_*",
+        "tests/operations/test_consistency.py::test_without_debug_*",
+        "tests/operations/test_consistency.py::test_the_checks_without_detail_name_a_skipped_backward_*",
+        "tests/operations/test_consistency.py::test_debug_mode_names_a_rank_that_ran_one_step_fewer",
+        "tests/operations/test_launch.py::test_timeout_reports_where_each_rank_was",
+        "tests/operations/test_launch.py::test_a_rank_that_stops_taking_part_is_blamed_*",
+        "tests/options/test_join.py::test_without_join_the_ranks_still_training_time_out_*",
+        "tests/torch_suites/test_torch_ddp_suite.py::test_torch_ddp_suite[test_ddp_model_diff_shape_across_*",
     ],
     "starts fresh interpreters, torchrun agents or a forkserver": [
-        "tests/test_launch.py::test_*forkserver*",
-        "tests/test_launch.py::test_*under_torchrun*",
-        "tests/test_launch.py::test_*a_device_beside_the_cpu*",
-        "tests/test_install.py::test_torchs_compiler_first_imported_while_installed_*",
-        "tests/test_install.py::test_run_*",
-        "tests/test_install.py::test_torchrun_*",
-        "tests/test_install.py::test_lightnings_*",
-        "tests/test_report.py::test_a_failed_check_exits_non_zero_*",
-        "tests/test_faults.py::*",
-        "tests/test_torchrun_agents.py::*",
+        "tests/operations/test_launch.py::test_*forkserver*",
+        "tests/operations/test_launch.py::test_*under_torchrun*",
+        "tests/operations/test_launch.py::test_*a_device_beside_the_cpu*",
+        "tests/operations/test_install.py::test_torchs_compiler_first_imported_while_installed_*",
+        "tests/operations/test_install.py::test_run_*",
+        "tests/operations/test_install.py::test_torchrun_*",
+        "tests/operations/test_install.py::test_lightnings_*",
+        "tests/operations/test_report.py::test_a_failed_check_exits_non_zero_*",
+        "tests/operations/test_faults.py::*",
+        "tests/operations/test_torchrun_agents.py::*",
     ],
     "the reference job, the benchmarks and torch.compile: whole runs, each seconds": [
-        "tests/test_train.py::*",
-        "tests/test_train_zero.py::*",
-        "tests/test_benchmarks.py::*",
-        "tests/test_compile.py::*",
+        "tests/operations/test_train.py::*",
+        "tests/operations/test_train_zero.py::*",
+        "tests/operations/test_benchmarks.py::*",
+        "tests/compat/test_compile.py::*",
     ],
     "beyond the fast tier's 2 and 3 ranks, or torch's own class checked against its own tests": [
-        "tests/test_ddp_equivalence.py::test_bit_identical_to_torch_ddp[*-4]",
-        "tests/test_ddp_equivalence.py::test_bit_identical_on_a_subgroup",
-        "tests/test_torch_ddp_suite.py::test_torch_ddp_suite[*-torch]",
-        "tests/test_torch_ddp_suite.py::test_torch_ddp_suite[test_ddp_apply_optim_in_backward*",
-        "tests/test_reducer_arithmetic.py::test_copying_a_bucket_then_scaling_it_gives_the_*",
+        "tests/engine/test_ddp_equivalence.py::test_bit_identical_to_torch_ddp[*-4]",
+        "tests/engine/test_ddp_equivalence.py::test_bit_identical_on_a_subgroup",
+        "tests/torch_suites/test_torch_ddp_suite.py::test_torch_ddp_suite[*-torch]",
+        "tests/torch_suites/test_torch_ddp_suite.py::test_torch_ddp_suite[test_ddp_apply_optim_in_backward*",
+        "tests/engine/test_reducer_arithmetic.py::test_copying_a_bucket_then_scaling_it_gives_the_*",
     ],
 }
 
@@ -124,15 +135,15 @@ SLOW = {
 #: time in the collection's order (``--no-loadscope-reorder``), and one of these started last
 #: would leave the other worker idle for a minute at the end of the run.
 LONGEST_FIRST = [
-    "tests/test_lessons.py",
-    "tests/test_frameworks.py",
-    "tests/test_grade.py",
-    "tests/test_install.py",
-    "tests/test_benchmarks.py",
-    "tests/test_lesson_breakage.py",
-    "tests/test_faults.py",
-    "tests/test_launch.py",
-    "tests/test_hsdp_course.py",
+    "tests/course/test_lessons.py",
+    "tests/operations/test_frameworks.py",
+    "tests/course/test_grade.py",
+    "tests/operations/test_install.py",
+    "tests/operations/test_benchmarks.py",
+    "tests/course/test_lesson_breakage.py",
+    "tests/operations/test_faults.py",
+    "tests/operations/test_launch.py",
+    "tests/course/test_hsdp_course.py",
 ]
 
 
