@@ -141,9 +141,8 @@ def test_the_engine_sits_at_the_top_and_is_small():
                       "miniddp.profiling", "miniddp.reducer", "miniddp.reducer_layout",
                       "miniddp.sampler", "miniddp.sync", "miniddp.torch_versions"]
     lines = sum(len(modules()[n].read_text().splitlines()) for n in engine)
-    # (1675: the one copy of the reducer's steps lives here, options included, where a second,
-    # seamed copy of 218 lines once lived in options/; and the public methods through which
-    # the options act, where they once reached into the reducer's private ones)
+    # (1675: the one copy of the reducer's steps, options included, where a second copy of 218
+    # lines once lived in options/; and the public methods the options act through)
     assert lines < 1675, f"the engine has grown to {lines} lines: does something belong in a room?"
 
 
@@ -285,8 +284,8 @@ def reducer_steps() -> dict[str, str]:
     from miniddp.reducer import Reducer
     from miniddp.reducer_layout import ReducerLayout
 
-    return {name: inspect.getsource(member)
-            for name, member in {**vars(ReducerLayout), **vars(Reducer)}.items()
+    members = {**vars(ReducerLayout), **vars(Reducer)}  # the base's too: attach, the layout
+    return {name: inspect.getsource(member) for name, member in members.items()
             if inspect.isfunction(member) and name != "__init__"}
 
 
@@ -368,157 +367,103 @@ def test_importing_miniddp_and_sharding_leave_torchs_lists_alone():
 
 # ----- one way in for the options: the reducer's and a bucket's insides stay home -----
 
-#: Where code reaching the reducer is looked for, besides the package: the lessons.
-LESSONS = PACKAGE.parent / "lessons"
+REDUCER_HOME = {"reducer.py": "Reducer", "reducer_layout.py": "ReducerLayout",
+                "events.py": "EventStream"}
 
 
-def is_private(name: str) -> bool:
-    return name.startswith("_") and not name.endswith("__")
+def members_of(path: pathlib.Path, class_name: str) -> set[str]:
+    """What class ``class_name`` of ``path`` defines: methods, class and ``self`` attributes."""
+    cls = next(n for n in ast.parse(path.read_text()).body
+               if isinstance(n, ast.ClassDef) and n.name == class_name)
+    found = {n.name for n in cls.body if isinstance(n, ast.FunctionDef)}
+    found |= {t.id for n in cls.body if isinstance(n, ast.Assign) for t in n.targets
+              if isinstance(t, ast.Name)}
+    found |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+              and isinstance(n.ctx, ast.Store) and getattr(n.value, "id", "") == "self"}
+    return {name for name in found if not name.endswith("__")}
 
 
-def members_of(path: pathlib.Path, class_name: str, private: bool) -> set[str]:
-    """The names class ``class_name`` of ``path`` defines (methods, class attributes, and
-    attributes it sets on ``self``), the private ones or the public ones."""
-    tree = ast.parse(path.read_text(), str(path))
-    found = set()
-    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name):
-        for node in ast.walk(cls):
-            if isinstance(node, ast.FunctionDef) and node in cls.body:
-                found.add(node.name)
-            elif isinstance(node, ast.Assign) and node in cls.body:
-                found.update(t.id for t in node.targets if isinstance(t, ast.Name))
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id == "self"):
-                found.add(node.attr)
-    return {name for name in found if is_private(name) == private and not name.endswith("__")}
+def reaches(paths, names: set[str], owner: str, store_only: bool = False) -> list[str]:
+    """Each ``x.name`` (only assigned, with ``store_only``) in ``paths``, ``x`` neither ``self``
+    nor the class ``owner`` (lesson 06 names the reducer's steps to print their sources)."""
+    return [f"{path.parent.name}/{path.name}:{node.lineno} {node.attr}"
+            for path in paths for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Attribute) and node.attr in names
+            and getattr(node.value, "id", "") not in ("self", owner)
+            and (not store_only or isinstance(node.ctx, ast.Store))]
 
 
-def python_files(*roots: pathlib.Path, leaving_out: set[pathlib.Path]) -> list[pathlib.Path]:
-    return [p for root in roots if root.exists() for p in sorted(root.rglob("*.py"))
-            if p not in leaving_out]
-
-
-def reaches_of_others(paths: list[pathlib.Path], names: set[str], store_only: bool,
-                      owner: str) -> list[str]:
-    """Each ``x.name`` (only assignments to it with ``store_only``) in ``paths`` where ``name``
-    is in ``names`` and ``x`` is an object, not ``self`` nor the class ``owner`` itself (lesson
-    06 names the reducer's steps to print their sources): ``file:line name``."""
-    found = []
-    for path in paths:
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if (isinstance(node, ast.Attribute) and node.attr in names
-                    and not (isinstance(node.value, ast.Name)
-                             and node.value.id in ("self", owner))
-                    and (not store_only or isinstance(node.ctx, ast.Store))):
-                found.append(f"{path.parent.name}/{path.name}:{node.lineno} {node.attr}")
-    return found
-
-
-def reducer_privates_reached(package: pathlib.Path = PACKAGE, lessons: pathlib.Path = LESSONS
-                             ) -> list[str]:
-    """Code outside ``reducer.py`` (and its bases: ``reducer_layout.py``, ``events.py``) that
-    reaches a private member of the reducer: an option, the wrapper, a check or a lesson acts
-    only through the reducer's public methods (``Reducer.attach`` is how an option comes in)."""
-    home = {"reducer.py": "Reducer", "reducer_layout.py": "ReducerLayout",
-            "events.py": "EventStream"}
-    private = set().union(*(members_of(package / name, cls, True)
-                            for name, cls in home.items() if (package / name).exists()))
-    paths = python_files(package, lessons, leaving_out={package / name for name in home})
-    return reaches_of_others(paths, private, store_only=False, owner="Reducer")
+def reducer_privates_reached(package: pathlib.Path = PACKAGE) -> list[str]:
+    """Code of the package or the lessons, outside the reducer's files, reaching a private
+    member of the reducer (an option comes in by ``Reducer.attach``, then uses public ones)."""
+    private = {name for file, cls in REDUCER_HOME.items() if (package / file).exists()
+               for name in members_of(package / file, cls) if name.startswith("_")}
+    paths = [p for p in [*package.rglob("*.py"), *(package.parent / "lessons").rglob("*.py")]
+             if p.name not in REDUCER_HOME or p.parent != package]
+    return reaches(sorted(paths), private, "Reducer")
 
 
 def bucket_fields_set_from_outside(package: pathlib.Path = PACKAGE) -> list[str]:
-    """Assignments to a ``Bucket``'s fields outside ``buckets.py``: a bucket sets its own, from
-    what it is given when built (``Bucket(...)``) or rebuilt (``Bucket.choose_copy``)."""
-    fields = (members_of(package / "buckets.py", "Bucket", False)
-              | members_of(package / "buckets.py", "Bucket", True))
-    paths = python_files(package, leaving_out={package / "buckets.py"})
-    return reaches_of_others(paths, fields, store_only=True, owner="Bucket")
+    """A ``Bucket``'s fields set outside ``buckets.py``: a bucket sets its own, from what it is
+    given when built (``Bucket(...)``) or rebuilt (``Bucket.choose_copy``)."""
+    paths = sorted(p for p in package.rglob("*.py") if p != package / "buckets.py")
+    return reaches(paths, members_of(package / "buckets.py", "Bucket"), "Bucket", True)
 
 
-def test_nothing_outside_the_reducer_reaches_its_private_members():
-    assert {"_mark_ready", "_copy_into_bucket", "_lock", "_listeners"} <= (
-        members_of(PACKAGE / "reducer.py", "Reducer", True)
-        | members_of(PACKAGE / "events.py", "EventStream", True))
+def test_the_reducer_and_its_buckets_are_reached_through_public_methods_only():
+    assert {"_mark_ready", "_copy_into_bucket", "_lock", "_listeners"} <= set().union(
+        *(members_of(PACKAGE / file, cls) for file, cls in REDUCER_HOME.items()))
     assert reducer_privates_reached() == []
-
-
-def test_an_option_reaching_into_the_reducer_is_caught(tmp_path):
-    """Negative control: an option that takes the reducer's lock and marks a gradient ready
-    through a private method is named, and the same names on its own ``self`` are not."""
-    root = write_package(tmp_path, {
-        "reducer.py": "class Reducer:\n    def __init__(self):\n        self._lock = None\n"
-                      "    def _mark_ready(self, i):\n        pass\n",
-        "events.py": "class EventStream:\n    def __init__(self):\n        self._listeners = {}\n",
-        "options/static.py": "def first_backward(reducer):\n    with reducer._lock:\n"
-                             "        reducer._mark_ready(0)\n",
-        "options/fine.py": "class Own:\n    def go(self):\n        self._mark_ready(0)\n",
-        "lessons_source.py": "from miniddp.reducer import Reducer\nSTEP = Reducer._mark_ready\n"})
-    assert reducer_privates_reached(root, tmp_path / "lessons") == [
-        "options/static.py:2 _lock", "options/static.py:3 _mark_ready"]
-
-
-def test_no_bucket_field_is_set_from_outside():
-    assert {"scales_whole", "copies_at_end", "pending", "work"} <= members_of(
-        PACKAGE / "buckets.py", "Bucket", False)
+    assert {"scales_whole", "copies_at_end", "pending"} <= members_of(PACKAGE / "buckets.py",
+                                                                      "Bucket")
     assert bucket_fields_set_from_outside() == []
 
 
-def test_a_bucket_field_set_by_the_reducer_is_caught(tmp_path):
-    """Negative control: the reducer deciding a bucket's mode by setting its field is named;
-    reading the field, and a field of the same name on its own ``self``, are not."""
+def test_an_option_reaching_into_the_reducer_or_a_bucket_is_caught(tmp_path):
+    """Negative control: an option taking the reducer's lock and marking a gradient ready, the
+    reducer setting a bucket's mode; not the names on ``self``, off the class, or read."""
     root = write_package(tmp_path, {
+        "reducer.py": "class Reducer:\n    def __init__(self, buckets):\n        self._lock = 0\n"
+                      "        for b in buckets:\n            b.waits = b.waits or True\n"
+                      "    def _mark_ready(self, i):\n        self.waits = 0\n",
         "buckets.py": "class Bucket:\n    def __init__(self):\n        self.waits = False\n",
-        "reducer.py": "class Reducer:\n    def __init__(self, buckets):\n"
-                      "        self.waits = 0\n        for b in buckets:\n"
-                      "            b.waits = b.waits or True\n"})
+        "options/static.py": "def first_backward(reducer):\n    with reducer._lock:\n"
+                             "        reducer._mark_ready(0)\n",
+        "options/fine.py": "from miniddp.reducer import Reducer\nSTEP = Reducer._mark_ready\n"
+                           "class Own:\n    def go(self):\n        self._mark_ready(0)\n"})
+    assert reducer_privates_reached(root) == ["options/static.py:2 _lock",
+                                              "options/static.py:3 _mark_ready"]
     assert bucket_fields_set_from_outside(root) == ["miniddp/reducer.py:5 waits"]
 
 
 # ----- a module over 300 lines says why it is one -----
 
-#: A module longer than this holds two ideas, unless its docstring has a paragraph that
-#: opens with :data:`ONE_MODULE_BECAUSE` and says why it is one (picotron keeps every file
-#: under 300 lines; the house model, ``fsdp/``, keeps every file under it).
-LONG_MODULE_LINES = 300
-ONE_MODULE_BECAUSE = "One module because"
+#: A module over this many lines holds two ideas, unless a line of its docstring opens with
+#: ``ONE_MODULE_BECAUSE`` and says why it is one (picotron, and ``fsdp/``, keep under it).
+LONG_MODULE_LINES, ONE_MODULE_BECAUSE = 300, "One module because"
 
 
 def long_modules_without_a_reason(package: pathlib.Path = PACKAGE) -> list[str]:
-    """The modules of ``package`` over :data:`LONG_MODULE_LINES` lines whose docstring has no
-    line opening with :data:`ONE_MODULE_BECAUSE`."""
-    wrong = []
-    for path in sorted(package.rglob("*.py")):
-        text = path.read_text()
-        if len(text.splitlines()) <= LONG_MODULE_LINES:
-            continue
-        docstring = ast.get_docstring(ast.parse(text, str(path))) or ""
-        if not any(line.startswith(ONE_MODULE_BECAUSE) for line in docstring.splitlines()):
-            wrong.append(f"{path.relative_to(package)} ({len(text.splitlines())} lines)")
-    return wrong
+    texts = {path: path.read_text() for path in sorted(package.rglob("*.py"))}
+    return [f"{path.relative_to(package)} ({len(text.splitlines())} lines)"
+            for path, text in texts.items() if len(text.splitlines()) > LONG_MODULE_LINES
+            and not any(line.startswith(ONE_MODULE_BECAUSE)
+                        for line in (ast.get_docstring(ast.parse(text)) or "").splitlines())]
 
 
-def test_every_long_module_says_why_it_is_one():
-    assert long_modules_without_a_reason() == [], (
-        f"split these where they hold two ideas, or say why they are one in a docstring "
-        f"paragraph opening with {ONE_MODULE_BECAUSE!r}")
-
-
-def test_fsdp_keeps_every_module_under_the_limit():
-    lengths = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "fsdp").rglob("*.py")}
-    assert max(lengths.values()) <= LONG_MODULE_LINES, lengths
+def test_every_long_module_says_why_it_is_one_and_fsdp_has_none():
+    assert long_modules_without_a_reason() == []  # split it, or say why in its docstring
+    fsdp = {p.name: len(p.read_text().splitlines()) for p in (PACKAGE / "fsdp").rglob("*.py")}
+    assert max(fsdp.values()) <= LONG_MODULE_LINES, fsdp
 
 
 def test_a_long_module_without_a_reason_is_caught(tmp_path):
-    """Negative control: 301 lines without the reason are named; the same lines with it, or
-    with the phrase only in a comment, are told apart."""
+    """Negative control: 301 lines without the reason in the docstring (a comment is not)."""
     body = "x = 1\n" * 300
-    reason = f'"""Two things.\n\n{ONE_MODULE_BECAUSE} they are one.\n"""\n'
     root = write_package(tmp_path, {
         "long.py": '"""Two things."""\n' + body,
         "comment_only.py": f'"""Two things."""\n# {ONE_MODULE_BECAUSE} they are one.\n' + body,
-        "said.py": reason + body,
-        "short.py": body[:-6]})
+        "said.py": f'"""Two things.\n\n{ONE_MODULE_BECAUSE} they are one.\n"""\n' + body})
     assert long_modules_without_a_reason(root) == ["comment_only.py (302 lines)",
                                                    "long.py (301 lines)"]
 
