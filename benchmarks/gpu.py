@@ -95,7 +95,7 @@ def command(part: str, args, gpus: int, limit: float) -> list[str]:
         # -n 0: one file, so pytest-xdist (the project's addopts) would hand it all to one
         # worker and start the others only for them to import torch and wait.
         return [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
-                str(ROOT / "tests" / "test_ddp_cuda.py")]
+                str(ROOT / "tests" / "engine" / "test_ddp_cuda.py")]
     flags = ["--device", "cpu", "--quick"] if args.cpu else ["--device", "cuda"]
     flags += ["--out", str(args.out), "--timeout", f"{limit:g}"]
     for model in args.model:

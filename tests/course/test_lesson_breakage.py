@@ -3,7 +3,8 @@
 Every case runs a lesson as a learner would (``python lessons/NN_topic.py``, in a process of its
 own forked from an interpreter that has imported torch already: ``tests/support/warm_python.py``)
 with
-one mechanism broken by ``tests/breakage`` (see ``breakages.py``: the library or the collective
+one mechanism broken by ``tests/support/breakage`` (see ``breakages.py``: the library or the
+collective
 is patched in every process the lesson starts, torchrun's workers included), and asserts that the
 lesson exits non-zero with the message of the check that proves that mechanism. A lesson that
 still printed OK would prove nothing. Lesson 06's synchronous all_reduce is tested in

@@ -470,7 +470,7 @@ def test_trace_check_names_what_a_wrong_trace_shows(case):
 
 def printed_trace_problems(breakage: str | None = None) -> list[list[str]]:
     """One backward of lesson 06's model, traced on every rank; the problems found in what
-    each rank's trace prints. ``breakage`` (of tests/breakage) is applied to the trace's
+    each rank's trace prints. ``breakage`` (of tests/support/breakage) is applied to the trace's
     printing for this call only."""
     from miniddp.checks import trace as trace_module
 

@@ -275,11 +275,12 @@ def test_run_course_names_the_failed_check_and_its_rank_under_torchruns_report(t
 
 @pytest.mark.lesson
 def test_run_course_names_the_failed_check_and_rank_of_a_broken_lesson(tmp_path):
-    """A real lesson whose ranks miniddp forks, broken from outside (tests/breakage)."""
+    """A real lesson whose ranks miniddp forks, broken from outside (tests/support/breakage)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=os.pathsep.join([str(LESSONS_DIR.parent),
-                                           str(LESSONS_DIR.parent / "tests" / "breakage")]),
+                                           str(LESSONS_DIR.parent / "tests" / "support" /
+                                           "breakage")]),
                MINIDDP_BREAK="set_epoch_ignored", MINIDDP_RUNS=str(tmp_path / "runs"))
     done = run_course(LESSONS_DIR, tmp_path, "04", env=env)
     assert done.returncode == 1, done.stdout + done.stderr

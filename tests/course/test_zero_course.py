@@ -4,7 +4,7 @@ they prove holds, and fails when it should not.
 The lesson's pieces against torch: its partition against torch's ``ZeroRedundancyOptimizer``,
 its ``ShardedOptimizer`` bit for bit against torch's (each with a control that must differ), its
 reduce-scatter against all_reduce then slicing. Then the lesson broken from outside
-(``tests/breakage``): a broadcast that sends nothing, and each small breakage of miniddp's
+(``tests/support/breakage``): a broadcast that sends nothing, and each small breakage of miniddp's
 ``ZeroRedundancyOptimizer`` (and of ``fully_shard``'s ZeRO-2) applied in a pool of ranks to the
 part of the lesson that teaches it. Last, exercise 15's wrong solutions, each failing first the
 check that names its mistake, and other right ones passing, in one grader run. (The lesson's

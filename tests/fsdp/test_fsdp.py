@@ -373,7 +373,8 @@ BREAKAGES = {
 
 @contextlib.contextmanager
 def shared_breakage(name: str):
-    """One of ``tests/breakage``'s breakages (those lessons' tests apply too), then undone."""
+    """One of ``tests/support/breakage``'s breakages (those lessons' tests apply too), then
+    undone."""
     import sys
     from pathlib import Path
 
@@ -392,7 +393,8 @@ def shared_breakage(name: str):
 @contextlib.contextmanager
 def broken(breakage: str | None):
     """miniddp with one of :data:`BREAKAGES` (one patch, or a list) patched in, for the time of
-    the block; or, for a name of ``tests/breakage`` (HSDP's: ``hsdp_...``), that breakage."""
+    the block; or, for a name of ``tests/support/breakage`` (HSDP's: ``hsdp_...``), that
+    breakage."""
     if breakage and breakage not in BREAKAGES:
         with shared_breakage(breakage):
             yield

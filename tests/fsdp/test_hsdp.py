@@ -80,7 +80,7 @@ def test_hsdp_2x2_every_precision_and_optimizer_bit_identical_to_torch(ranks):
 
 def beside_torch_broken(named_cases: list[tuple[str, Case]]) -> list[list[str]]:
     """On every rank: each case's differences from torch's, with miniddp broken by the named
-    breakage of ``tests/breakage`` (``sharding.HSDP``; lesson 18's tests apply the same)."""
+    breakage of ``tests/support/breakage`` (``sharding.HSDP``; lesson 18's tests apply the same)."""
     return [beside_torch([replace(case, breakage=f"hsdp_{name}")])[0]
             for name, case in named_cases]
 
