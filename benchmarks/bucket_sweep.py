@@ -63,7 +63,7 @@ def measure(setup: harness.Setup) -> dict:
         check(harness.ours_layout(ours) == harness.torch_layout(theirs),
               f"{label}: miniddp's buckets differ from torch's")
         for name in compared:
-            check(harness.same_bits(ddps[cap, name].module, theirs.module, device),
+            check(harness.identical_models(ddps[cap, name].module, theirs.module, device),
                   f"{label}: {name}'s parameters differ from torch's after the timed steps")
         s = summarize({name: times[cap, name] for name in names}, "torch")
         rows.append({"bucket_cap_mb": cap_label(cap), "buckets": len(ours.buckets),

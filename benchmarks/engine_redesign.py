@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, store: str, out: str, packages: str, rounds: in
         ours, theirs = ddps[model, label, name], ddps[model, label, "before"]
         harness.check([b.param_indices for b in ours.buckets]
                       == [b.param_indices for b in theirs.buckets]
-                      and harness.same_bits(ours, theirs, device),
+                      and harness.identical_models(ours, theirs, device),
                       f"{name} and before differ at {model}, cap {label}")
     times = {key: [] for key in steps}
     for order in harness.round_orders(list(steps), rounds):

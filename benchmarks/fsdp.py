@@ -36,6 +36,7 @@ from harness import check
 from torch import nn
 
 import miniddp
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, launched_by_torchrun
 from miniddp.train.report import print0, save_figure
 
@@ -112,7 +113,7 @@ def measure(setup: harness.Setup) -> dict:
     times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
                               label=f"fsdp ws{setup.world_size}")
     ours, theirs = (list(trainers[n].model.parameters()) for n in ("miniddp", "torch"))
-    equal = all(harness.bits_equal(local(a).detach(), local(b).detach())
+    equal = all(same_bits(local(a).detach(), local(b).detach())
                 for a, b in zip(ours, theirs))
     check(harness.max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0,
           f"miniddp's FSDP and torch's differ after training at {setup.world_size} ranks")
@@ -168,7 +169,7 @@ def measure_hsdp(setup: harness.Setup) -> dict:
     times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
                               label=f"hsdp 2x{world // 2}")
     params = {name: list(t.model.parameters()) for name, t in trainers.items()}
-    equal = all(harness.bits_equal(local(a).detach(), local(b).detach())
+    equal = all(same_bits(local(a).detach(), local(b).detach())
                 for ours, theirs in (("miniddp HSDP", "torch HSDP"), ("torch HSDP again",
                                                                       "torch HSDP"),
                                      ("miniddp FSDP", "torch FSDP"))

@@ -21,7 +21,7 @@ Timing rules (the machine is shared; absolute times drift): contestants run in t
 each per round, in a new order every round (never one step twice in a row), after untimed
 warm-up steps; each step's time is the slowest rank's;
 a comparison is the median of the per-pair ratios. Every contestant is checked for correctness
-(``same_bits``) before its numbers are reported.
+(``miniddp.checks.bits``) before its numbers are reported.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from miniddp.checks.bits import all_same_bits  # noqa: E402
 from miniddp.ddp import move_to  # noqa: E402  (what DDP does to inputs)
 from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
 from miniddp.train.report import print0, save_figure  # noqa: E402
@@ -376,21 +377,9 @@ def summarize(times: dict, baseline: str | None = None) -> dict:
     return out
 
 
-_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (viewed as integers): the same NaN is equal, unlike in
-    ``torch.equal`` (as tests/support/bits.py, which the suite uses)."""
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    as_int = _INTEGER_OF_WIDTH[x.element_size()]
-    return torch.equal(x.detach().view(as_int), y.detach().view(as_int))
-
-
-def same_bits(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
-    """True on every rank when every parameter of ``a`` equals ``b``'s bit for bit, on all ranks."""
-    equal = all(bits_equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+def identical_models(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
+    """True on every rank when every parameter of ``a`` has ``b``'s bits, on all ranks."""
+    equal = all_same_bits(a.parameters(), b.parameters())
     return max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0
 
 

@@ -42,7 +42,7 @@ def measure(setup: harness.Setup) -> dict:
            f"{setup.pairs} timed rounds")
     times = harness.alternate(calls, setup, device, "no_sync")
     for k in SYNC_EVERY:
-        check(harness.same_bits(ddps[k, "miniddp"].module, ddps[k, "torch"].module, device),
+        check(harness.identical_models(ddps[k, "miniddp"].module, ddps[k, "torch"].module, device),
               f"syncing every {k}: parameters differ from torch's after the timed steps")
     trainers = ("miniddp", "torch")
     per_micro = {key: {"wall": [x / key[0] for x in t["wall"]],

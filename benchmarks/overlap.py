@@ -71,7 +71,7 @@ def measure(setup: harness.Setup) -> dict:
           "miniddp's buckets differ from torch's")
     for a, b in (("miniddp", "torch"), ("after_backward", "torch"),
                  ("miniddp_compute", "torch_compute")):
-        check(harness.same_bits(models[a].module, models[b].module, device),
+        check(harness.identical_models(models[a].module, models[b].module, device),
               f"{a}: parameters differ from {b}'s after the timed steps")
 
     s = summarize(times, "torch")

@@ -44,16 +44,6 @@ def everyone(value) -> list:
     return out
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
-
-
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work, so that a clock read after it means something."""
     if device.type == "cuda":

@@ -42,7 +42,8 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import miniddp
-from course.tools import load_lesson, same_bits
+from course.tools import load_lesson
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.train.data import OUT_FEATURES, make_dataset, make_model, shard
 from miniddp.train.report import Progress, check, ok, print0

@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import all_same_bits
 from ddp_cases import MLP, Branchy, TiedFrozen, first_bucket_as_small_as
 from torch import nn
 
 import miniddp
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
+from miniddp.checks.bits import all_same_bits
 from miniddp.compat.arguments import TORCH_DDP_SIGNATURE, device_ids_of
 from miniddp.launch import spawn
 
