@@ -55,7 +55,7 @@ def measure(setup: harness.Setup) -> dict:
             ddps[cap, name] = wrap(copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
             calls[cap, name] = Trainer(ddps[cap, name], batches).step
     print0(f"  {len(CAPS)} caps x ({', '.join(names)}), {setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "bucket sweep")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "bucket sweep")
     rows = []
     for cap in CAPS:
         label = f"bucket_cap_mb={cap_label(cap)}"

@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, store: str, out: str, packages: str, rounds: in
             dist.barrier()
             start = time.perf_counter()
             steps[key]()
-            times[key].append(harness.max_over_ranks([time.perf_counter() - start],
+            times[key].append(harness.slowest_rank([time.perf_counter() - start],
                                                      device)[0])
     if rank == 0:
         Path(out).write_text(json.dumps([[*key, values] for key, values in times.items()]))

@@ -79,7 +79,7 @@ def measure(setup: harness.Setup) -> dict:
     else:
         calls = {"DataParallel": lambda: None, **calls}  # waits at the next step's barrier
     print0(f"  {len(RUNGS)} rungs, {setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "ladder")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "ladder")
 
     theirs = models["torch"]
     correct = {}

@@ -51,6 +51,7 @@ from harness import Trainer, check
 from torch import nn
 
 import miniddp
+from course.tools import sync
 from miniddp.train.report import print0
 
 CONFIGS = [(impl, view, none) for impl in ("miniddp", "torch") for view in (False, True)
@@ -129,7 +130,7 @@ def warm_up(base: nn.Module, batches, device) -> None:
     for cls in CLASSES.values():
         ddp = cls(copy.deepcopy(tiny), **harness.ddp_kwargs(device))
         ddp(torch.ones(2, 4, device=device)).sum().backward()
-    harness.sync(device)
+    sync(device)
 
 
 def parameter_digest(model: nn.Module) -> str:

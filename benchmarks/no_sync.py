@@ -40,7 +40,7 @@ def measure(setup: harness.Setup) -> dict:
              for key, ddp in ddps.items()}
     print0(f"  sync every {SYNC_EVERY} micro-batches x (miniddp, torch), "
            f"{setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "no_sync")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "no_sync")
     for k in SYNC_EVERY:
         check(harness.identical_models(ddps[k, "miniddp"].module, ddps[k, "torch"].module, device),
               f"syncing every {k}: parameters differ from torch's after the timed steps")

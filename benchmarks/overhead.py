@@ -106,7 +106,7 @@ def measure(setup: harness.Setup) -> dict:
                   for (label, impl), m in models.items()})
     tensors = len(list(base.parameters()))
     print0(f"  {tensors} parameter tensors, {len(calls)} contestants, {setup.pairs} rounds")
-    times = harness.alternate(calls, setup, device, "overhead")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "overhead")
     rows = []
     for label in CAPS:
         ours, theirs = models[label, "miniddp"], models[label, "torch"]

@@ -66,7 +66,7 @@ def measure(setup: harness.Setup) -> dict:
     calls["communication"] = all_reduce_buckets(buffers)
     calls["local"] = Trainer(copy.deepcopy(base), batches).step
     print0(f"  {len(calls)} measurements, {len(buffers)} buckets, {setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "overlap")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "overlap")
     check(harness.ours_layout(models["miniddp"]) == harness.torch_layout(models["torch"]),
           "miniddp's buckets differ from torch's")
     for a, b in (("miniddp", "torch"), ("after_backward", "torch"),

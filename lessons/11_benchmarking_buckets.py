@@ -166,8 +166,8 @@ def on_every_rank(rounds: int):
         TorchDDP(copy.deepcopy(student), device_ids=ids), batches)
     print0(f"{len(contestants)} contestants, {WARMUP} warm-up rounds, {rounds} timed rounds of "
            f"one step each ({BATCH_SIZE} samples per rank)")
-    times = alternate({name: c.step for name, c in contestants.items()}, rounds, device,
-                      WARMUP)
+    timed = alternate({name: c.step for name, c in contestants.items()}, rounds, device, WARMUP)
+    times = {name: [ms / 1e3 for ms in t["wall"]] for name, t in timed.items()}  # in seconds
 
     for (name, label), contestant in contestants.items():  # before any time is looked at
         theirs = contestants["torch", label].ddp
