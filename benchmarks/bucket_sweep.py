@@ -28,7 +28,7 @@ from harness import PER_PARAMETER_MB, Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
 
 CAPS = [1, 5, 10, 25, 50, 100, 250, PER_PARAMETER_MB]
 CONTROL = "torch again"  # --control: a second torch DDP, timed as the others are

@@ -36,10 +36,10 @@ from harness import check
 from torch import nn
 
 import miniddp
+from course.report import print0, save_figure
 from course.tools import sync
 from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, launched_by_torchrun
-from miniddp.train.report import print0, save_figure
 
 try:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -50,11 +50,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from course.report import print0, save_figure  # noqa: E402
 from course.tools import alternate, round_orders, slowest_rank  # noqa: E402,F401  (the lessons' too)
 from miniddp.checks.bits import all_same_bits  # noqa: E402
 from miniddp.ddp import move_to  # noqa: E402  (what DDP does to inputs)
 from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
-from miniddp.train.report import print0, save_figure  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20

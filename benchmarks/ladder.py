@@ -30,8 +30,8 @@ from overlap import no_overlap_question
 from torch import nn
 
 import miniddp
+from course.report import print0
 from miniddp.baselines.naive import STRATEGIES
-from miniddp.train.report import print0
 
 RUNGS = ["DataParallel", "per_parameter", "buckets_after_backward", "overlap", "torch"]
 

@@ -51,8 +51,8 @@ from harness import Trainer, check
 from torch import nn
 
 import miniddp
+from course.report import print0
 from course.tools import sync
-from miniddp.train.report import print0
 
 CONFIGS = [(impl, view, none) for impl in ("miniddp", "torch") for view in (False, True)
            for none in (True, False)]

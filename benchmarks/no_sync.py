@@ -20,7 +20,7 @@ from harness import Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
 
 SYNC_EVERY = [1, 2, 4, 8]
 

@@ -37,7 +37,7 @@ from harness import PER_PARAMETER_MB, Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
 
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
 #: What the floor's Python hooks do (with_python_hooks)

@@ -33,8 +33,8 @@ from harness import Trainer, check, summarize
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import miniddp
+from course.report import print0
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
-from miniddp.train.report import print0
 
 
 def all_reduce_buckets(buffers: list[torch.Tensor]):

@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import miniddp
+from course.report import print0, save_figure
 from miniddp.launch import launch
-from miniddp.train.report import print0, save_figure
 
 WORLD_SIZES = (1, 2, 3)
 STEPS = 3

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miniddp.train.report import print0
+from course.report import print0
 
 LESSONS = Path(__file__).resolve().parents[1] / "lessons"
 

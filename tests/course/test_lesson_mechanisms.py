@@ -24,10 +24,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from warm_python import LESSON_PRELOAD, warm_python
 
 import miniddp
+from course.data import make_dataset, make_model
 from miniddp.buckets import assign_buckets
 from miniddp.checks.bits import same_bits
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import make_dataset, make_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support" / "breakage"))
 try:
