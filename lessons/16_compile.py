@@ -90,7 +90,7 @@ def mark_compiled_pieces(loss, reducer) -> None:
 
     def starts(node):
         number[node] = len(number)
-        reducer._record("compute", number[node])
+        reducer.emit("compute", number[node])
 
     seen, todo = set(), [loss.grad_fn]
     while todo:
@@ -101,7 +101,7 @@ def mark_compiled_pieces(loss, reducer) -> None:
         if "CompiledFunction" in node.name():
             node.register_prehook(lambda _grads, node=node: starts(node))
             node.register_hook(lambda _inputs, _outputs, node=node:
-                               reducer._record("returns", number[node]))
+                               reducer.emit("returns", number[node]))
         todo.extend(next_node for next_node, _ in node.next_functions)
 
 

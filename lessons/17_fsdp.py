@@ -30,7 +30,7 @@ Run it:
 
 What you will see: 0 elements differing from torch's, by hand and miniddp's, over 8 Adam steps,
 the loss falling; how often each unit was gathered; each mistake's differing elements; the bytes
-per rank; ``OK: ...``. About 10 s on two CPU cores. It needs torch's FSDP2 (torch 2.4 or later):
+per rank; ``OK: ...``. About 25 s on two CPU cores. It needs torch's FSDP2 (torch 2.4 or later):
 on an older torch it prints ``SKIPPED: ...``. Part 2, ``17_fsdp_options.py``, runs the library's
 ``fully_shard`` on every other path (ZeRO-2, mixed precision, accumulation, clipping).
 """

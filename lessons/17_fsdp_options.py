@@ -18,11 +18,13 @@ outside in the same way:
   per step with sync (each reduced, added into the shard's ``.grad``) and without
   (``set_requires_gradient_sync(False)``: the full gradient kept, in the reduction's dtype, and
   reduced once); ``clip_grad_norm_`` with both of its kernels (the norm of a sharded gradient is
-  taken over every rank, or each rank would clip by its own factor); a frozen bias.
+  taken over every rank, or each rank would clip by its own factor); a frozen bias, and a weight
+  frozen after sharding (the gathered parameter must then need no gradient either).
 
 Proven for each path, on every rank: the same units gathered after forward and after backward,
 the same counts, and every gradient shard (after each backward) and parameter shard (after
-each step) equal to torch's bit for bit.
+each step) equal to torch's bit for bit. Last, fp16's two divisions at 1 to 8 ranks, beside
+torch's own function: the rule shows only from 4 ranks on, more than this lesson runs.
 
 Run it:
 
@@ -32,7 +34,7 @@ Run it:
 
 What you will see: one row per path, what was gathered after forward, the all-gathers and
 reductions per step, the elements that differ from torch's (0 in every row), the loss of the
-last step; ``OK: ...``. About 5 s. It needs torch's FSDP2 (torch 2.4 or later): before, it
+last step; ``OK: ...``. About 25 s. It needs torch's FSDP2 (torch 2.4 or later): before, it
 prints ``SKIPPED: ...``.
 """
 
@@ -73,6 +75,7 @@ PATHS = {
     "clip_grad_norm_, foreach": {"clip": True},
     "clip_grad_norm_, one tensor at a time": {"clip": False},
     "a frozen bias": {"frozen": True},
+    "a weight frozen after fully_shard": {"frozen_after": True},
 }
 UNITS = [f"layer {i}" for i in INNER] + ["root"]
 
@@ -97,7 +100,10 @@ def sharded(fully_shard, policy_class, path: dict) -> nn.Module:
     for i in INNER:
         fully_shard(model[i], mesh=mesh, mp_policy=policy,
                     reshard_after_forward=not path.get("zero2", False))
-    return fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if path.get("frozen_after"):  # the shard frozen: the gathered weight must follow it
+        model[INNER[0]].weight.requires_grad_(False)
+    return model
 
 
 # ----- watching a sharded model from outside -----
@@ -194,6 +200,32 @@ def one_path(name: str, rank: int, world: int) -> dict:
     return row
 
 
+def divide_factors_beside_torchs(most: int = 8) -> list[tuple]:
+    """fp16's (before, after) divisions at 1 to ``most`` ranks, miniddp's and torch's own
+    (``_get_gradient_divide_factors``, asked with a stand-in group of each size): the rule
+    differs between 2 and 3 ranks from 4 on, where neither division is a plain W."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors as torchs,
+    )
+
+    from miniddp.fsdp.collectives import fp16_divide_factors
+
+    rows = []
+    for world in range(1, most + 1):
+        group = type("Group", (), {"size": lambda self, w=world: w})()
+        pre, post = torchs(group, None, torch.float16)[:2]
+        rows.append((world, tuple(fp16_divide_factors(world)), (pre or 1, post or 1)))
+    return rows
+
+
+def prove_divide_factors() -> None:
+    print0("\n  fp16's divisions, before and after the sum, at 1 to 8 ranks (miniddp / torch):")
+    rows = divide_factors_beside_torchs()
+    print0("  " + "  ".join(f"{w}: {ours[0]:g}, {ours[1]:g}" for w, ours, _ in rows))
+    wrong = [(w, ours, theirs) for w, ours, theirs in rows if ours != theirs]
+    check(not wrong, f"fp16's divide factors (ranks, miniddp's, torch's) differ: {wrong}")
+
+
 # ----- the lesson -----
 
 def prove_path(name: str) -> dict:
@@ -220,6 +252,7 @@ def on_every_rank():
            f" {'differ':>6} {'loss':>7}")
     for name in PATHS:
         prove_path(name)
+    prove_divide_factors()
     print0("\n  After forward the root keeps its parameters (its layers are the first the "
            "backward needs);\n  ZeRO-2 keeps every unit's, one all-gather per unit and step "
            "fewer. Without sync, a backward\n  makes no reduction: the full gradient waits for "
@@ -237,7 +270,8 @@ def main():
     world = launch(on_every_rank, args.nproc, backend="gloo")[0]
     ok(f"on {world} ranks miniddp.fully_shard equals torch's fully_shard bit for bit on "
        f"{len(PATHS)} paths (ZeRO-3 and ZeRO-2, bf16 and fp16, accumulation with and without "
-       "sync, clipping, a frozen bias), gathering and reducing as torch's does")
+       "sync, clipping, a bias frozen before sharding and a weight after), gathering and "
+       "reducing as torch's does")
 
 
 if __name__ == "__main__":

@@ -16,11 +16,12 @@ torch FSDP2 does it with the same ``fully_shard`` on a 2-D mesh (``init_device_m
 on ``miniddp.fsdp.HybridMesh(nodes, per_node)``. Here 4 CPU ranks play 2 nodes of 2.
 
 Proven on every rank: the gradient and parameter shards by hand, miniddp's and torch's equal bit
-for bit after every backward and step, and the library's on fp16, accumulation with
-``set_requires_all_reduce(False)`` (reduce-scatter every micro-batch, all-reduce across nodes at
-the last only) and clipping. Then the details that decide the bits, each broken: the other group
-order (across nodes first), no all-reduce across nodes, and one division by W after both sums
-(equal at 2 per node, where / 2 / 2 is / 4 exactly; different at 3). Last, measured: each
+for bit after every backward and step, and the library's on fp16, accumulation over 3
+micro-batches with ``set_requires_all_reduce(False)`` (reduce-scatter every micro-batch, the rows
+added up, all-reduce across nodes at the last only), clipping, and on torch's 2-D mesh. Then the
+details that decide the bits, each broken: the other group order (across nodes first), no
+all-reduce across nodes, and one division by W after both sums (equal at 2 per node, where
+/ 2 / 2 is / 4 exactly; different at 3). Last, measured: each
 rank's bytes per step inside its node and across nodes, and its memory, for DDP, FSDP over all
 ranks and HSDP, and why a cluster chooses HSDP.
 
@@ -33,7 +34,7 @@ Run it:
         lessons/18_hsdp.py                       # two machines, on each
 
 What you will see: 0 elements differing from torch's on every path, the loss falling; each
-mistake's differing elements; a table of bytes and memory per rank; ``OK: ...``. About 10 s on
+mistake's differing elements; a table of bytes and memory per rank; ``OK: ...``. About 35 s on
 two CPU cores. It needs torch's FSDP2 (torch 2.4 or later): before, it prints ``SKIPPED``.
 """
 
@@ -141,8 +142,9 @@ def differing_grads(ours, theirs) -> int:
 
 
 PATHS = {"fp16 compute and reduction": {"dtype": torch.float16},
-         "2 micro-batches, the first without all-reduce across nodes": {"micro": 2},
-         "clip_grad_norm_ (the norm over the node's shards)": {"clip": 0.05}}
+         "3 micro-batches, the first two without all-reduce across nodes": {"micro": 3},
+         "clip_grad_norm_ (the norm over the node's shards)": {"clip": 0.05},
+         "miniddp's on torch's 2-D DeviceMesh too": {"device_mesh": True}}
 
 
 def prove_path(path: str, ours, theirs) -> int:
@@ -150,7 +152,8 @@ def prove_path(path: str, ours, theirs) -> int:
     backward and step; returns miniddp's all-reduces across nodes per step."""
     rank, world, how = dist.get_rank(), dist.get_world_size(), PATHS[path]
     policy = dict(param_dtype=how.get("dtype"))
-    models = [sharded(miniddp.fully_shard, ours, mp_policy=miniddp.MixedPrecisionPolicy(**policy)),
+    mine = theirs if how.get("device_mesh") else ours  # (replicate, shard): read in that order
+    models = [sharded(miniddp.fully_shard, mine, mp_policy=miniddp.MixedPrecisionPolicy(**policy)),
               sharded(fsdp.torch_fully_shard, theirs, mp_policy=TorchPolicy(**policy))]
     optimizers = [torch.optim.Adam(m.parameters(), **ADAM) for m in models]
     micro, differ, across = how.get("micro", 1), 0, 0

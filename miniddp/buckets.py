@@ -175,30 +175,43 @@ class Bucket:
     backward):
 
     1. :meth:`fill`: a member's gradient is ready. It is copied into its view at once, scaled
-       on the way (``copy_in``), or, in a bucket that ``waits``, kept for the last one;
-    2. :meth:`complete`: in a bucket that ``defers``, the last one is in. The kept gradients
-       are copied in with one call, and the whole bucket scaled with one more;
+       on the way (``copy_in``), or, in a bucket that ``copies_at_end``, kept for the last one;
+    2. :meth:`complete`: in a bucket that ``scales_whole``, the last one is in. The kept
+       gradients are copied in with one call, and the whole bucket scaled with one more;
     3. :meth:`launch`: its reduction starts, asynchronously (an all_reduce, or a comm hook's);
     4. :meth:`wait`, then :meth:`write_back`: the averages into ``.grad``;
     5. :meth:`reset`: ready for the next backward.
 
     A view has its parameter's shape and strides (as torch's "gradient layout contract" asks),
-    so copying a gradient in or out is an element-for-element copy.
+    so copying a gradient in or out is an element-for-element copy. The bucket sets its own
+    fields, from what it is given: when built, and in :meth:`choose_copy`.
     """
 
-    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor]):
+    def __init__(self, index: int, param_indices: list[int], params: list[torch.Tensor],
+                 copy_at_end_bytes: float = -1, batched: bool = False,
+                 grads_are_views: bool = False):
         self.index, self.param_indices = index, param_indices
         self.params = [params[i] for i in param_indices]  # (one dtype and device: assign_buckets)
         self.numel = sum(p.numel() for p in self.params)
         self.buffer = self.params[0].new_empty(self.numel)  # their dtype, on their device
         offsets = itertools.accumulate((p.numel() for p in self.params), initial=0)
         self.views = [_view_of(self.buffer, p, at) for p, at in zip(self.params, offsets)]
-        self.reset()
+        self.done_notice = None  # the future of launch's on_done, until waited for
+        self.choose_copy(copy_at_end_bytes, batched, grads_are_views)
 
-    #: How its gradients come in (the reducer decides: ``Reducer.copy_buckets_at_end``): they
-    #: wait for the last one, to be copied in together; the bucket is scaled whole once complete.
-    waits = defers = False
-    done = None  # with a "done" listener: the future of that record, until waited for
+    def choose_copy(self, copy_at_end_bytes: float, batched: bool, grads_are_views: bool) -> None:
+        """How its gradients come in. If each is of at most ``copy_at_end_bytes``, they wait
+        for the last one (``copies_at_end``): one call copies them in, one scales the whole
+        bucket (``scales_whole``), by the operand each would meet on the way in: the same bits.
+        That trades a call per gradient for one more pass over the bucket, which pays on a CPU
+        only for small gradients (benchmarks/README.md). ``batched`` (torch's
+        ``batched_grad_copy``): every bucket waits and is *divided* whole, as torch's (other
+        bits at 3 ranks and more). A ``.grad`` that is its view has nothing to wait for.
+        """
+        small = len(self.views) > 1 and max(v.nbytes for v in self.views) <= copy_at_end_bytes
+        self.scales_whole = batched or (small and not grads_are_views)
+        self.copies_at_end = self.scales_whole and not grads_are_views
+        self.reset()
 
     def reset(self) -> None:
         """What one backward does with the bucket, undone for the next."""
@@ -210,30 +223,33 @@ class Bucket:
         """Member ``slot``'s gradient is ready: into its view now (``copy_in(param, view,
         scale)``), or kept for the last one. True when it was the last."""
         grad = self.params[slot].grad
-        if self.waits and grad is not None:  # (of a gradient that is part of a graph, its value)
+        if self.copies_at_end and grad is not None:  # (of a gradient in a graph: its value)
             self.waiting.append((grad.detach() if grad.requires_grad else grad, self.views[slot]))
-        else:  # (a bucket that defers is scaled whole, once complete)
-            copy_in(self.params[slot], self.views[slot], not self.defers)
+        else:  # (a bucket that scales whole does so once complete)
+            copy_in(self.params[slot], self.views[slot], not self.scales_whole)
         self.pending -= 1
         return self.pending == 0
 
     def complete(self, scale) -> None:
-        """The last gradient of a bucket that defers is in: copy in those that waited with one
-        call, and scale the whole bucket (``scale(buffer)``)."""
+        """The last gradient of a bucket that scales whole is in: copy in those that waited,
+        with one call, and scale the whole bucket (``scale(buffer)``)."""
         if self.waiting:
             torch._foreach_copy_([view for _, view in self.waiting], [g for g, _ in self.waiting])
         scale(self.buffer)
 
-    def launch(self, reduction, bucket_count: int) -> None:
-        """Start reducing the bucket across ranks (:class:`AllReduceSum`, or a comm hook)."""
+    def launch(self, reduction, bucket_count: int, on_done=None) -> None:
+        """Start reducing the bucket across ranks (:class:`AllReduceSum`, or a comm hook);
+        ``on_done(bucket)`` when it has finished (on a communication thread)."""
         self.work = reduction.launch(self, bucket_count)
+        if on_done is not None:  # waited for with the bucket: it must not outlive the process
+            self.done_notice = self.work.get_future().then(lambda _future: on_done(self))
 
     def wait(self) -> None:
-        """Block until the reduction (and any record of its end) has finished."""
+        """Block until the reduction (and any ``on_done``) has finished."""
         self.work.wait()
-        if self.done is not None:
-            self.done.wait()
-            self.done = None
+        if self.done_notice is not None:
+            self.done_notice.wait()
+            self.done_notice = None
 
     def write_back(self, write_one, used: list[bool] | None = None) -> None:
         """The averages into ``.grad``, with one call for all the plain ones, while later

@@ -133,7 +133,9 @@ class CoreDDP(nn.Module):
             [p for _, p in trainable], [name for name, _ in trainable], self._group,
             bucket_cap_mb=self.bucket_cap_mb, bucket_caps=self.bucket_caps,
             find_unused_parameters=self.find_unused_parameters, overlap=self.overlap,
-            views=views, batched_copy=batched_copy)
+            batched_copy=batched_copy)
+        if views is not None:
+            reducer.attach(views=views)  # (options/gradient_views.py)
         self.bucket_bytes_cap = max(self.bucket_caps or reducer.bucket_limits[-1:])
         return reducer
 
@@ -219,7 +221,7 @@ class CoreDDP(nn.Module):
         elif before_forward:
             buffers = self._buffers_to_sync()
             if buffers:
-                self.reducer._record("buffers", -1)
+                self.reducer.emit("buffers", -1)
                 broadcast_from(buffers, self.buffer_source, self.process_group)
 
     def _post_forward(self, output):

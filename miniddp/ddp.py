@@ -121,10 +121,11 @@ class DistributedDataParallel(TorchPrivateDDP, CoreDDP, Joinable):
     def _attach_options(self, reducer) -> None:
         """DDP's options and the checks onto a new reducer (at construction, and in a copy:
         ``miniddp.compat.pickling``)."""
-        reducer.graph_gradients = create_graph
+        reducer.attach(graph_gradients=create_graph)
         if self.find_unused_parameters:
-            reducer.unused = UnusedParameters(reducer.params, reducer.group)
-            reducer.unused.skip_unused_buckets = self.skip_all_reduce_unused_params
+            unused = UnusedParameters(reducer.params, reducer.group)
+            unused.skip_unused_buckets = self.skip_all_reduce_unused_params
+            reducer.attach(unused=unused)
         consistency.attach(self, reducer)  # the checks TORCH_DISTRIBUTED_DEBUG asks for
         if self.static_graph:  # a copy of a static-graph DDP
             StaticGraph.attach(reducer, initial_buckets=True)

@@ -46,7 +46,7 @@ def logged(owner, error: BaseException) -> BaseException:
         logger.set_error(error)
     elif hasattr(owner, "subscribe"):
         owner.error = error
-        owner._record("error", -1)
+        owner.emit("error", -1)
     return error
 
 
@@ -78,7 +78,7 @@ def unfinished_reduction(reducer) -> RuntimeError:
     if reducer.static_graph is not None:
         advice = (f"{reducer.static_graph.changed_graph_advice}\nIn torch's words: "
                   f"{STATIC_GRAPH_UNFINISHED}")
-    elif reducer.find_unused:
+    elif reducer.unused is not None:
         advice = ("Since `find_unused_parameters=True` is enabled, this likely means that not "
                   "all `forward` outputs participate in computing loss: use them all, or return "
                   "only what the loss needs.")

@@ -23,7 +23,9 @@ TIMELINE_EVENTS = ("ready", "launch", "done", "backward_end", "waited", "finaliz
 
 
 class EventStream:
-    """Who listens to which of a reducer's events (the reducer emits them: ``Reducer._record``)."""
+    """Who listens to which of a reducer's events. The reducer emits them, and so may its DDP
+    module, the errors and a lesson: ``Reducer.emit`` (in the engine's file, so that one step
+    reads in the engine's three)."""
 
     def __init__(self):
         self._listeners: dict[str, list] = {}  # event -> callables

@@ -10,3 +10,11 @@ NO_SPAN = nullcontext()  # (engine code that counts its lines asks first: span()
 
 def span(name):
     return record_function(name) if name else NO_SPAN
+
+
+def bucket_span(step: str, bucket, work, args: tuple):
+    """``work(*args)`` inside a span named for the reducer's step, the bucket, its tensors and
+    bytes (``Reducer._spanned`` calls it only while a profiler records)."""
+    with span(f"miniddp.ddp.{step} bucket {bucket.index} ({len(bucket.params)} tensors, "
+              f"{bucket.buffer.nbytes} bytes)"):
+        return work(*args)

@@ -24,12 +24,19 @@ The life of one synchronized step:
 This file is the whole of it, one copy of each step. Each of DDP's options acts at the line
 where it changes a step, and that line names its module in ``miniddp.options`` (this file
 imports none): ``views`` (``gradient_views``), ``comm_hook`` (``comm_hooks``: a hook replaces
-the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``create_graph``),
-each ``None`` until ``miniddp.ddp`` attaches it; ``batched_copy`` (torch's
-``batched_grad_copy``) makes every bucket wait and be divided whole. What happened is emitted as
-``(event, ident, time)`` records (``miniddp.events``), and, while torch.profiler records, as
-named spans. ``overlap=False`` launches at the end of backward: the naive "reduce after
-backward" baselines share this code.
+the default all_reduce), ``unused``, ``static_graph``, ``graph_gradients`` (``create_graph``).
+An option comes in one way, ``attach`` (until then each is ``None``, and ``comm_hook`` the
+plain all_reduce), and acts only through the reducer's public methods: ``lay_out_buckets``,
+``initial_assignment``, ``mark_all_ready``, ``abandon_step``, ``emit``. What the reducer is
+built with (its settings, the options attached, the buckets' layout) is its base class's,
+``miniddp.reducer_layout``. What happened is emitted as ``(event, ident, time)`` records
+(``miniddp.events``), and, while torch.profiler records, as named spans. ``overlap=False``
+launches at the end of backward: the naive "reduce after backward" baselines share this code.
+
+One module because it is the one copy of the step: a reader follows one backward from a
+parameter's hook to its averaged ``.grad`` here, and each option's line where it acts. How
+the reducer is built is ``miniddp.reducer_layout``, the bucket's own part of the step
+``miniddp.buckets``, and each option's part its module.
 """
 
 from __future__ import annotations
@@ -41,26 +48,12 @@ import time
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from miniddp import errors, profiling
-from miniddp.buckets import (
-    UNLIMITED_BYTES,
-    AllReduceSum,
-    Bucket,
-    BucketInfo,
-    assign_buckets,
-    bucket_limits,
-    rebuilt_assignment,
-)
-from miniddp.events import EventStream
+from miniddp.buckets import Bucket, rebuilt_assignment
 from miniddp.profiling import NO_SPAN
-from miniddp.sync import held
-
-#: On a CPU, a bucket of gradients of at most this many bytes each has them copied in with
-#: its last one (``Reducer.copy_buckets_at_end``).
-COPY_AT_END_BYTES_CPU = 64 * 1024
+from miniddp.reducer_layout import ReducerLayout
 
 #: torch's reducer times the first ten synchronized iterations, then one in this many
 #: (``_set_ddp_runtime_logging_sample_rate``): those emit a ``sampled`` record.
@@ -77,105 +70,42 @@ class Step(enum.Enum):
     SECOND_BACKWARD = "a backward reached this forward's outputs again after the reduction"
 
 
-class Reducer(EventStream):
-    """Owns the buckets and the hooks of one DDP module. See the module docstring."""
+class Reducer(ReducerLayout):
+    """Owns the hooks of one DDP module, and runs its steps; what it is built with (settings,
+    options, the buckets' layout) is its base's, ``miniddp.reducer_layout``."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str], process_group=None,
                  bucket_cap_mb: float | None = None, find_unused_parameters: bool = False,
-                 overlap: bool = True, bucket_caps: list[int] | None = None, views=None,
+                 overlap: bool = True, bucket_caps: list[int] | None = None,
                  batched_copy: bool = False):
-        super().__init__()
-        self.params, self.names = params, names
-        self.group = held(process_group)  # None for the default group (see held)
-        self.world_size = dist.get_world_size(process_group)
-        self.divisor = self.world_size  # what gradients are divided by
-        #: Byte limits of the buckets after the rebuild: the first bucket's, then the rest's
-        #: (the last repeats); ``bucket_caps`` (torch's ``bucket_cap_mb_list``) when given.
-        self.bucket_limits = bucket_caps or list(bucket_limits(bucket_cap_mb))
-        self.bucket_caps = bucket_caps  # given as a list: it applies from iteration 0 too
-        self.overlap, self.find_unused = overlap, find_unused_parameters
-        self.views, self.batched_copy = views, batched_copy
-        self.unused = self.static_graph = self.graph_gradients = None  # attached by miniddp.ddp
-        self.comm_hook = AllReduceSum(self.group)  # what reduces a bucket
+        super().__init__(params, names, process_group, bucket_cap_mb, bucket_caps, batched_copy)
+        self.overlap = overlap
         self.state = Step.IDLE
         self.forwards = self.synced_forwards = 0  # named when ranks fall out of step
         self.iterations, self.sample_rate = 0, DEFAULT_SAMPLE_RATE  # torch's num_iterations_
-        self.profiling = False  # whether torch.profiler records this step (see _span)
+        self.profiling = False  # whether torch.profiler records this step (see _spanned)
         self.ready: set[int] = set()
         self.next_bucket = 0
         self.allreduce_calls = 0  # launched since the last forward
         self.ready_order: list[int] = []  # the last synced backward's order, for the rebuild
-        self.has_rebuilt = False
         self.output_nodes: list = []  # the last synced forward's, until its backward ends
         self.error: BaseException | None = None  # what the last wait_failed or error names
         self._reciprocals: dict = {}  # (dtype, divisor) -> what gradients are multiplied by
-        # A bucket of gradients of at most this many bytes each waits for its last one.
-        on_gpu = bool(params) and params[0].device.type != "cpu"
-        self.copy_at_end_bytes = float("inf") if on_gpu else COPY_AT_END_BYTES_CPU
         self._lock = threading.Lock()  # a module on several GPUs runs hooks on several threads
-        # A parameter's AccumulateGrad node is created lazily and held weakly by the parameter:
-        # keep it, or a new node (without the hook) replaces it. The hooks hold the reducer
-        # weakly, so a dropped DDP wrapper leaves no live hook on a module used afterwards.
-        self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
-        self._me = weakref.ref(self)
-        self._hooks = [node.register_hook(functools.partial(_call_hook, self._me, i))
-                       for i, node in enumerate(self._accumulators)]
-        self._init_buckets(self.initial_assignment())
-
-    # ----- bucket layout (torch's rules: miniddp.buckets) -----
-
-    def initial_assignment(self) -> list[list[int]]:
-        """Iteration 0: one bucket per dtype/device, unless unused parameters are expected."""
-        limits = self.bucket_limits if self.find_unused else [UNLIMITED_BYTES]
-        limits = self.bucket_caps or limits  # bucket_cap_mb_list applies from iteration 0
-        return list(reversed(assign_buckets(self.params, limits)))
+        self._me = weakref.ref(self)  # what the hooks hold: see _hook_every_parameter
+        self._accumulators, self._hooks = _hook_every_parameter(self._me, params)
+        self.lay_out_buckets(self.initial_assignment(find_unused_parameters))
 
     @property
     def should_rebuild(self) -> bool:
-        return not self.find_unused and not self.has_rebuilt
-
-    def _init_buckets(self, assignment: list[list[int]]) -> None:
-        # Free the old buffers before allocating the new ones (as torch does), or a rebuild holds
-        # two copies of every bucket at once; a gradient that is a view keeps its buffer alive.
-        self.buckets, self.slot_of = [], {}
-        self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(assignment)]
-        self.slot_of = {i: (b, k) for b in self.buckets for k, i in enumerate(b.param_indices)}
-        if self.views is not None:  # options/gradient_views.py: .grad moves with its bucket
-            self.views.move_into(self.buckets, self.params)
-        self.copy_buckets_at_end(self.copy_at_end_bytes)
-
-    def copy_buckets_at_end(self, max_bytes: float) -> None:
-        """A bucket whose gradients are all of at most ``max_bytes`` has them wait for its
-        last one: then one call copies them all in, and one scales the whole bucket.
-
-        Every element is multiplied by the same operand as it would be on the way in, so the
-        bits are the same. Each copy on the way in is one call from this thread (on a GPU, one
-        more kernel launched by the thread that launches the backward's); waiting trades those
-        calls for one more pass over the bucket, which pays on a CPU only for small gradients
-        (measured in benchmarks/README.md). ``float("inf")``: every bucket (a GPU's); -1: none.
-        With ``batched_copy`` (torch's ``batched_grad_copy``) every bucket waits and is
-        *divided* whole, as torch's does: other bits than the multiply at 3 ranks and more.
-        """
-        self.copy_at_end_bytes = max_bytes
-        for bucket in self.buckets:
-            small = len(bucket.views) > 1 and max(v.nbytes for v in bucket.views) <= max_bytes
-            bucket.defers = self.batched_copy or (small and self.views is None)
-            # (options/gradient_views.py: a .grad that is its view has nothing to wait for)
-            bucket.waits = bucket.defers and self.views is None
-            bucket.reset()
-
-    def bucket_info(self) -> list[BucketInfo]:
-        return [bucket.info(self.names) for bucket in self.buckets]
+        return self.unused is None and not self.has_rebuilt
 
     # ----- one step -----
 
     def begin_forward(self, sync: bool = True) -> None:
         """At a forward with grad enabled (``sync``: not inside ``no_sync``): fail on an
-        unfinished reduction; rebuild the buckets once, after the first synchronized backward.
-
-        An unfinished reduction raises at once, naming the parameters, as torch does: waiting
-        for the launched buckets could hang, since a rank missing a different parameter never
-        launched some of them."""
+        unfinished reduction, naming the parameters, as torch does (waiting could hang: a rank
+        missing another parameter never launched some buckets); rebuild the buckets once."""
         if self.state is Step.REDUCING:
             raise errors.logged(self, errors.unfinished_reduction(self))
         self.forwards, self.allreduce_calls = self.forwards + 1, 0
@@ -183,14 +113,14 @@ class Reducer(EventStream):
         self.profiling = profiling.recording()  # asked once a step
         self.iterations += sync  # torch's num_iterations_; compat/logging_data.py times some:
         if sync and (self.iterations <= 10 or self.iterations % self.sample_rate == 0):
-            self._record("sampled", self.iterations)
+            self.emit("sampled", self.iterations)
         if self.ready_order and self.should_rebuild:
-            self._record("rebuild", -1)
-            with self._span("rebuild") if self.profiling else NO_SPAN:  # (once)
-                self._init_buckets(rebuilt_assignment(self.params, self.ready_order,
+            self.emit("rebuild", -1)
+            with profiling.span("miniddp.ddp.rebuild") if self.profiling else NO_SPAN:  # (once)
+                self.lay_out_buckets(rebuilt_assignment(self.params, self.ready_order,
                                                       self.bucket_limits, self.group))
             self.has_rebuilt, self.ready_order = True, []
-        self._record("forward", int(sync))
+        self.emit("forward", int(sync))
 
     def prepare_for_backward(self, outputs):
         """End of a synced forward: expect hooks; return the outputs to use."""
@@ -201,7 +131,7 @@ class Reducer(EventStream):
         self.state, self.next_bucket = Step.EXPECTING, 0
         self.synced_forwards += 1
         self.ready_order.clear()  # this backward's order (for the rebuild, if one is to come)
-        self._record("forward_end", -1)
+        self.emit("forward_end", -1)
         if self.unused is not None:  # options/unused.py: find what no output reaches
             outputs = self.unused.prepare(outputs)
         if self.static_graph is not None:  # options/static_graph.py: the first backward waits
@@ -211,15 +141,8 @@ class Reducer(EventStream):
         return outputs
 
     def outputs_of_unsynced_forward(self, outputs):
-        """A forward with grad enabled inside ``no_sync``: with ``find_unused_parameters``,
-        its outputs are watched too, as torch routes every forward's outputs through its sink.
-
-        It matters after a synced forward that no backward followed (a validation forward
-        without ``torch.no_grad()``): the hooks that forward expects are still expected, so the
-        ``no_sync`` backward is reduced after all, and a parameter behind an output its loss
-        ignores must still fire its hook to be marked ready (``find_unused_parameters``).
-        Otherwise the watch changes nothing: hooks that are not expected only note use.
-        """
+        """A forward with grad enabled inside ``no_sync``: its outputs, watched with
+        ``find_unused_parameters`` (``UnusedParameters.watch`` says why)."""
         if self.unused is None:
             return outputs
         return self.unused.watch(outputs)  # options/unused.py
@@ -231,11 +154,11 @@ class Reducer(EventStream):
                 return  # options/static_graph.py: not yet this parameter's last firing
             if not awaited:
                 if self.state is Step.SECOND_BACKWARD:  # through a reduced forward: warn, or
-                    self._record("late_gradient", index)  # raise
+                    self.emit("late_gradient", index)  # raise
                 elif self.unused is not None:  # options/unused.py: no_sync, or a forward
                     self.unused.note_use(index)  # through ddp.module: the gradient accumulates
                 return
-            self._record("ready", index)
+            self.emit("ready", index)
             if self.unused is not None:  # options/unused.py: the unreached are ready, zeros
                 self.unused.note_use(index)
                 for unreached in self.unused.take_unreached():
@@ -253,15 +176,28 @@ class Reducer(EventStream):
         self.state = Step.REDUCING
         bucket, slot = self.slot_of[index]
         if bucket.fill(slot, self._copy_into_bucket):
-            if bucket.defers:  # its gradients copied in at once, and scaled
+            if bucket.scales_whole:  # its gradients copied in at once (if kept), and scaled
                 self._spanned("copy_in", bucket, bucket.complete, self._scale_bucket)
             if self.overlap:
                 self._launch_ready_buckets()
         if len(self.ready) == len(self.params):
             if self.unused is not None:  # options/unused.py: which were used, on which rank
-                self._record("used_flags", -1)
+                self.emit("used_flags", -1)
                 self.unused.share()
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+
+    def mark_all_ready(self) -> None:
+        """Every parameter ready, in index order (``options/static_graph.py``: the end of the
+        first backward, torch's ``delay_all_reduce``); then the usual end of backward."""
+        with self._lock:
+            for index in range(len(self.params)):
+                self._mark_ready(index)
+
+    def abandon_step(self, error: BaseException) -> BaseException:
+        """An option found that this backward cannot be reduced: the next forward reports the
+        step unfinished, as torch's does. Returns ``error``, logged, to raise."""
+        self.state = Step.REDUCING
+        return errors.logged(self, error)
 
     def _copy_into_bucket(self, param: torch.Tensor, view: torch.Tensor,
                           scale: bool = True) -> None:
@@ -280,7 +216,8 @@ class Reducer(EventStream):
         except RuntimeError as error:  # options/create_graph.py: a gradient that requires grad?
             if self.graph_gradients is None:
                 raise
-            self.graph_gradients.copy_value(self, param, view, error)
+            with self.graph_gradients.value_only(param, error, self.views is not None):
+                self._copy_into_bucket(param, view, scale)
 
     def _scale(self, source: torch.Tensor, out: torch.Tensor) -> None:
         """``out = source * (1 / divisor)``: a gradient into its slot, or a whole bucket in
@@ -291,13 +228,11 @@ class Reducer(EventStream):
             torch.mul(source, self._reciprocal(out.dtype), out=out)
 
     def _scale_bucket(self, buffer: torch.Tensor) -> None:
-        """A complete bucket that defers its scaling: multiplied (divided, as torch's
+        """A complete bucket that scales whole: multiplied (divided, as torch's
         ``batched_grad_copy``), unless a comm hook does its own averaging."""
-        if self.comm_hook.averages:
-            return
-        if self.batched_copy:
+        if self.batched_copy and not self.comm_hook.averages:
             buffer.div_(self.divisor)
-        else:
+        elif not self.comm_hook.averages:
             self._scale(buffer, buffer)
 
     def _reciprocal(self, dtype: torch.dtype):
@@ -315,20 +250,16 @@ class Reducer(EventStream):
     def _launch(self, bucket: Bucket) -> None:
         if self.unused is not None and self.unused.skips(bucket):
             return  # options/unused.py: skip_all_reduce_unused_params
-        self._record("launch", bucket.index)
-        self._spanned("launch", bucket, bucket.launch, self.comm_hook, len(self.buckets))
+        self.emit("launch", bucket.index)
+        on_done = (lambda b: self.emit("done", b.index)) if "done" in self._listeners else None
+        self._spanned("launch", bucket, bucket.launch, self.comm_hook, len(self.buckets), on_done)
         self.allreduce_calls += 1
-        if "done" in self._listeners:
-            # A chained future, waited for with the bucket: the callback runs on a
-            # communication thread, and must not still be running when the process exits.
-            bucket.done = bucket.work.get_future().then(
-                lambda _future, b=bucket.index: self._record("done", b))
 
     def _finalize(self) -> None:
         """End of backward: wait for every bucket, write the averages into ``.grad``."""
-        self._record("backward_end", -1)
+        self.emit("backward_end", -1)
         self.state = Step.REDUCED
-        with self._span("end_of_backward") if self.profiling else NO_SPAN:  # (once a step)
+        with profiling.span("miniddp.ddp.end_of_backward") if self.profiling else NO_SPAN:
             self._launch_ready_buckets()  # (overlap=False launches every bucket here)
             # Which parameters some rank used (None: all of them): options/unused.py finds them
             # at each step, options/static_graph.py in the first backward.
@@ -343,17 +274,17 @@ class Reducer(EventStream):
         while self.output_nodes:  # a backward reaching them again is a second one; popped, as
             # each holds its graph
             self.output_nodes.pop().register_prehook(functools.partial(_reached_again, self._me))
-        self._record("finalized", -1)
+        self.emit("finalized", -1)
 
     def _wait(self, bucket: Bucket) -> None:
         try:
             self._spanned("wait", bucket, bucket.wait)
         except RuntimeError as error:  # the listeners may say where every rank was
             self.error = error
-            self._record("wait_failed", bucket.index)
+            self.emit("wait_failed", bucket.index)
             raise
         self.comm_hook.finish(bucket)  # options/comm_hooks.py: a hook's result into the bucket
-        self._record("waited", bucket.index)
+        self.emit("waited", bucket.index)
 
     def _write_back_bucket(self, bucket: Bucket, used: list[bool] | None) -> None:
         if self.views is not None:  # options/gradient_views.py: .grad is the bucket already
@@ -369,32 +300,16 @@ class Reducer(EventStream):
         else:  # options/create_graph.py: copied into the graph's gradient in place
             self.graph_gradients.write_back(self.names[index], param.grad, view)
 
-    def _reached_again(self) -> None:
-        if self.state is Step.REDUCED:
-            self.state = Step.SECOND_BACKWARD
-
     def _spanned(self, step: str, bucket: Bucket, work, *args):
-        """``work(*args)``; while torch.profiler records (asked once a step), inside a span
-        named for the step, the bucket, its tensors and bytes. (A ``with`` per bucket step
-        would cost more than the call: about 0.16 us each, with no profiler.)"""
-        return self._in_span(step, bucket, work, args) if self.profiling else work(*args)
+        """``work(*args)``, inside a span while torch.profiler records (asked once a step). (A
+        ``with`` per bucket step would cost more than the call: about 0.16 us, no profiler.)"""
+        return profiling.bucket_span(step, bucket, work, args) if self.profiling else work(*args)
 
-    def _in_span(self, step: str, bucket: Bucket, work, args: tuple):
-        with self._span(f"{step} bucket {bucket.index} ({len(bucket.params)} tensors, "
-                        f"{bucket.buffer.nbytes} bytes)"):
-            return work(*args)
-
-    def _span(self, what: str):
-        """A span named ``miniddp.ddp.<what>`` in torch.profiler's trace; the steps ask
-        ``self.profiling`` first, so a step without a profiler calls nothing here."""
-        return profiling.span(f"miniddp.ddp.{what}")
-
-    def _record(self, event: str, ident: int) -> None:
-        """Emit ``(event, ident, now)`` to its listeners (``miniddp.events``)."""
+    def emit(self, event: str, ident: int) -> None:
+        """``(event, ident, now)`` to the event's listeners (``EventStream``: who listens).
+        (Here, not in ``miniddp.events``, so that one step reads in the engine's files.)"""
         for listener in self._listeners.get(event, self._others):
             listener((event, ident, time.perf_counter()))
-
-    # ----- clean-up -----
 
     def remove_hooks(self) -> None:
         for handle in self._hooks:
@@ -406,11 +321,23 @@ class Reducer(EventStream):
             self.remove_hooks()
 
 
+def _hook_every_parameter(reducer_ref, params: list[torch.Tensor]) -> tuple[list, list]:
+    """A post-hook on each parameter's AccumulateGrad node; return the nodes and the handles.
+
+    The node is created lazily and held weakly by the parameter: keep it, or a new node
+    (without the hook) replaces it. The hooks hold the reducer weakly, so a dropped DDP wrapper
+    leaves no live hook on a module used afterwards."""
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in params]
+    return accumulators, [node.register_hook(functools.partial(_call_hook, reducer_ref, i))
+                          for i, node in enumerate(accumulators)]
+
+
 def _call_hook(reducer_ref, index: int, _grad_inputs, _grad_outputs) -> None:
     if (reducer := reducer_ref()) is not None:
         reducer._hook(index)
 
 
 def _reached_again(reducer_ref, _grad_outputs) -> None:
-    if (reducer := reducer_ref()) is not None:
-        reducer._reached_again()
+    """A backward reached a reduced forward's outputs again: a second backward through it."""
+    if (reducer := reducer_ref()) is not None and reducer.state is Step.REDUCED:
+        reducer.state = Step.SECOND_BACKWARD

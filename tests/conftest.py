@@ -127,6 +127,10 @@ SLOW = {
         "tests/torch_suites/test_torch_ddp_suite.py::test_torch_ddp_suite[*-torch]",
         "tests/torch_suites/test_torch_ddp_suite.py::test_torch_ddp_suite[test_ddp_apply_optim_in_backward*",
         "tests/engine/test_reducer_arithmetic.py::test_copying_a_bucket_then_scaling_it_gives_the_*",
+        "tests/fsdp/test_fsdp_checkpoints.py::test_dcp_round_trip_at_the_same_world_size[3-*",
+        "tests/fsdp/test_fsdp_checkpoints.py::test_a_sharded_parameter_its_*_dtensors[4]",
+        "tests/fsdp/test_fsdp_checkpoints.py::test_meta_device_init_then_*[4-*",
+        "tests/fsdp/test_fsdp_checkpoints.py::test_dcp_saved_on_a_2x2_hsdp_mesh_*",
     ],
 }
 

@@ -20,7 +20,7 @@ from miniddp.reducer import Reducer
 class PerParameterReducer(Reducer):
     """One bucket per parameter, last layer first, never rebuilt."""
 
-    def initial_assignment(self) -> list[list[int]]:
+    def initial_assignment(self, find_unused: bool = False) -> list[list[int]]:
         return [[i] for i in reversed(range(len(self.params)))]
 
     @property

@@ -32,6 +32,12 @@ What miniddp does about it, by mode:
 :func:`check_replicas` compares the parameters once, on demand (one small all_gather), e.g.
 at the end of every epoch. ``MINIDDP_CHECK_EVERY`` sets ``n`` for the environment switch
 (default 100 with ``INFO``, 1 with ``DETAIL``).
+
+One module because the modes are one dial: each adds to the one before it, and
+:func:`attach` and :func:`check_every` turn the whole dial (the watch every reducer has, then
+the checks, then the fingerprints); what a check writes to the store
+(``miniddp.checks.ledger``) and the collectives' fingerprints (``miniddp.checks.fingerprints``)
+live apart.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ is what makes hundreds of distributed test cases affordable. Its files live in
 ``$TMPDIR/miniddp-<parent pid>-*`` (``miniddp.launch.rank_files``: what SIGKILL leaves is
 removed later).
 Functions and arguments travel by pickle, so functions must be importable at module level.
+
+One module because it is one protocol, both ends of it: what a rank sends
+(``_rank_main``) and how the parent reads it (:class:`RankGroup`), with the wording of a
+failure (``_root_cause``, ``_advice``) that only that reading produces. Where the ranks start
+and where their files live are modules of their own (``start_methods``, ``rank_files``).
 """
 
 from __future__ import annotations

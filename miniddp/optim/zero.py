@@ -18,6 +18,10 @@ backward instead, one gradient bucket at a time (``miniddp.optim.overlap``). Whi
 torch.profiler records, the trace shows each step's ``miniddp.zero.local_step``, every
 ``miniddp.zero.broadcast`` (whose share, how many bytes) and the ``miniddp.zero.wait``.
 ``consolidate_state_dict`` / ``state_dict`` / ``load_state_dict``: ``miniddp.optim.state``.
+
+One module because it is one class, torch's public ``ZeroRedundancyOptimizer``, whose
+methods share its partition and buckets; who owns what (``partition``), its state dicts
+(``state``) and the step inside DDP's backward (``overlap``) live apart.
 """
 
 from __future__ import annotations

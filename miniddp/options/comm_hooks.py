@@ -164,7 +164,7 @@ def register(ddp, state, hook) -> None:
     except (TypeError, ValueError, RuntimeError) as error:
         errors.logged(ddp, error)
         raise
-    reducer.comm_hook = CommHook(state, hook)
+    reducer.attach(comm_hook=CommHook(state, hook))
 
 
 def check_hook(hook) -> None:

@@ -7,7 +7,8 @@ no graph), and writes the average back into ``.grad`` in place, so the graph bui
 attached. miniddp does the same, in the three places where a gradient meets a bucket:
 
 * copied in one by one: ``torch.mul(grad, r, out=view)`` refuses a gradient that requires
-  grad while grad mode is on, so the reducer's copy calls :func:`copy_value` when it fails;
+  grad while grad mode is on, so when it fails the reducer copies again inside
+  :func:`value_only`;
 * copied in with the rest of a complete bucket: the bucket keeps its value, detached
   (``Bucket.fill``);
 * written back at the end of backward: :func:`write_back`, an in-place copy into the graph,
@@ -35,14 +36,14 @@ def warn() -> None:
         "plainly.")
 
 
-def copy_value(reducer, param: torch.Tensor, view: torch.Tensor, error: RuntimeError) -> None:
-    """The reducer's copy of ``param.grad`` into ``view`` raised ``error``: if that is because
-    the gradient requires grad, warn and copy its value; otherwise raise ``error`` again."""
-    if (param.grad is None or not param.grad.requires_grad or reducer.views is not None
+def value_only(param: torch.Tensor, error: RuntimeError, grads_are_views: bool):
+    """The reducer's copy of ``param.grad`` into its bucket raised ``error``: if that is
+    because the gradient requires grad, return where to copy its value again (no grad mode);
+    otherwise raise ``error`` again."""
+    if (param.grad is None or not param.grad.requires_grad or grads_are_views
             or not torch.is_grad_enabled()):
         raise error
-    with torch.no_grad():
-        reducer._copy_into_bucket(param, view)
+    return torch.no_grad()
 
 
 def write_back(name: str, grad: torch.Tensor, average: torch.Tensor) -> None:

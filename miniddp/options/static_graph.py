@@ -43,7 +43,6 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from miniddp import errors
 from miniddp.reducer import Step
 
 #: torch's message for a parameter that starts being used (code and tests match on it).
@@ -94,11 +93,11 @@ class StaticGraph:
                 "right after constructing it. (torch's DDP says: set_static_graph() should be "
                 "called before training loop starts and after DistributedDataParallel is "
                 "constructed.)")
-        if reducer.find_unused:
-            reducer.find_unused, reducer.unused = False, None
+        if reducer.unused is not None:
+            reducer.attach(unused=None)
             if initial_buckets:
-                reducer._init_buckets(reducer.initial_assignment())
-        reducer.static_graph = cls(reducer)
+                reducer.lay_out_buckets(reducer.initial_assignment())
+        reducer.attach(static_graph=cls(reducer))
         return reducer.static_graph
 
     # ----- where the reducer calls it -----
@@ -134,8 +133,7 @@ class StaticGraph:
         if not expect_hooks:  # inside no_sync: the reducer ignores it
             return True
         if self.remaining[index] == 0:  # as torch's, the next forward reports the step unfinished
-            self._reducer().state = Step.REDUCING
-            raise errors.logged(self._reducer(), RuntimeError(
+            raise self._reducer().abandon_step(RuntimeError(
                 f"the gradient of {self.names[index]!r} arrived more often in this backward "
                 f"than in the first, where it arrived {self.firings[index]} time(s): the "
                 "training graph has changed, which static_graph=True does not allow (e.g. a "
@@ -190,9 +188,7 @@ class StaticGraph:
         self.unused = [i for i, count in enumerate(self.firings) if count == 0]
         self._used_everywhere = self.locally_used.to(self.params[0].device, copy=True)
         self._work = dist.all_reduce(self._used_everywhere, group=self.group, async_op=True)
-        with reducer._lock:
-            for index in range(len(self.params)):
-                reducer._mark_ready(index)
+        reducer.mark_all_ready()
 
 
 def _watch(outputs, on_backward, clone: bool = True):

@@ -72,8 +72,15 @@ class UnusedParameters:
         return watch_outputs(outputs, self.clone_outputs)
 
     def watch(self, outputs):
-        """A ``no_sync`` forward's outputs, through the same watch (``Reducer``'s
-        ``outputs_of_unsynced_forward`` says why); nothing is searched."""
+        """A ``no_sync`` forward's outputs, through the same watch, as torch routes every
+        forward's outputs through its sink; nothing is searched.
+
+        It matters after a synced forward that no backward followed (a validation forward
+        without ``torch.no_grad()``): the hooks that forward expects are still expected, so the
+        ``no_sync`` backward is reduced after all, and a parameter behind an output its loss
+        ignores must still fire its hook to be marked ready. Otherwise the watch changes
+        nothing: hooks that are not expected only note use.
+        """
         return watch_outputs(outputs)
 
     def note_use(self, index: int) -> None:

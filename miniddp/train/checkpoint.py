@@ -32,6 +32,10 @@ Everything is stored as tensors, ints, floats, strings, lists, tuples and dicts,
 ``torch.load(weights_only=True)`` (torch's default since 2.6) accepts. NumPy's RNG state holds a
 NumPy array, which it refuses, so it is stored as a list of ints. A ``numpy.random.Generator``
 you create yourself is not global: put its ``bit_generator.state`` (a dict of ints) in ``extra``.
+
+One module because a snapshot's content and the way it reaches the disk are one
+promise, "either the previous snapshot or the new one, whole", and :func:`save` and
+:func:`load` keep both halves of it (the atomic write, ``NAME.prev``, every rank's generators).
 """
 
 from __future__ import annotations

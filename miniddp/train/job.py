@@ -57,6 +57,11 @@ says where. While it runs, the job holds ``<snapshot>.lock``: a second job given
 Ctrl-C, SIGTERM and SIGHUP stop it with one line saying where the last snapshot is.
 
 For the fault tests: ``--fault`` and ``--pid-dir`` (``miniddp.train.faults``).
+
+One module because it is one job, read top to bottom: its arguments, its training loop
+and the ways it is started. What a snapshot holds
+(``checkpoint``), the output paths (``job_files``), the data (``data``) and the faults
+(``faults``) live apart.
 """
 
 from __future__ import annotations

@@ -148,7 +148,7 @@ def mark_compiled_pieces(loss, reducer) -> None:
             pieces.append(node)
         todo.extend(next_node for next_node, _ in node.next_functions)
     for k, node in enumerate(pieces):
-        node.register_hook(lambda _inputs, _outputs, k=k: reducer._record("returns", k))
+        node.register_hook(lambda _inputs, _outputs, k=k: reducer.emit("returns", k))
 
 
 def launched_during_backward(events) -> int:

@@ -41,7 +41,7 @@ def copies_train_alike(how, sabotage=False, **ddp_kwargs):
     copies = [duplicate(ddp, how) for ddp in originals]
     if sabotage:  # a subtly wrong copy: it keeps the original's rebuilt buckets
         reducer = copies[0].reducer
-        reducer._init_buckets([info.param_indices for info in originals[0].buckets])
+        reducer.lay_out_buckets([info.param_indices for info in originals[0].buckets])
         reducer.has_rebuilt = True
     copy_opts = [sgd(m) for m in copies]
     problems = []

@@ -97,6 +97,7 @@ LIBRARY = {
     "fsdp_sync_always": ("two backwards, the first without sync (bf16/fp32)", GATHERS),
     "fsdp_kept_in_compute_dtype": ("two backwards, the first without sync (bf16/fp32)", BITS),
     "fsdp_reduce_dtype_ignored": ("bf16 compute, fp32 reduction", BITS),
+    "fsdp_frozen_after_sharding_ignored": ("a weight frozen after fully_shard", BITS),
 }
 
 
@@ -107,6 +108,12 @@ def test_part_2_fails_on_the_path_that_teaches_what_the_library_broke(ranks, bre
     said = failure_with_the_library_broken(ranks, 3, breakage, options.prove_path, path)
     assert f"{path}: {message}" in said or message == "RuntimeError" and message in said, \
         said[-3000:]
+
+
+def test_part_2_fails_on_fp16s_factors_wrong_only_beyond_its_ranks(ranks):
+    said = failure_with_the_library_broken(ranks, 2, "fsdp_fp16_factors_halved_once",
+                                           options.prove_divide_factors)
+    assert "fp16's divide factors (ranks, miniddp's, torch's) differ: [(6," in said, said[-3000:]
 
 
 @pytest.mark.slow

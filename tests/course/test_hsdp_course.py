@@ -44,7 +44,7 @@ def a_path(path: str) -> None:
 
 
 BITS = "miniddp.fully_shard differs from torch's fully_shard in"
-FP16, MICRO, CLIP = list(hsdp.PATHS)
+FP16, MICRO, CLIP, DEVICE_MESH = list(hsdp.PATHS)
 #: breakage -> (ranks, the part of lesson 18 that must fail, its argument, the message)
 LIBRARY = {
     "hsdp_replicas_first": (4, part_1, 2, BITS),
@@ -52,6 +52,8 @@ LIBRARY = {
     "hsdp_one_division": (6, part_1, 3, BITS),  # / 2 / 2 is / 4 exactly: 3 ranks per node
     "hsdp_fp16_post_before_all_reduce": (4, a_path, FP16, f"{FP16}: {BITS}"),
     "hsdp_all_reduce_each_micro_batch": (4, a_path, MICRO, f"{MICRO}: {BITS}"),
+    "hsdp_partial_replaced": (4, a_path, MICRO, f"{MICRO}: {BITS}"),
+    "hsdp_mesh_dims_swapped": (4, a_path, DEVICE_MESH, f"{DEVICE_MESH}: {BITS}"),
 }
 
 

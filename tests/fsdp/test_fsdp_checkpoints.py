@@ -346,10 +346,10 @@ def init_weights(model) -> None:
                 nn.init.trunc_normal_(p, std=0.02, a=-0.04, b=0.04)
 
 
-def _meta_init(how: str) -> dict:
+def _meta_init(how: str, mesh=None) -> dict:
     found = {}
     for impl in ("torch", "miniddp"):
-        model, make_optimizer = build(impl, UNEVEN, None, meta=True)
+        model, make_optimizer = build(impl, UNEVEN, mesh, meta=True)
         model.to_empty(device="cpu")
         torch.manual_seed(3)
         if how == "reset_parameters":
@@ -368,12 +368,35 @@ def _meta_init(how: str) -> dict:
 
 
 @pytest.mark.parametrize("how", ["reset_parameters", "init_weights"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size, mesh", [(2, None), (3, None), (4, (2, 2))])
 def test_meta_device_init_then_to_empty_equals_torchs_at_init_and_after_steps(
-        ranks, world_size, how):
-    for found in ranks(world_size).run(_meta_init, how, timeout=120):
+        ranks, world_size, mesh, how):
+    for found in ranks(world_size).run(_meta_init, how, mesh, timeout=120):
         assert found["miniddp"]["materialized"]
         for when in ("init", "trained"):
             assert differences(when, found["miniddp"][when], found["torch"][when]) == []
         assert not all(math.isclose(float(t.abs().sum()), 0.0)
                        for t in found["miniddp"]["init"])
+
+
+def _meta_init_without_repadding() -> str:
+    """The materialized shards left where ``to_empty`` put them, not padded into the buffers
+    the unit gathers from (``FSDPParam.reset_sharded`` made a no-op)."""
+    from miniddp.fsdp import param
+
+    kept = param.FSDPParam.reset_sharded
+    param.FSDPParam.reset_sharded = lambda self: None
+    try:
+        found = _meta_init("init_weights")
+        return "; ".join(differences("trained", found["miniddp"]["trained"],
+                                     found["torch"]["trained"])) or "no difference"
+    except Exception as error:  # the test reads what happened
+        return f"{type(error).__name__}: {error}"
+    finally:
+        param.FSDPParam.reset_sharded = kept
+
+
+def test_meta_device_init_without_repadding_the_shards_is_caught(ranks):
+    for found in ranks(2).run(_meta_init_without_repadding, timeout=120):
+        assert found != "no difference", found
+

@@ -17,9 +17,7 @@ torchrun's environment without torchrun's seconds of ``import torch`` per worker
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
-import logging
 import multiprocessing as mp
 import os
 import runpy
@@ -29,8 +27,6 @@ import subprocess
 import sys
 import time
 import traceback
-import types
-import warnings
 from collections import defaultdict
 from datetime import timedelta
 from multiprocessing.connection import Connection
@@ -39,6 +35,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from forked_python import become_python, die_with_parent
 
 from miniddp import train
 from miniddp.launch import launch, start_methods
@@ -194,59 +191,8 @@ def alive(process: tuple[int, str]) -> bool:
 
 
 def _python_in_child(args: list[str], cwd: str, env: dict[str, str], log: str) -> None:
-    """``python ARGS`` in a forked process: a session of its own, stdin from /dev/null, stdout
-    and stderr to ``log``, the environment, directory, ``sys.argv`` and ``sys.path[0]`` that
-    ``python`` would give it, Python's default signal handlers, warnings and logging; then the
-    module, code or script runs as ``__main__``. An uncaught exception prints its traceback and
-    exits 1, a ``SystemExit`` exits with its code (multiprocessing's bootstrap), as Python does.
-    """
-    os.setsid()
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    sys.stdin = sys.__stdin__ = open(0, closefd=False)
-    sys.stdout = sys.__stdout__ = os.fdopen(1, "w", buffering=1, closefd=False)
-    sys.stderr = sys.__stderr__ = os.fdopen(2, "w", buffering=1, closefd=False)
-    faulthandler.disable()
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGALRM, signal.SIGUSR1, signal.SIGUSR2):
-        signal.signal(sig, signal.SIG_DFL)
-    signal.setitimer(signal.ITIMER_REAL, 0)
-    warnings.showwarning = warnings._showwarning_orig  # pytest records warnings: print them
-    warnings.resetwarnings()  # and Python's default filters, in their order
-    for category in (ResourceWarning, ImportWarning, PendingDeprecationWarning,
-                     DeprecationWarning):
-        warnings.simplefilter("ignore", category)
-    warnings.filterwarnings("default", category=DeprecationWarning, module="__main__")
-    logging.root.handlers.clear()  # pytest's capturing handlers: Python's last resort instead
-    logging.root.setLevel(logging.WARNING)
-    os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    pythonpath = [e for e in env.get("PYTHONPATH", "").split(os.pathsep) if e]
-    sys.modules["__main__"] = main = types.ModuleType("__main__")
-    try:
-        if args[0] == "-m":
-            sys.argv = ["-m", *args[2:]]  # runpy puts the module's path in argv[0]
-            sys.path[:0] = [os.getcwd(), *pythonpath]
-            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-        elif args[0] == "-c":
-            sys.argv = ["-c", *args[2:]]
-            sys.path[:0] = ["", *pythonpath]
-            exec(compile(args[1], "<string>", "exec"), main.__dict__)
-        else:
-            sys.argv = list(args)
-            sys.path[:0] = [os.path.dirname(os.path.abspath(args[0])), *pythonpath]
-            runpy.run_path(args[0], run_name="__main__")
-    except SystemExit:
-        raise
-    except BaseException:
-        traceback.print_exc()
-        sys.exit(1)
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)  # stdout and stderr, as Job's Popen has them
+    become_python(args, cwd, env, fd, fd, own_session=True)
 
 
 class ForkedPython:
@@ -366,14 +312,9 @@ def run(command: list[str], log: Path, timeout: float, **kwargs) -> tuple[int, s
         return code, job.output()
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _script_rank(script: str, argv: list[str], env: dict[str, str], error_file: str,
                  stdout: Connection, stderr: Connection) -> None:
-    _die_with_parent()
+    die_with_parent()
     for fd, end in ((1, stdout), (2, stderr)):  # the test's own, also from a forkserver
         os.dup2(end.fileno(), fd)
         end.close()
@@ -400,7 +341,7 @@ def _stacks(procs, errors) -> str:
 
 def _host_store(conn, world_size: int) -> None:
     """Stand in for torchrun's agent: host the store the ranks meet in, until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True,
                           timeout=timedelta(seconds=60), wait_for_workers=False)
     conn.send(store.port)

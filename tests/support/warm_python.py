@@ -4,22 +4,18 @@ Tests that run a script dozens of times (the grader on each wrong solution, a le
 breakage) spent most of each run starting Python: ``import torch`` and ``torch._dynamo`` are
 about 2.5 s of CPU, before the script does anything. Here one interpreter, started once, imports
 them (and nothing else runs in it: no tensor op, no thread, no backward), then forks a fresh child
-for each run. The child becomes ``python script.py args`` as far as the script can tell: its own
-process, argv, working directory, environment, ``sys.path[0]`` (the script's directory), the
-``sitecustomize`` of the ``PYTHONPATH`` it is given (``tests/breakage`` breaks a mechanism so),
-``__name__ == "__main__"``, stdin from /dev/null, stdout and stderr to pipes read to their end,
-and the exit status Python itself would give (a ``SystemExit``'s code; 1 and the traceback on
-stderr for an uncaught exception). Each run starts from the warm interpreter's untouched state,
-never from another run's, so one verdict cannot leak into the next.
+for each run, which becomes ``python script.py args`` (``forked_python.become_python``: the
+``sitecustomize`` of the ``PYTHONPATH`` it is given runs, which is how ``tests/support/breakage``
+breaks a mechanism; stdout and stderr go to pipes read to their end, as ``subprocess.run``
+reads them). Each run starts from the warm interpreter's untouched state, never from another
+run's, so one verdict cannot leak into the next.
 
 What such a child has that a fresh interpreter would not: the modules named in ``preload``
 already imported, before any ``sitecustomize`` of its own runs. A breakage aimed at one of them
 is applied at once instead of on import (``tests/support/breakage/breakages.py`` does either):
-preload
-torch only, not the code that the breakages patch. ``tests/course/test_lessons.py`` runs each
-lesson's
-plain command here too; a fresh interpreter still starts each torchrun worker there and the
-lesson that ``run_course.py`` runs for real.
+preload torch only, not the code that the breakages patch. ``tests/course/test_lessons.py`` runs
+each lesson's plain command here too; a fresh interpreter still starts each torchrun worker
+there and the lesson that ``run_course.py`` runs for real.
 
     warm = WarmPython(["torch", "torch._dynamo"])
     done = warm.run([sys.executable, "lessons/00_one_process.py"], env=..., cwd=..., timeout=120)
@@ -32,13 +28,14 @@ import atexit
 import json
 import os
 import select
-import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+
+from forked_python import become_python
 
 # ----- the parent's side: in the test process -----
 
@@ -139,19 +136,11 @@ def _close_all() -> None:
         warm.close()
 
 
-def _die_with_parent() -> None:
-    """SIGKILL when the parent dies (Linux): a killed test run leaves no warm interpreter."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 # ----- the warm interpreter's side -----
 
 
 def _serve(path: str | None, preload: list[str]) -> None:
-    # Not _die_with_parent() here: Linux sends that signal when the *thread* that started this
+    # Not die_with_parent() here: Linux sends that signal when the *thread* that started this
     # process ends (a pool thread of tests/support/runs_ahead.py may have). Without the test process
     # this interpreter reads the end of its requests and exits; a script it is running has the
     # signal (this process is single-threaded) and its own timeouts.
@@ -175,7 +164,8 @@ def _run_in_child(request: dict) -> tuple[int, int]:
     if pid == 0:
         os.close(out_read)
         os.close(err_read)
-        _become_the_script(request, out_write, err_write)  # never returns
+        become_python(request["argv"][1:], request["cwd"], request["env"], out_write, err_write,
+                      own_session=False)  # never returns
     os.close(out_write)
     os.close(err_write)
     files = {out_read: open(request["stdout"], "wb", buffering=0),  # seen even after a timeout
@@ -189,87 +179,6 @@ def _run_in_child(request: dict) -> tuple[int, int]:
                 files.pop(fd).close()
                 os.close(fd)
     return pid, os.waitpid(pid, 0)[1]
-
-
-def _become_the_script(request: dict, out_write: int, err_write: int) -> None:
-    """In the child: what ``python script.py args`` would set up, then the script, then exit."""
-    code = 1
-    try:
-        _die_with_parent()
-        devnull = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(devnull, 0)
-        os.dup2(out_write, 1)
-        os.dup2(err_write, 2)
-        for fd in (devnull, out_write, err_write):
-            os.close(fd)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
-        script = os.path.abspath(request["argv"][1])
-        sys.argv = [request["argv"][1], *request["argv"][2:]]
-        sys.path[0] = os.path.dirname(os.path.realpath(script))
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        for entry in reversed(extra):
-            if entry not in sys.path:
-                sys.path.insert(1, entry)
-        _run_sitecustomize(extra)
-        code = _run_as_main(script)
-    except BaseException:  # the set-up itself failed: say so where the test will look
-        import traceback
-
-        traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def _run_sitecustomize(path_entries: list[str]) -> None:
-    """Python imports the first ``sitecustomize`` on its path at start-up: do it here too."""
-    for entry in path_entries:
-        candidate = os.path.join(entry, "sitecustomize.py")
-        if os.path.exists(candidate):
-            import importlib.util
-
-            spec = importlib.util.spec_from_file_location("sitecustomize", candidate)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules["sitecustomize"] = module
-            spec.loader.exec_module(module)
-            return
-
-
-def _run_as_main(script: str) -> int:
-    """Run the script as ``__main__``; then, as Python's own exit does, wait for the threads
-    that are not daemons and run the atexit functions; the exit status Python would give."""
-    import atexit as exits
-    import runpy
-    import threading
-
-    try:
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as done:
-        code = _exit_status(done.code)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
-        code = 1
-    getattr(threading, "_shutdown", lambda: None)()
-    exits._run_exitfuncs()
-    return code
-
-
-def _exit_status(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code & 0xFF
-    print(code, file=sys.stderr)
-    return 1
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def reducer_records_no_waits(module):
             if event != "waited":
                 original(self, event, ident)
         return without_waits
-    _patch(module.Reducer, "_record", record)
+    _patch(module.Reducer, "emit", record)
 
 
 def write_back_before_wait(module):
@@ -370,7 +370,7 @@ BREAKAGES = {
     "divide_instead_of_multiply": ("miniddp.reducer", divide_instead_of_multiply),
     "write_not_atomic": ("miniddp.train.checkpoint", write_not_atomic),
     "no_grad_scaler": ("torch.amp", no_grad_scaler),
-    "bucket_cap_ignored": ("miniddp.reducer", bucket_cap_ignored),
+    "bucket_cap_ignored": ("miniddp.reducer_layout", bucket_cap_ignored),
     "averages_not_written_back": ("miniddp.reducer", averages_not_written_back),
     "comm_hook_ignored": ("miniddp.options.comm_hooks", comm_hook_ignored),
     "join_ignores_the_divisor": ("miniddp.options.join", join_ignores_the_divisor),

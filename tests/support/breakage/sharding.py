@@ -86,6 +86,13 @@ def fsdp_fp16_like_fp32(module):
     breakages._patch(module, "fp16_divide_factors", lambda original: lambda world: (1, world))
 
 
+def fsdp_fp16_factors_halved_once(module):
+    """Lesson 17, part 2: fp16 divided by 2 before the sum whatever the world size, the rest
+    after (right at 2, 3, 4, 5 and 7 ranks; wrong at 6 and 8, beyond the lesson's runs)."""
+    breakages._patch(module, "fp16_divide_factors",
+                     lambda original: lambda world: (1, 1) if world < 2 else (2, world / 2))
+
+
 def fsdp_root_resharded(module):
     """Lesson 17: the root frees its parameters after forward like any unit (torch keeps the
     root's: the backward needs them first)."""
@@ -177,6 +184,31 @@ def fsdp_reduce_dtype_ignored(module):
     breakages._patch(module.FSDPParam, "__init__", without)
 
 
+def fsdp_frozen_after_sharding_ignored(module):
+    """Lesson 17, part 2: a parameter frozen after ``fully_shard`` is gathered still needing a
+    gradient, so its gradient is computed and reduced (the shard's flag is not followed)."""
+    breakages._patch(module.FSDPParam, "to_unsharded",
+                     lambda original: lambda self: self.register(self.unsharded))
+
+
+def fsdp_full_state_dict_keeps_padding(module):
+    """Lesson 17, part 3: a full state dict gathered with every rank's padded rows, so a
+    parameter cut unevenly comes back with zero rows at its end."""
+    import torch
+    import torch.distributed as dist
+
+    def padded(original):
+        def full_state_dict(model):
+            world, state = dist.get_world_size(), original(model)
+            for key, value in state.items():
+                if value.dim() and value.shape[0] % world:
+                    pad = world - value.shape[0] % world
+                    state[key] = torch.cat([value, value.new_zeros(pad, *value.shape[1:])])
+            return state
+        return full_state_dict
+    breakages._patch(module, "full_state_dict", padded)
+
+
 def fsdp_checkpoint_rows_as_plain_tensors(module):
     """Lesson 17, part 3: a sharded model's ``state_dict`` holds each rank's rows as plain
     tensors (what miniddp did before its shards were DTensors): DCP writes one copy of each."""
@@ -239,6 +271,26 @@ def _all_reduce_each_micro_batch(c, buffer, mesh, partial, all_reduce):
     return (output if partial is None else output.add_(partial)), None
 
 
+def _partial_replaced(c, buffer, mesh, partial, all_reduce):
+    if not all_reduce:
+        return c.average.__wrapped__(buffer, mesh, None, False)  # the kept rows dropped
+    return c.average.__wrapped__(buffer, mesh, partial, all_reduce)
+
+
+def hsdp_mesh_dims_swapped(module):
+    """Lesson 18: a 2-D DeviceMesh read shard dim first: each rank shards with the ranks that
+    should hold its rows, and replicates across the ones it should shard with."""
+    def swapped(original):
+        def mesh_info(mesh, device_type):
+            if getattr(mesh, "ndim", None) != 2:
+                return original(mesh, device_type)
+            from miniddp.fsdp.mesh import MeshInfo
+
+            return MeshInfo(mesh.get_group(0), mesh.get_group(1), mesh)
+        return mesh_info
+    breakages._patch(module, "mesh_info", swapped)
+
+
 def _hsdp(dtypes, wrong, doc):
     def breakage(module):
         def patch(original):
@@ -272,6 +324,10 @@ HSDP = {
         ("float32", "bfloat16", "float16"), _all_reduce_each_micro_batch, """Lesson 18:
         set_requires_all_reduce(False) ignored: each micro-batch all-reduced at once and the
         averages added up, instead of the rows added up and all-reduced once."""),
+    "hsdp_partial_replaced": _hsdp(
+        ("float32", "bfloat16", "float16"), _partial_replaced, """Lesson 18: a micro-batch
+        without all-reduce replaces the rows kept from the one before instead of adding to
+        them (seen from the third micro-batch on)."""),
 }
 
 
@@ -283,6 +339,7 @@ SHARDING = {
     "zero_broadcasts_from_rank_0": ("miniddp.optim.zero", zero_broadcasts_from_rank_0),
     "zero_never_sends": ("miniddp.optim.zero", zero_never_sends),
     "fsdp_fp16_like_fp32": ("miniddp.fsdp.collectives", fsdp_fp16_like_fp32),
+    "fsdp_fp16_factors_halved_once": ("miniddp.fsdp.collectives", fsdp_fp16_factors_halved_once),
     "fsdp_root_resharded": ("miniddp.fsdp.state", fsdp_root_resharded),
     "fsdp_never_frees_after_forward": ("miniddp.fsdp.state", fsdp_never_frees_after_forward),
     "fsdp_zero2_ignored": ("miniddp.fsdp.param_group", fsdp_zero2_ignored),
@@ -291,7 +348,11 @@ SHARDING = {
     "fsdp_sync_always": ("miniddp.fsdp.param_group", fsdp_sync_always),
     "fsdp_kept_in_compute_dtype": ("miniddp.fsdp.param_group", fsdp_kept_in_compute_dtype),
     "fsdp_reduce_dtype_ignored": ("miniddp.fsdp.param_group", fsdp_reduce_dtype_ignored),
+    "fsdp_frozen_after_sharding_ignored": ("miniddp.fsdp.param",
+                                           fsdp_frozen_after_sharding_ignored),
+    "fsdp_full_state_dict_keeps_padding": ("miniddp.fsdp", fsdp_full_state_dict_keeps_padding),
     "fsdp_checkpoint_rows_as_plain_tensors": ("miniddp.fsdp.state_dict",
                                               fsdp_checkpoint_rows_as_plain_tensors),
     **{name: ("miniddp.fsdp.collectives", patch) for name, patch in HSDP.items()},
+    "hsdp_mesh_dims_swapped": ("miniddp.fsdp.api", hsdp_mesh_dims_swapped),
 }
