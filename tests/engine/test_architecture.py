@@ -562,78 +562,50 @@ def test_tests_sit_in_the_room_they_prove_and_stay_within_twice_the_library(tmp_
 
 # ----- one home per helper: "same bits?" in checks/bits.py; lessons' printing and data in course/
 
-REPO = PACKAGE.parent
-#: The one home of the bit-equality question (the tests, the benchmarks and the course import it).
-BITS_HOME = "miniddp/checks/bits.py"
-#: Lessons that keep a visible copy of it because they teach it (none does today).
-LESSONS_TEACHING_BITS: set[str] = set()
+BITS_HOME = "miniddp/checks/bits.py"  # what the tests, the benchmarks and the course import
+LESSONS_TEACHING_BITS: set[str] = set()  # lessons keeping a visible copy to teach it: none today
 BIT_EQUALITY = re.compile(r"same_bits|bits_equal|bit_difference")
-#: The reference job's modules: a lesson imports what it prints and trains on from course/.
-JOB_MODULES = {"miniddp.train.report", "miniddp.train.data"}
-SCANNED = ("miniddp", "course", "lessons", "benchmarks", "tests", "examples")
+JOB_MODULES = {"miniddp.train.report", "miniddp.train.data"}  # lessons take these from course/
 
 
-def python_files(root: pathlib.Path, folders=SCANNED):
-    for folder in folders:
-        for path in sorted((root / folder).rglob("*.py")):
-            if "__pycache__" not in path.parts:
-                yield path.relative_to(root).as_posix(), ast.parse(path.read_text(), str(path))
+def trees(root: pathlib.Path, folders=("miniddp", "course", "lessons", "benchmarks", "tests")):
+    for path in sorted(p for folder in folders for p in (root / folder).rglob("*.py")):
+        yield path.relative_to(root).as_posix(), ast.walk(ast.parse(path.read_text()))
 
 
-def bit_equality_outside_its_home(root: pathlib.Path = REPO) -> list[str]:
-    """Every function (or name assigned) called like ``same_bits``, ``bits_equal`` or
-    ``bit_difference`` outside :data:`BITS_HOME` and the lessons that teach it (a test named
-    for it is not one)."""
-    found = []
-    for rel, tree in python_files(root):
-        if rel == BITS_HOME or rel in LESSONS_TEACHING_BITS:
-            continue
-        for node in ast.walk(tree):
-            names = ([node.name] if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                     else [t.id for t in node.targets if isinstance(t, ast.Name)]
-                     if isinstance(node, ast.Assign) else [])
-            found += [f"{rel}:{node.lineno} {n}" for n in names
-                      if BIT_EQUALITY.search(n) and not n.startswith("test_")]
-    return sorted(found)
+def bit_equality_outside_its_home(root: pathlib.Path = PACKAGE.parent) -> list[str]:
+    """Functions (or names assigned) called like ``same_bits`` outside their home (tests aside)."""
+    return [f"{rel}:{node.lineno} {name}" for rel, nodes in trees(root)
+            if rel != BITS_HOME and rel not in LESSONS_TEACHING_BITS for node in nodes
+            for name in ([node.name] if isinstance(node, ast.FunctionDef) else
+                         [t.id for t in node.targets if isinstance(t, ast.Name)]
+                         if isinstance(node, ast.Assign) else [])
+            if BIT_EQUALITY.search(name) and not name.startswith("test_")]
 
 
-def lessons_importing_the_jobs_helpers(root: pathlib.Path = REPO) -> list[str]:
-    """Every import in ``lessons/`` of the reference job's printing or data."""
-    found = []
-    for rel, tree in python_files(root, ("lessons",)):
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                names = {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                names = {a.name for a in node.names}
-            else:
-                continue
-            found += [f"{rel}:{node.lineno} {n}" for n in sorted(names & JOB_MODULES)]
-    return found
+def lessons_importing_the_jobs_helpers(root: pathlib.Path = PACKAGE.parent) -> list[str]:
+    return [f"{rel}:{node.lineno} {name}" for rel, nodes in trees(root, ("lessons",))
+            for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
+            for name in sorted(JOB_MODULES & ({a.name for a in node.names} if isinstance(
+                node, ast.Import) else {node.module, *(f"{node.module}.{a.name}"
+                                                       for a in node.names)}))]
 
 
-def test_bit_equality_has_one_home(tmp_path):
+def test_bit_equality_has_one_home_and_lessons_print_with_the_course(tmp_path):
     assert bit_equality_outside_its_home() == []
-    for rel, text in {BITS_HOME: "def same_bits(a, b):\n    pass\n",
-                      "benchmarks/harness.py": "def bits_equal(x, y):\n    pass\n",
-                      "lessons/10_mixed.py": "import torch\n\nsame_bits = torch.equal\n",
-                      "tests/support/bits.py": "def all_same_bits(xs, ys):\n    pass\n"}.items():
+    assert lessons_importing_the_jobs_helpers() == []
+    for rel, text in {BITS_HOME: "def same_bits(a, b): pass\n",
+                      "benchmarks/harness.py": "def bits_equal(x, y): pass\n",
+                      "lessons/10_mixed.py": "import torch\nsame_bits = torch.equal\n"
+                      "from miniddp.train.report import ok\nfrom miniddp.train import data\n",
+                      "tests/support/bits.py": "def all_same_bits(xs, ys): pass\n"}.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
     assert bit_equality_outside_its_home(tmp_path) == [
-        "benchmarks/harness.py:1 bits_equal", "lessons/10_mixed.py:3 same_bits",
+        "benchmarks/harness.py:1 bits_equal", "lessons/10_mixed.py:2 same_bits",
         "tests/support/bits.py:1 all_same_bits"]
-
-
-def test_lessons_take_what_they_print_and_train_on_from_the_course(tmp_path):
-    assert lessons_importing_the_jobs_helpers() == []
-    (tmp_path / "lessons").mkdir()
-    (tmp_path / "lessons" / "03_planted.py").write_text(
-        "from course.report import check\nfrom miniddp.train.report import ok\n"
-        "from miniddp.train import data\n")
     assert lessons_importing_the_jobs_helpers(tmp_path) == [
-        "lessons/03_planted.py:2 miniddp.train.report",
-        "lessons/03_planted.py:3 miniddp.train.data"]
+        "lessons/10_mixed.py:3 miniddp.train.report", "lessons/10_mixed.py:4 miniddp.train.data"]
 
 
 # ----- the front doors stay short -----
