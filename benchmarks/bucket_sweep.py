@@ -28,7 +28,7 @@ from harness import PER_PARAMETER_MB, Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
 
 CAPS = [1, 5, 10, 25, 50, 100, 250, PER_PARAMETER_MB]
 CONTROL = "torch again"  # --control: a second torch DDP, timed as the others are
@@ -55,7 +55,7 @@ def measure(setup: harness.Setup) -> dict:
             ddps[cap, name] = wrap(copy.deepcopy(base), bucket_cap_mb=cap, **kwargs)
             calls[cap, name] = Trainer(ddps[cap, name], batches).step
     print0(f"  {len(CAPS)} caps x ({', '.join(names)}), {setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "bucket sweep")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "bucket sweep")
     rows = []
     for cap in CAPS:
         label = f"bucket_cap_mb={cap_label(cap)}"
@@ -63,7 +63,7 @@ def measure(setup: harness.Setup) -> dict:
         check(harness.ours_layout(ours) == harness.torch_layout(theirs),
               f"{label}: miniddp's buckets differ from torch's")
         for name in compared:
-            check(harness.same_bits(ddps[cap, name].module, theirs.module, device),
+            check(harness.identical_models(ddps[cap, name].module, theirs.module, device),
                   f"{label}: {name}'s parameters differ from torch's after the timed steps")
         s = summarize({name: times[cap, name] for name in names}, "torch")
         rows.append({"bucket_cap_mb": cap_label(cap), "buckets": len(ours.buckets),

@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
+from course.report import save_figure
 from miniddp.checks.chrome_trace import save_chrome_trace
 from miniddp.launch import launch
-from miniddp.train.report import save_figure
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TAG = "chrome_trace-cpu-gloo-ws2"

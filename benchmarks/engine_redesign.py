@@ -81,7 +81,7 @@ def _rank(rank: int, world: int, store: str, out: str, packages: str, rounds: in
         ours, theirs = ddps[model, label, name], ddps[model, label, "before"]
         harness.check([b.param_indices for b in ours.buckets]
                       == [b.param_indices for b in theirs.buckets]
-                      and harness.same_bits(ours, theirs, device),
+                      and harness.identical_models(ours, theirs, device),
                       f"{name} and before differ at {model}, cap {label}")
     times = {key: [] for key in steps}
     for order in harness.round_orders(list(steps), rounds):
@@ -89,7 +89,7 @@ def _rank(rank: int, world: int, store: str, out: str, packages: str, rounds: in
             dist.barrier()
             start = time.perf_counter()
             steps[key]()
-            times[key].append(harness.max_over_ranks([time.perf_counter() - start],
+            times[key].append(harness.slowest_rank([time.perf_counter() - start],
                                                      device)[0])
     if rank == 0:
         Path(out).write_text(json.dumps([[*key, values] for key, values in times.items()]))

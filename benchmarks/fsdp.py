@@ -36,8 +36,10 @@ from harness import check
 from torch import nn
 
 import miniddp
+from course.report import print0, save_figure
+from course.tools import sync
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, launched_by_torchrun
-from miniddp.train.report import print0, save_figure
 
 try:
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -93,11 +95,11 @@ def bytes_at_rest(trainer: harness.Trainer) -> int:
 
 def peak_bytes(trainer: harness.Trainer, device: torch.device) -> int:
     """The CUDA allocator's peak during one step, above what was allocated before it."""
-    harness.sync(device)
+    sync(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     trainer.step()
-    harness.sync(device)
+    sync(device)
     return torch.cuda.max_memory_allocated(device) - before
 
 
@@ -109,16 +111,16 @@ def measure(setup: harness.Setup) -> dict:
                                       batches)
                 for name, shard in (("miniddp", miniddp.fully_shard),
                                     ("torch", torch_fully_shard))}
-    times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
-                              label=f"fsdp ws{setup.world_size}")
+    times = harness.alternate({name: t.step for name, t in trainers.items()}, setup.pairs,
+                              device, setup.warmup, label=f"fsdp ws{setup.world_size}")
     ours, theirs = (list(trainers[n].model.parameters()) for n in ("miniddp", "torch"))
-    equal = all(harness.bits_equal(local(a).detach(), local(b).detach())
+    equal = all(same_bits(local(a).detach(), local(b).detach())
                 for a, b in zip(ours, theirs))
-    check(harness.max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0,
+    check(harness.slowest_rank([0.0 if equal else 1.0], device)[0] == 0.0,
           f"miniddp's FSDP and torch's differ after training at {setup.world_size} ranks")
     memory = {name: (peak_bytes(t, device) if device.type == "cuda" else bytes_at_rest(t))
               for name, t in trainers.items()}
-    everyone = harness.max_over_ranks([float(memory["miniddp"]), float(memory["torch"])],
+    everyone = harness.slowest_rank([float(memory["miniddp"]), float(memory["torch"])],
                                       device)
     per_rank = [torch.zeros(2, dtype=torch.float64, device=harness.collective_device(device))
                 for _ in range(setup.world_size)]
@@ -165,15 +167,15 @@ def measure_hsdp(setup: harness.Setup) -> dict:
                                               shards[name.split()[0]], device,
                                               mesh if "HSDP" in name else None), batches)
                 for name in HSDP_RUNS}
-    times = harness.alternate({name: t.step for name, t in trainers.items()}, setup, device,
-                              label=f"hsdp 2x{world // 2}")
+    times = harness.alternate({name: t.step for name, t in trainers.items()}, setup.pairs,
+                              device, setup.warmup, label=f"hsdp 2x{world // 2}")
     params = {name: list(t.model.parameters()) for name, t in trainers.items()}
-    equal = all(harness.bits_equal(local(a).detach(), local(b).detach())
+    equal = all(same_bits(local(a).detach(), local(b).detach())
                 for ours, theirs in (("miniddp HSDP", "torch HSDP"), ("torch HSDP again",
                                                                       "torch HSDP"),
                                      ("miniddp FSDP", "torch FSDP"))
                 for a, b in zip(params[ours], params[theirs]))
-    check(harness.max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0,
+    check(harness.slowest_rank([0.0 if equal else 1.0], device)[0] == 0.0,
           f"an HSDP or FSDP differs from torch's after training at 2 x {world // 2} ranks")
     full = blocks_model(setup, torch.device("cpu"))
     return {"model": {**harness.model_info(full), "widths": [*harness.WIDTHS[setup.size],

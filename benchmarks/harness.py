@@ -19,9 +19,10 @@ Models (``--model``): the benchmark's own (:data:`MODELS`), or one from outside
 
 Timing rules (the machine is shared; absolute times drift): contestants run in turn, one step
 each per round, in a new order every round (never one step twice in a row), after untimed
-warm-up steps; each step's time is the slowest rank's;
+warm-up steps; each step's time is the slowest rank's (``course.tools.alternate``, the timer
+lesson 11 uses too);
 a comparison is the median of the per-pair ratios. Every contestant is checked for correctness
-(``same_bits``) before its numbers are reported.
+(``miniddp.checks.bits``) before its numbers are reported.
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ import datetime  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import platform  # noqa: E402
-import random  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import asdict, dataclass  # noqa: E402
@@ -50,9 +50,11 @@ import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
+from course.report import print0, save_figure  # noqa: E402
+from course.tools import alternate, round_orders, slowest_rank  # noqa: E402,F401  (the lessons' too)
+from miniddp.checks.bits import all_same_bits  # noqa: E402
 from miniddp.ddp import move_to  # noqa: E402  (what DDP does to inputs)
 from miniddp.launch import launch, launched_by_torchrun  # noqa: E402
-from miniddp.train.report import print0, save_figure  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MIB = 2**20
@@ -281,70 +283,6 @@ class Trainer:
         self.opt.step()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def max_over_ranks(values: list[float], device: torch.device) -> list[float]:
-    """Element-wise maximum over ranks: a step takes as long as its slowest rank."""
-    t = torch.tensor(values, dtype=torch.float64, device=collective_device(device))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
-
-
-def round_orders(names: list, rounds: int, seed: int = 0):
-    """The order of each round: a new shuffle (seeded, so every rank runs the same call at the
-    same time), never starting with the call that ended the round before.
-
-    A step run twice in a row finds its own tensors still in cache. Going A..Z then Z..A did
-    that at both ends of the list, every other round: an A/A run of torch's DDP against itself
-    in the bucket sweep came out 1.06 at the last place (per parameter) in three runs out of
-    three, and 0.93-0.99 at the first (benchmarks/README.md, "How the numbers are made").
-    """
-    rng, last = random.Random(seed), None
-    for _ in range(rounds):
-        order = list(names)
-        rng.shuffle(order)
-        if len(order) > 1 and order[0] == last:
-            order[0], order[-1] = order[-1], order[0]
-        last = order[-1]
-        yield order
-
-
-def alternate(calls: dict, setup: Setup, device: torch.device, label: str = "") -> dict:
-    """Time ``calls`` in turn, one step each per round, in an order that changes every round
-    (:func:`round_orders`), after untimed warm-up rounds.
-
-    Returns, per call, ``wall`` (ms, the slowest rank's) and ``cpu`` (ms of CPU time used by
-    rank 0's main thread: forward, CPU backward, hooks and copies, but not gloo's threads; it
-    barely depends on how busy the machine is). Ranks start each step together (a barrier,
-    untimed). Rank 0 prints progress every 15 s.
-    """
-    names = list(calls)
-    orders = round_orders(names, setup.warmup + setup.pairs)
-    for _ in range(setup.warmup):
-        for name in next(orders):
-            calls[name]()
-    wall, cpu = {name: [] for name in names}, {name: [] for name in names}
-    last_print = start = time.perf_counter()
-    for k, order in enumerate(orders):
-        for name in order:
-            sync(device)
-            dist.barrier(**({"device_ids": [device.index]} if device.type == "cuda"
-                            and dist.get_backend() == "nccl" else {}))
-            c0, t0 = time.thread_time(), time.perf_counter()
-            calls[name]()
-            sync(device)
-            wall[name].append(1000 * (time.perf_counter() - t0))
-            cpu[name].append(1000 * (time.thread_time() - c0))
-        if label and time.perf_counter() - last_print > 15:
-            last_print = time.perf_counter()
-            print0(f"    {label}: round {k + 1}/{setup.pairs} ({last_print - start:.0f} s)")
-    return {name: {"wall": max_over_ranks(wall[name], device), "cpu": cpu[name]}
-            for name in names}
-
-
 def median_ci(values: list[float]) -> tuple[float, list[float]]:
     """The median and an approximate 95% interval for it, from order statistics: the true
     median lies between the k-th smallest and k-th largest value with ~95% confidence."""
@@ -376,22 +314,10 @@ def summarize(times: dict, baseline: str | None = None) -> dict:
     return out
 
 
-_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_equal(x: torch.Tensor, y: torch.Tensor) -> bool:
-    """Same dtype, shape and bits (viewed as integers): the same NaN is equal, unlike in
-    ``torch.equal`` (as tests/support/bits.py, which the suite uses)."""
-    if x.dtype != y.dtype or x.shape != y.shape:
-        return False
-    as_int = _INTEGER_OF_WIDTH[x.element_size()]
-    return torch.equal(x.detach().view(as_int), y.detach().view(as_int))
-
-
-def same_bits(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
-    """True on every rank when every parameter of ``a`` equals ``b``'s bit for bit, on all ranks."""
-    equal = all(bits_equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    return max_over_ranks([0.0 if equal else 1.0], device)[0] == 0.0
+def identical_models(a: nn.Module, b: nn.Module, device: torch.device) -> bool:
+    """True on every rank when every parameter of ``a`` has ``b``'s bits, on all ranks."""
+    equal = all_same_bits(a.parameters(), b.parameters())
+    return slowest_rank([0.0 if equal else 1.0], device)[0] == 0.0
 
 
 def max_abs_diff(a: nn.Module, b: nn.Module) -> float:

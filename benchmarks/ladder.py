@@ -30,8 +30,8 @@ from overlap import no_overlap_question
 from torch import nn
 
 import miniddp
+from course.report import print0
 from miniddp.baselines.naive import STRATEGIES
-from miniddp.train.report import print0
 
 RUNGS = ["DataParallel", "per_parameter", "buckets_after_backward", "overlap", "torch"]
 
@@ -79,12 +79,12 @@ def measure(setup: harness.Setup) -> dict:
     else:
         calls = {"DataParallel": lambda: None, **calls}  # waits at the next step's barrier
     print0(f"  {len(RUNGS)} rungs, {setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "ladder")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "ladder")
 
     theirs = models["torch"]
     correct = {}
     for name in ("per_parameter", "buckets_after_backward", "overlap"):
-        exact = harness.same_bits(models[name].module, theirs.module, device)
+        exact = harness.identical_models(models[name].module, theirs.module, device)
         check(exact or (name == "per_parameter" and world > 2), f"{name} differs from torch")
         correct[name] = {"bit_identical": exact,
                          "max_abs_diff": harness.max_abs_diff(models[name].module, theirs.module)}

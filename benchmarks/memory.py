@@ -51,7 +51,8 @@ from harness import Trainer, check
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
+from course.tools import sync
 
 CONFIGS = [(impl, view, none) for impl in ("miniddp", "torch") for view in (False, True)
            for none in (True, False)]
@@ -129,7 +130,7 @@ def warm_up(base: nn.Module, batches, device) -> None:
     for cls in CLASSES.values():
         ddp = cls(copy.deepcopy(tiny), **harness.ddp_kwargs(device))
         ddp(torch.ones(2, 4, device=device)).sum().backward()
-    harness.sync(device)
+    sync(device)
 
 
 def parameter_digest(model: nn.Module) -> str:

@@ -20,7 +20,7 @@ from harness import Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
 
 SYNC_EVERY = [1, 2, 4, 8]
 
@@ -40,9 +40,9 @@ def measure(setup: harness.Setup) -> dict:
              for key, ddp in ddps.items()}
     print0(f"  sync every {SYNC_EVERY} micro-batches x (miniddp, torch), "
            f"{setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "no_sync")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "no_sync")
     for k in SYNC_EVERY:
-        check(harness.same_bits(ddps[k, "miniddp"].module, ddps[k, "torch"].module, device),
+        check(harness.identical_models(ddps[k, "miniddp"].module, ddps[k, "torch"].module, device),
               f"syncing every {k}: parameters differ from torch's after the timed steps")
     trainers = ("miniddp", "torch")
     per_micro = {key: {"wall": [x / key[0] for x in t["wall"]],

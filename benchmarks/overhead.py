@@ -37,7 +37,7 @@ from harness import PER_PARAMETER_MB, Trainer, check, summarize
 from torch import nn
 
 import miniddp
-from miniddp.train.report import print0
+from course.report import print0
 
 CAPS = {"one_bucket": 100, "per_parameter": PER_PARAMETER_MB}
 #: What the floor's Python hooks do (with_python_hooks)
@@ -106,11 +106,11 @@ def measure(setup: harness.Setup) -> dict:
                   for (label, impl), m in models.items()})
     tensors = len(list(base.parameters()))
     print0(f"  {tensors} parameter tensors, {len(calls)} contestants, {setup.pairs} rounds")
-    times = harness.alternate(calls, setup, device, "overhead")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "overhead")
     rows = []
     for label in CAPS:
         ours, theirs = models[label, "miniddp"], models[label, "torch"]
-        check(harness.same_bits(ours.module, theirs.module, device),
+        check(harness.identical_models(ours.module, theirs.module, device),
               f"{label}: parameters differ from torch's after the timed steps")
         s = summarize({"miniddp": times[f"{label}/miniddp"],
                        "torch": times[f"{label}/torch"]}, "torch")
@@ -120,8 +120,8 @@ def measure(setup: harness.Setup) -> dict:
                      "extra_cpu_us_per_parameter": 1000 * extra_cpu / tensors,
                      "extra_wall_us_per_parameter": 1000 * extra_wall / tensors, **s})
     if dist.get_world_size() == 2:  # (a + b: the same sum whatever the buckets' layout)
-        check(harness.same_bits(floors["launch"], models["per_parameter", "torch"].module,
-                                device),
+        check(harness.identical_models(floors["launch"], models["per_parameter", "torch"].module,
+                                         device),
               "the floor's reducer (a bucket per parameter) trained otherwise than torch's DDP")
     bare = summarize({name: times[name] for name in ["local"] + [f"{w}_hooks" for w in FLOORS]})
     floor = {name: 1000 * (bare[name]["cpu_median_ms"] - bare["local"]["cpu_median_ms"]) / tensors
@@ -143,7 +143,7 @@ def checks_rows(models: dict, times: dict, device) -> list[dict]:
     reference = models["one_bucket", "torch"].module
     rows = []
     for label in CHECKS:
-        check(harness.same_bits(models["checks", label].module, reference, device),
+        check(harness.identical_models(models["checks", label].module, reference, device),
               f"checks {label}: parameters differ from torch's after the timed steps")
         s = summarize({"checks": times[f"checks/{label}"],
                        "off": times["one_bucket/miniddp"]}, "off")

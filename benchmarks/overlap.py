@@ -33,8 +33,8 @@ from harness import Trainer, check, summarize
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import miniddp
+from course.report import print0
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
-from miniddp.train.report import print0
 
 
 def all_reduce_buckets(buffers: list[torch.Tensor]):
@@ -66,12 +66,12 @@ def measure(setup: harness.Setup) -> dict:
     calls["communication"] = all_reduce_buckets(buffers)
     calls["local"] = Trainer(copy.deepcopy(base), batches).step
     print0(f"  {len(calls)} measurements, {len(buffers)} buckets, {setup.pairs} timed rounds")
-    times = harness.alternate(calls, setup, device, "overlap")
+    times = harness.alternate(calls, setup.pairs, device, setup.warmup, "overlap")
     check(harness.ours_layout(models["miniddp"]) == harness.torch_layout(models["torch"]),
           "miniddp's buckets differ from torch's")
     for a, b in (("miniddp", "torch"), ("after_backward", "torch"),
                  ("miniddp_compute", "torch_compute")):
-        check(harness.same_bits(models[a].module, models[b].module, device),
+        check(harness.identical_models(models[a].module, models[b].module, device),
               f"{a}: parameters differ from {b}'s after the timed steps")
 
     s = summarize(times, "torch")

@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
 
 import miniddp
+from course.report import print0, save_figure
 from miniddp.launch import launch
-from miniddp.train.report import print0, save_figure
 
 WORLD_SIZES = (1, 2, 3)
 STEPS = 3
@@ -78,7 +78,7 @@ def measure(setup: harness.Setup) -> dict:
             opt.step()
             if step == 0 and opt is zero:
                 grown = allocated(device) - before
-        check(harness.same_bits(ours.module, theirs.module, device),
+        check(harness.identical_models(ours.module, theirs.module, device),
               f"step {step}: miniddp's ZeRO differs from torch's at {world_size} ranks")
     owned = sum(p.numel() for g in zero.optim.param_groups for p in g["params"])
     mine = torch.tensor([state_bytes(zero.optim), state_bytes(reference.optim), owned, grown],

@@ -1,6 +1,6 @@
 """What several lessons share and none of them teaches: loading an earlier lesson, gathering a
-value from every rank, timing in alternation and reading the times (lesson 11 says why so),
-an SGD that starts fast.
+value from every rank, timing in alternation and reading the times (lesson 11 says why so; the
+benchmarks time with the same :func:`alternate`), an SGD that starts fast.
 
 Kept out of the lessons so that each file is its idea; kept out of ``miniddp`` because none of
 it is part of data parallelism.
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from miniddp.train.report import print0
+from course.report import print0
 
 LESSONS = Path(__file__).resolve().parents[1] / "lessons"
 
@@ -44,51 +44,71 @@ def everyone(value) -> list:
     return out
 
 
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    if not a.is_floating_point():
-        return torch.equal(a, b)
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return torch.equal(a.detach().view(as_int), b.detach().view(as_int))
-
-
 def sync(device: torch.device) -> None:
     """Wait for the device's queued work, so that a clock read after it means something."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def slowest_rank(seconds: list[list[float]], device) -> list[list[float]]:
-    """Element-wise maximum over ranks: a step is over when its slowest rank is done."""
-    t = torch.tensor(seconds, dtype=torch.float64, device=device)
+def slowest_rank(values: list, device: torch.device) -> list:
+    """Element-wise maximum over ranks (a list, or a list of equally long lists): a step is over
+    when its slowest rank is done. On NCCL the tensor lives on ``device``, else on the CPU."""
+    on = device if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor(values, dtype=torch.float64, device=on)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 
 
-def alternate(calls: dict, rounds: int, device, warmup: int) -> dict[str, list[float]]:
-    """Time ``calls`` (name -> function of no arguments) in rounds: each round runs every one
-    once, in a new order (the same on every rank: the same seed), never one twice in a row
-    (it would find its tensors in cache), each after a barrier. The first ``warmup`` rounds are
-    not kept. Returns the seconds of each call, round by round, the slowest rank's."""
-    names = list(calls)
-    seconds = {name: [] for name in names}
-    shuffle, order = random.Random(0).shuffle, list(names)
-    for round_ in range(warmup + rounds):
-        last = order[-1]
-        shuffle(order)
-        if order[0] == last:  # it just ran: swap it to the end
+def round_orders(names: list, rounds: int, seed: int = 0):
+    """The order of each round: a new shuffle (seeded, so every rank runs the same call at the
+    same time), never starting with the call that ended the round before.
+
+    A step run twice in a row finds its own tensors still in cache. Going A..Z then Z..A did
+    that at both ends of the list, every other round: an A/A run of torch's DDP against itself
+    in the bucket sweep came out 1.06 at the last place (per parameter) in three runs out of
+    three, and 0.93-0.99 at the first (benchmarks/README.md, "How the numbers are made").
+    """
+    rng, last = random.Random(seed), None
+    for _ in range(rounds):
+        order = list(names)
+        rng.shuffle(order)
+        if len(order) > 1 and order[0] == last:
             order[0], order[-1] = order[-1], order[0]
+        last = order[-1]
+        yield order
+
+
+def alternate(calls: dict, rounds: int, device: torch.device, warmup: int,
+              label: str = "") -> dict[str, dict[str, list[float]]]:
+    """Time ``calls`` (name -> function of no arguments) in rounds: each round runs every one
+    once, in the order :func:`round_orders` gives, each after a barrier (untimed), so that the
+    ranks start it together. The first ``warmup`` rounds are not timed.
+
+    Returns, per call, ``wall`` (ms of each round, the slowest rank's) and ``cpu`` (ms of CPU
+    time used by this rank's main thread: forward, CPU backward, hooks and copies, but not
+    gloo's threads; it barely depends on how busy the machine is). With a ``label``, rank 0
+    prints progress every 15 s. The lessons and the benchmarks (benchmarks/harness.py) share it.
+    """
+    names = list(calls)
+    wall, cpu = {name: [] for name in names}, {name: [] for name in names}
+    barrier = ({"device_ids": [device.index]} if device.type == "cuda"
+               and dist.get_backend() == "nccl" else {})
+    last_print = start = time.perf_counter()
+    for k, order in enumerate(round_orders(names, warmup + rounds)):
         for name in order:
             sync(device)
-            dist.barrier()  # everyone starts together; not timed
-            start = time.perf_counter()
+            dist.barrier(**barrier)
+            c0, t0 = time.thread_time(), time.perf_counter()
             calls[name]()
             sync(device)
-            if round_ >= warmup:
-                seconds[name].append(time.perf_counter() - start)
-    return dict(zip(names, slowest_rank([seconds[n] for n in names], device)))
+            if k >= warmup:
+                wall[name].append(1000 * (time.perf_counter() - t0))
+                cpu[name].append(1000 * (time.thread_time() - c0))
+        if label and k >= warmup and time.perf_counter() - last_print > 15:
+            last_print = time.perf_counter()
+            print0(f"    {label}: round {k + 1 - warmup}/{rounds} ({last_print - start:.0f} s)")
+    slowest = slowest_rank([wall[name] for name in names], device)
+    return {name: {"wall": slowest[i], "cpu": cpu[name]} for i, name in enumerate(names)}
 
 
 def per_round(a: list[float], b: list[float]) -> list[float]:

@@ -7,7 +7,7 @@ Why it matters: it is the oracle. Data-parallel training is correct when it comp
 loop computes. Checking that needs two things, both proved here:
 
 1. the loop really learns: the inputs are labelled by a hidden "teacher" network
-   (``miniddp.train.data``), so the held-out loss must fall far below where it started;
+   (``course.data``), so the held-out loss must fall far below where it started;
 2. the loop is deterministic: run it twice from the same seeds and the final weights are equal
    bit for bit. A distributed version that differs from this run by one bit is then a finding,
    not noise. (A run with another data-order seed ends elsewhere, so the equality is no accident.)
@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from miniddp.train.data import make_dataset, make_model
-from miniddp.train.report import Progress, check, ok, plot_losses, print0
+from course.data import make_dataset, make_model
+from course.report import Progress, check, ok, plot_losses, print0
 
 EPOCHS = 10
 BATCH_SIZE = 64

@@ -51,8 +51,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from course.report import check, ok, print0
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.train.report import check, ok, print0
 
 
 def meet_the_group(device):

@@ -52,9 +52,9 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from course.data import make_dataset, make_model
+from course.report import Progress, check, ok, print0
 from miniddp import DataParallel
-from miniddp.train.data import make_dataset, make_model
-from miniddp.train.report import Progress, check, ok, print0
 
 EPOCHS = 3
 BATCH_SIZE = 64

@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course.data import make_dataset, make_model
+from course.report import Progress, check, ok, print0
 from miniddp import AllReduceEachParameter
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import make_dataset, make_model
-from miniddp.train.report import Progress, check, ok, print0
 
 EPOCHS = 4
 LOCAL_BATCH = 32  # per rank; the global batch is LOCAL_BATCH * world size

@@ -48,10 +48,10 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
+from course.data import make_dataset, make_model
+from course.report import Progress, check, ok, print0
 from miniddp import DistributedDataParallel, DistributedSampler
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import make_dataset, make_model
-from miniddp.train.report import Progress, check, ok, print0
 
 EPOCHS = 4
 LOCAL_BATCH = 32

@@ -51,11 +51,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from course.report import check, ok, print0, save_figure
 from miniddp import DistributedDataParallel
 from miniddp.buckets import bucket_limits
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.train.report import check, ok, print0, save_figure
 
 HIDDEN_LAYERS, WIDTH = 24, 128
 SIZES = [4**k for k in range(1, 11)]  # elements: 16 bytes ... 4 MiB (float32: 4 bytes each)

@@ -50,13 +50,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from course.report import check, ok, print0
 from miniddp import DistributedDataParallel
 from miniddp.buckets import Bucket, bucket_limits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.reducer import Reducer
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.train.report import check, ok, print0
 
 LAYERS, WIDTH = 4, 384  # each hidden weight is 576 KiB: with a 0.5 MiB cap, one hidden layer
 # per bucket (the small output layer joins the first, the input layer has the last)

@@ -48,12 +48,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from course.data import make_dataset
+from course.report import check, mean_over_ranks, ok, print0, runs_dir, save_figure
 from course.tools import load_lesson
 from miniddp import AllReduceBucketsAfterBackward, DistributedDataParallel
 from miniddp.checks.chrome_trace import save_chrome_trace
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import make_dataset
-from miniddp.train.report import check, mean_over_ranks, ok, print0, runs_dir, save_figure
 
 part1 = load_lesson("06_overlap")
 wide_student, BUCKET_CAP_MB, LOCAL_BATCH, LR = (part1.wide_student, part1.BUCKET_CAP_MB,

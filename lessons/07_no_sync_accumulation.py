@@ -44,9 +44,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, Subset
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 MICRO_BATCH = 16  # samples per micro-batch on each rank
 EPOCHS = 6

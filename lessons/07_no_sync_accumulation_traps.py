@@ -38,10 +38,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.data import IN_FEATURES, make_dataset, make_model
+from course.report import check, cpp_stderr, ok, print0
 from course.tools import load_lesson
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import IN_FEATURES, make_dataset, make_model
-from miniddp.train.report import check, cpp_stderr, ok, print0
 
 part1 = load_lesson("07_no_sync_accumulation")
 wrap, grads_agree_across_ranks = part1.wrap, part1.grads_agree_across_ranks

@@ -43,11 +43,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
-from course.tools import same_bits
+from course.data import make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2

@@ -42,10 +42,11 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 import miniddp
-from course.tools import load_lesson, same_bits
+from course.data import OUT_FEATURES, make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
+from course.tools import load_lesson
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, launched_by_torchrun, rank_device
-from miniddp.train.data import OUT_FEATURES, make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 part1 = load_lesson("08_miniddp_vs_torch_ddp")
 wrap, train_side_by_side, BATCH_SIZE = part1.wrap, part1.train_side_by_side, part1.BATCH_SIZE

@@ -54,6 +54,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
+from course.data import make_dataset, make_model
+from course.report import check, mean_over_ranks, ok, print0
 from course.tools import PlainSGD
 from miniddp import DistributedDataParallel, DistributedSampler
 from miniddp.launch import join_torchrun_group, leave_group, rank_device
@@ -66,8 +68,6 @@ from miniddp.launch.torchrun_agents import (
     verdict,
 )
 from miniddp.train import checkpoint
-from miniddp.train.data import make_dataset, make_model
-from miniddp.train.report import check, mean_over_ranks, ok, print0
 
 EPOCHS, DATASET_SIZE, BATCH_SIZE = 4, 1024, 32
 STEPS_PER_EPOCH = DATASET_SIZE // (BATCH_SIZE * 2)  # 16 on the lesson's 2 workers, 64 in all

@@ -50,9 +50,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2
@@ -72,12 +73,6 @@ def wrap(ddp_class, model, device):
     """Wrap a copy of ``model`` in a DDP class (miniddp's or torch's), one GPU per rank on GPU."""
     ids = [device.index] if device.type == "cuda" else None
     return ddp_class(copy.deepcopy(model).to(device), device_ids=ids)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.detach().view(as_int), b.detach().view(as_int))
 
 
 def grad_scaler(device):

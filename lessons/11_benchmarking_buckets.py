@@ -58,6 +58,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset, shard
+from course.report import check, ok, print0, save_figure
 from course.tools import (
     alternate,
     median_interval,
@@ -70,8 +72,6 @@ from course.tools import (
 )
 from miniddp import DistributedDataParallel
 from miniddp.launch import launch, rank_device
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, shard
-from miniddp.train.report import check, ok, print0, save_figure
 
 HIDDEN_LAYERS, WIDTH = 24, 128
 BATCH_SIZE = 16  # per rank
@@ -166,8 +166,8 @@ def on_every_rank(rounds: int):
         TorchDDP(copy.deepcopy(student), device_ids=ids), batches)
     print0(f"{len(contestants)} contestants, {WARMUP} warm-up rounds, {rounds} timed rounds of "
            f"one step each ({BATCH_SIZE} samples per rank)")
-    times = alternate({name: c.step for name, c in contestants.items()}, rounds, device,
-                      WARMUP)
+    timed = alternate({name: c.step for name, c in contestants.items()}, rounds, device, WARMUP)
+    times = {name: [ms / 1e3 for ms in t["wall"]] for name, t in timed.items()}  # in seconds
 
     for (name, label), contestant in contestants.items():  # before any time is looked at
         theirs = contestants["torch", label].ddp

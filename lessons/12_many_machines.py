@@ -56,6 +56,8 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
 from miniddp.launch import launch, rank_device
 from miniddp.launch.torchrun_agents import (
     as_worker,
@@ -66,8 +68,6 @@ from miniddp.launch.torchrun_agents import (
     torchrun,
     verdict,
 )
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per worker
 STEPS = 40

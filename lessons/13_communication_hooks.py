@@ -60,10 +60,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
+from miniddp.checks.bits import same_bits
 from miniddp.launch import launch, rank_device
 from miniddp.options import comm_hooks
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 EPOCHS = 2
@@ -89,12 +90,6 @@ def fp16_mean(sent: list, bucket):
     sent.append(compressed.nbytes)
     return dist.all_reduce(compressed, async_op=True).get_future().then(
         lambda done: buffer.copy_(compressed))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal bit for bit: unlike ``torch.equal``, 0.0 and -0.0 differ, and NaN equals itself."""
-    as_int = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    return a.dtype == b.dtype and torch.equal(a.detach().view(as_int), b.detach().view(as_int))
 
 
 # ----- training with a hook, on miniddp and (when given one) on torch's DDP beside it -----

@@ -1,7 +1,7 @@
 """Lesson 14: uneven inputs, the hang they cause and ``ddp.join()``, which prevents it.
 
 What this adds: ranks that do not have the same number of batches (lesson 08's DDP and lesson
-03's loop, fed uneven data). Until now every rank had an equal shard (``miniddp.train.data.shard``
+03's loop, fed uneven data). Until now every rank had an equal shard (``course.data.shard``
 drops the remainder on purpose, and ``DistributedSampler`` pads). Real data is often uneven:
 files of different lengths per rank, samples filtered on the fly, variable-length sequences
 packed into batches. Every synchronized backward is a set of collectives that *every* rank must
@@ -51,9 +51,9 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader, Subset
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import check, ok, print0
 from miniddp.launch import launch
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import check, ok, print0
 
 BATCH_SIZE = 32
 FEWER_PER_RANK = 3  # batches per epoch that each rank has fewer than the next one

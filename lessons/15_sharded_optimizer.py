@@ -49,10 +49,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import Progress, check, ok, print0
 from miniddp.launch import launch, rank_device
 from miniddp.optim import ZeroRedundancyOptimizer
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import Progress, check, ok, print0
 
 BATCH_SIZE = 32  # per rank
 SAMPLES = 1024  # in all: 16 steps per epoch at 2 ranks

@@ -45,11 +45,11 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from torch.utils.data import DataLoader
 
 import miniddp
+from course.data import make_dataset, make_model, shard
+from course.report import check, ok, print0
 from course.tools import load_lesson
 from miniddp.launch import launch, launched_by_torchrun, rank_device
 from miniddp.optim import ZeroRedundancyOptimizer
-from miniddp.train.data import make_dataset, make_model, shard
-from miniddp.train.report import check, ok, print0
 
 try:  # FSDP2: public from torch 2.6, under _composable before
     from torch.distributed.fsdp import fully_shard as torch_fully_shard

@@ -51,11 +51,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from course.report import check, ok, print0
 from miniddp.compat.compiled import GRAPH_BREAKS
 from miniddp.launch import launch
 from miniddp.torch_versions import TORCH_HAS_IS_COMPILING
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.train.report import check, ok, print0
 
 WIDTH = 512  # each hidden weight is 1 MiB: with a 1 MiB cap, about one bucket per layer
 BUCKET_CAP_MB = 1

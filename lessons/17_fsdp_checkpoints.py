@@ -44,9 +44,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import miniddp
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from course.report import check, ok, print0
 from miniddp.launch import launch
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.train.report import check, ok, print0
 
 try:  # FSDP2 and its checkpoint helpers: public from torch 2.6, under _composable before
     import torch.distributed.checkpoint as dcp

@@ -47,9 +47,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import miniddp
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset
+from course.report import check, mean_over_ranks, ok, print0
 from miniddp.launch import launch
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
-from miniddp.train.report import check, mean_over_ranks, ok, print0
 
 try:  # FSDP2: public from torch 2.6, under _composable before
     from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy

@@ -50,9 +50,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import miniddp
+from course.report import check, mean_over_ranks, ok, print0
 from course.tools import load_lesson
 from miniddp.launch import launch
-from miniddp.train.report import check, mean_over_ranks, ok, print0
 
 fsdp = load_lesson("17_fsdp")  # Unit, make_model, batches, differing, torch_fully_shard
 try:  # FSDP2: public from torch 2.6, under _composable before

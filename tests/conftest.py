@@ -24,7 +24,7 @@ from miniddp.launch import RankGroup, start_methods
 
 #: ``tests/`` holds a folder per room of the library (``engine``, ``options``, ``compat``,
 #: ``fsdp``, ``optim``, ``operations``, ``course``, ``torch_suites``) and ``support``, the helpers
-#: they share. Every folder is importable by its modules' names (``from bits import same_bits``,
+#: they share. Every folder is importable by its modules' names (``from ddp_cases import MLP``,
 #: ``from test_fsdp import Net``), whichever folder a test sits in: test module names are unique.
 HERE = Path(__file__).resolve().parent
 for folder in sorted(p for p in HERE.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):

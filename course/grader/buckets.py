@@ -9,9 +9,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from course.data import make_dataset
 from course.grader.checks import flat_grads, many_layers, on_ranks
 from miniddp.buckets import bucket_limits
-from miniddp.train.data import make_dataset
 
 CAP_MB_05 = 0.01
 

@@ -22,9 +22,9 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 from course.grader.timeline import Recorder  # noqa: E402
 from miniddp.launch import RankGroup  # noqa: E402
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset, make_model  # noqa: E402
 
 TIMEOUT = 60
 PG_TIMEOUT_S = 20  # how long a collective waits for the other ranks before gloo gives up

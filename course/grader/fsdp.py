@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.data import IN_FEATURES, OUT_FEATURES, make_dataset
 from course.grader.checks import NotWritten, on_ranks, shown
 from course.grader.fsdp_verdicts import (
     buffer_said,
@@ -41,7 +42,6 @@ from course.grader.timeline import (
     verdict,
     what_torch_did,
 )
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, make_dataset
 
 try:  # FSDP2: public from torch 2.6, under _composable before
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

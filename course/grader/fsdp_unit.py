@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from course.data import make_dataset
 from course.grader.checks import EveryCollective, kind_of, on_ranks
 from course.grader.fsdp import fully_shard
 from course.grader.unit_verdicts import (
@@ -35,7 +36,6 @@ from course.grader.unit_verdicts import (
     optimizer_problem,
 )
 from course.tools import load_lesson
-from miniddp.train.data import make_dataset
 
 OPTIONS = load_lesson("17_fsdp_options")
 WORLDS, STEPS, ADAM = (2, 3), 2, {"lr": 0.01}

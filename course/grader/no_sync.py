@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.data import make_dataset, make_model
 from course.grader.checks import on_ranks
-from miniddp.train.data import make_dataset, make_model
 
 K, STEPS, WORLDS = 3, 3, (2, 3)
 

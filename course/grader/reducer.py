@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import miniddp
+from course.data import make_dataset
 from course.grader.checks import (
     OutOfStep,
     SameCalls,
@@ -27,7 +28,6 @@ from course.grader.checks import (
 )
 from miniddp.buckets import bucket_limits
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import make_dataset
 
 CAP_MB_06 = 0.02
 

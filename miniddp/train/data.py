@@ -1,10 +1,11 @@
 """A learning task made in code: inputs, a hidden "teacher" that labels them, a student to train.
 
-The lessons need data that costs no download, is identical on every run and every rank, and has
-something in it to learn. Random targets do not (a model fitting noise shows no progress, so a bug
-that stops learning goes unnoticed). Here every target is ``teacher(x)``, a fixed random two-layer
-network, and the student has room to represent the teacher exactly: the loss can fall towards zero,
-and when it does not, something is broken.
+The reference job learns it, and so do the lessons (through ``course/data.py``, which adds how
+they cut it into shards). Both need data that costs no download, is identical on every run and
+every rank, and has something in it to learn. Random targets do not (a model fitting noise shows
+no progress, so a bug that stops learning goes unnoticed). Here every target is ``teacher(x)``, a
+fixed random two-layer network, and the student has room to represent the teacher exactly: the
+loss can fall towards zero, and when it does not, something is broken.
 
 Everything is a pure function of a seed, so a second run, a second rank, or a restarted process
 rebuilds the same tensors bit for bit without anyone sending them.
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.data import Subset, TensorDataset
+from torch.utils.data import TensorDataset
 
 IN_FEATURES = 16
 OUT_FEATURES = 4
@@ -51,16 +52,3 @@ def make_model(seed: int = 0, hidden: int = 64) -> nn.Module:
         torch.manual_seed(seed)
         return nn.Sequential(nn.Linear(IN_FEATURES, hidden), nn.Tanh(),
                              nn.Linear(hidden, OUT_FEATURES))
-
-
-def shard(dataset, rank: int, world_size: int) -> Subset:
-    """The samples ``rank, rank + world_size, rank + 2 * world_size, ...`` of ``dataset``.
-
-    Shards are disjoint and all the same length: the last ``len(dataset) % world_size`` samples
-    are dropped, because a rank with one batch more than the others would wait forever in a
-    collective that its peers never join.
-    """
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    per_rank = len(dataset) // world_size
-    return Subset(dataset, range(rank, per_rank * world_size, world_size))

@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import same_bits
 from ddp_cases import compare_with_torch
 from torch import nn
 
 import miniddp
+from miniddp.checks.bits import same_bits
 from miniddp.compat import arguments
 from miniddp.reducer import Reducer
 

@@ -8,11 +8,11 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import same_bits
 from ddp_cases import MLP, batch, torch_bucket_layout
 from torch import nn
 
 import miniddp
+from miniddp.checks.bits import same_bits
 
 
 def duplicate(ddp, how):

@@ -13,11 +13,11 @@ import copy
 
 import torch
 import torch.distributed as dist
-from bits import all_same_bits
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
 
 import miniddp
+from miniddp.checks.bits import all_same_bits
 
 
 def sum_then_divide(group, bucket) -> torch.futures.Future[torch.Tensor]:

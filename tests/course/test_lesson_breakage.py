@@ -274,8 +274,8 @@ Traceback (most recent call last):
 miniddp.launch.rank_group.RankError: rank 0 of 3 raised:
 Traceback (most recent call last):
   File "lesson.py", line 3, in on_every_rank
-miniddp.train.report.CheckFailed: the epoch read 64 samples, 60 distinct
-(then rank 1 raised: miniddp.train.report.CheckFailed: the buckets differ; a; b; rank 2 died \
+course.report.CheckFailed: the epoch read 64 samples, 60 distinct
+(then rank 1 raised: course.report.CheckFailed: the buckets differ; a; b; rank 2 died \
 without reporting: exit code -9 (SIGKILL))"""
 
 
@@ -288,7 +288,7 @@ def test_course_summary_shows_the_first_line_of_every_ranks_failure():
 
 def test_course_summary_shows_every_torchrun_workers_failure():
     lines = ["[agent 1] rank 1 of 2 raised:", "[agent 1] Traceback (most recent call last):",
-             "[agent 1] miniddp.train.report.CheckFailed: the workers differ",
+             "[agent 1] course.report.CheckFailed: the workers differ",
              "[agent 0] rank 0 of 2 raised:", "[agent 0] RuntimeError: Connection closed by peer",
              "[agent 1] torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
     assert runner.why_it_failed(lines).splitlines() == [

@@ -19,15 +19,15 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import same_bits
 from lesson_modules import LESSONS_DIR, load_lesson, runnable_here
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from warm_python import LESSON_PRELOAD, warm_python
 
 import miniddp
+from course.data import make_dataset, make_model
 from miniddp.buckets import assign_buckets
+from miniddp.checks.bits import same_bits
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
-from miniddp.train.data import make_dataset, make_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "support" / "breakage"))
 try:
@@ -268,23 +268,6 @@ def test_lesson_07_fails_when_its_wrapper_by_hand_reads_the_flag_at_backward_tim
     assert "by hand: after a forward inside no_sync and its backward outside, every rank held " \
            "the same gradients" in done.stderr, done.stderr[-2000:]
     assert "OK:" not in done.stdout
-
-
-# ----- lessons 08, 10 and 13: "bit for bit" means the bits -----
-
-@pytest.mark.parametrize("number", ["08", "10", "13"])
-def test_lessons_bit_comparison_tells_signed_zeros_apart_and_a_nan_equal(number):
-    lessons_same_bits = load_lesson(number).same_bits
-    zero, minus_zero = torch.tensor([1.0, 0.0]), torch.tensor([1.0, -0.0])
-    assert torch.equal(zero, minus_zero)  # the control: what torch.equal lets through
-    assert not lessons_same_bits(zero, minus_zero)
-    nan = torch.tensor([float("nan"), 2.0])
-    assert not torch.equal(nan, nan) and lessons_same_bits(nan, nan.clone())
-    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        x = torch.randn(5, 3).to(dtype)
-        assert lessons_same_bits(x, x.clone()) and lessons_same_bits(x.t(), x.clone().t())
-        assert not lessons_same_bits(x, x.clone().index_fill_(1, torch.tensor([2]), 0.5))
-    assert not lessons_same_bits(torch.ones(2), torch.ones(2, dtype=torch.float64))
 
 
 def synchronous_timeline():

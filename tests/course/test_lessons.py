@@ -250,9 +250,9 @@ print("[agent 0] step 0/40 | loss 0.52211")
 print("[agent 1] rank 1 of 2 raised:", file=sys.stderr)
 print("[agent 1] Traceback (most recent call last):", file=sys.stderr)
 print('[agent 1]   File "lesson.py", line 3, in on_every_rank', file=sys.stderr)
-print("[agent 1] miniddp.train.report.CheckFailed: the workers ended with different parameters",
+print("[agent 1] course.report.CheckFailed: the workers ended with different parameters",
       file=sys.stderr)
-print("[agent 1] [rank1]: miniddp.train.report.CheckFailed: the workers ended with "
+print("[agent 1] [rank1]: course.report.CheckFailed: the workers ended with "
       "different parameters",
       file=sys.stderr)
 print("[agent 0] rank 0 of 2 raised:", file=sys.stderr)

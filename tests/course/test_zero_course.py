@@ -27,7 +27,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZeRO
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from warm_python import LESSON_PRELOAD, warm_python
 
-from miniddp.train.data import make_dataset
+from course.data import make_dataset
 
 zero = load_lesson("15")
 stage_two = load_lesson("15_sharded_optimizer_stage_2")

@@ -560,6 +560,54 @@ def test_tests_sit_in_the_room_they_prove_and_stay_within_twice_the_library(tmp_
     assert misplaced_tests(planted) == ["test_loose.py", "misc/", "support/test_helper.py"]
 
 
+# ----- one home per helper: "same bits?" in checks/bits.py; lessons' printing and data in course/
+
+BITS_HOME = "miniddp/checks/bits.py"  # what the tests, the benchmarks and the course import
+LESSONS_TEACHING_BITS: set[str] = set()  # lessons keeping a visible copy to teach it: none today
+BIT_EQUALITY = re.compile(r"same_bits|bits_equal|bit_difference")
+JOB_MODULES = {"miniddp.train.report", "miniddp.train.data"}  # lessons take these from course/
+
+
+def trees(root: pathlib.Path, folders=("miniddp", "course", "lessons", "benchmarks", "tests")):
+    for path in sorted(p for folder in folders for p in (root / folder).rglob("*.py")):
+        yield path.relative_to(root).as_posix(), ast.walk(ast.parse(path.read_text()))
+
+
+def bit_equality_outside_its_home(root: pathlib.Path = PACKAGE.parent) -> list[str]:
+    """Functions (or names assigned) called like ``same_bits`` outside their home (tests aside)."""
+    return [f"{rel}:{node.lineno} {name}" for rel, nodes in trees(root)
+            if rel != BITS_HOME and rel not in LESSONS_TEACHING_BITS for node in nodes
+            for name in ([node.name] if isinstance(node, ast.FunctionDef) else
+                         [t.id for t in node.targets if isinstance(t, ast.Name)]
+                         if isinstance(node, ast.Assign) else [])
+            if BIT_EQUALITY.search(name) and not name.startswith("test_")]
+
+
+def lessons_importing_the_jobs_helpers(root: pathlib.Path = PACKAGE.parent) -> list[str]:
+    return [f"{rel}:{node.lineno} {name}" for rel, nodes in trees(root, ("lessons",))
+            for node in nodes if isinstance(node, (ast.Import, ast.ImportFrom))
+            for name in sorted(JOB_MODULES & ({a.name for a in node.names} if isinstance(
+                node, ast.Import) else {node.module, *(f"{node.module}.{a.name}"
+                                                       for a in node.names)}))]
+
+
+def test_bit_equality_has_one_home_and_lessons_print_with_the_course(tmp_path):
+    assert bit_equality_outside_its_home() == []
+    assert lessons_importing_the_jobs_helpers() == []
+    for rel, text in {BITS_HOME: "def same_bits(a, b): pass\n",
+                      "benchmarks/harness.py": "def bits_equal(x, y): pass\n",
+                      "lessons/10_mixed.py": "import torch\nsame_bits = torch.equal\n"
+                      "from miniddp.train.report import ok\nfrom miniddp.train import data\n",
+                      "tests/support/bits.py": "def all_same_bits(xs, ys): pass\n"}.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    assert bit_equality_outside_its_home(tmp_path) == [
+        "benchmarks/harness.py:1 bits_equal", "lessons/10_mixed.py:2 same_bits",
+        "tests/support/bits.py:1 all_same_bits"]
+    assert lessons_importing_the_jobs_helpers(tmp_path) == [
+        "lessons/10_mixed.py:3 miniddp.train.report", "lessons/10_mixed.py:4 miniddp.train.data"]
+
+
 # ----- the front doors stay short -----
 
 #: file -> (most lines, most bytes): read in five minutes; reference material goes to docs/

@@ -7,8 +7,9 @@ difference. Here the same situation is made on the CPU, in a tensor and in a who
 
 import pytest
 import torch
-from bits import all_same_bits, bit_difference, same_bits
 from ddp_cases import compare_with_torch
+
+from miniddp.checks.bits import all_same_bits, bit_difference, same_bits
 
 NAN = float("nan")
 

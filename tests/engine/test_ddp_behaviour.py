@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import all_same_bits
 from ddp_cases import MLP, Branchy, TiedFrozen, first_bucket_as_small_as
 from torch import nn
 
 import miniddp
 from miniddp.baselines.naive import AllReduceBucketsAfterBackward
+from miniddp.checks.bits import all_same_bits
 from miniddp.compat.arguments import TORCH_DDP_SIGNATURE, device_ids_of
 from miniddp.launch import spawn
 
@@ -461,9 +461,9 @@ def nothing_unused_warnings(cls, warn_always: bool):
     synchronized steps (two whose outputs reach every parameter, then one that skips the
     branch), with Python warnings made errors: torch's reducer prints from C++, untouched by
     them, and so must miniddp."""
+    from course.report import cpp_stderr
     from miniddp import errors as cpp_warnings
     from miniddp.options import unused
-    from miniddp.train.report import cpp_stderr
     cpp_warnings._printed.discard(unused.NOTHING_UNUSED)  # ranks live on across tests: start afresh
     before = torch.is_warn_always_enabled()
     torch.set_warn_always(warn_always)  # torch's once-per-process warning, every time
@@ -592,7 +592,7 @@ def backward_with_create_graph(complete_buckets_at_once=False):
         def forward(self):
             return self.ps[0].pow(3) + sum(5 * p for p in self.ps[1:])
 
-    from miniddp.train.report import cpp_stderr
+    from course.report import cpp_stderr
     grads, printed, python_warnings = {}, {}, []
     classes = [miniddp.DistributedDataParallel]
     if not complete_buckets_at_once:

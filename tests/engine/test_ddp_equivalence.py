@@ -1,7 +1,7 @@
 """miniddp's DDP against torch's DDP: bit-identical gradients, parameters and buffers.
 
 Every case trains both side by side on the same ranks and compares every tensor bit for bit
-(dtype, shape and bits: ``bits.bit_difference``) after every backward and every optimizer
+(dtype, shape and bits: ``checks.bits.bit_difference``) after every backward and every optimizer
 step (see ``ddp_cases``). World size 2 cannot tell a wrong bucket layout from a right one
 (a + b == b + a); 3 and 4 can, because gloo's ring sums an element in an order that depends on
 its offset in the bucket.

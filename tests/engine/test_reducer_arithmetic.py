@@ -10,10 +10,10 @@ every element, so again the same bits.
 
 import pytest
 import torch
-from bits import same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from miniddp.checks.bits import same_bits
 from miniddp.reducer import Reducer
 
 FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True, allow_subnormal=True)

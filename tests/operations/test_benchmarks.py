@@ -219,10 +219,10 @@ def test_overhead_compares_one_bucket_and_one_bucket_per_parameter(tmp_path):
 
 @pytest.mark.parametrize("count", [2, 3, 16])
 def test_rounds_run_every_call_never_one_twice_in_a_row_and_in_both_orders(count):
-    import harness
+    from course.tools import round_orders
     names = [f"call{i}" for i in range(count)]
-    orders = list(harness.round_orders(names, 200))
-    assert orders == list(harness.round_orders(names, 200)), "every rank must get the same"
+    orders = list(round_orders(names, 200))
+    assert orders == list(round_orders(names, 200)), "every rank must get the same"
     assert all(sorted(order) == sorted(names) for order in orders)
     steps = [name for order in orders for name in order]
     assert all(a != b for a, b in zip(steps, steps[1:])), "a step ran twice in a row"

@@ -18,13 +18,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import all_same_bits
 from ddp_cases import MLP, compare_with_torch
 from torch import nn
 
 import miniddp
 from miniddp.checks import consistency
 from miniddp.checks import out_of_step as out_of_step_messages
+from miniddp.checks.bits import all_same_bits
 from miniddp.checks.consistency import check_replicas
 from miniddp.launch import RankGroup
 

@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from miniddp.train.data import IN_FEATURES, OUT_FEATURES, _teacher, make_dataset, make_model, shard
+from course.data import shard
+from miniddp.train.data import IN_FEATURES, OUT_FEATURES, _teacher, make_dataset, make_model
 
 
 def test_same_seed_same_data_other_seed_other_inputs():

@@ -35,7 +35,8 @@ from pathlib import Path
 import jobs
 import pytest
 import torch
-from bits import all_same_bits
+
+from miniddp.checks.bits import all_same_bits
 
 JOBS = Path(__file__).resolve().parents[1] / "support" / "frameworks"
 TORCHS = "torch.nn.parallel.distributed.DistributedDataParallel"

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from miniddp.train import report
-from miniddp.train.report import CheckFailed, Progress, check, mean_over_ranks, save_figure
+from course import report
+from course.report import CheckFailed, Progress, check, mean_over_ranks, save_figure
 
 
 def test_check_passes_silently_and_fails_with_the_message():
@@ -18,7 +18,7 @@ def test_check_passes_silently_and_fails_with_the_message():
 
 
 def test_a_failed_check_exits_non_zero_with_the_message_and_no_ok_line():
-    script = ("from miniddp.train.report import check, ok\n"
+    script = ("from course.report import check, ok\n"
               "check(False, 'the weights differ on rank 1')\n"
               "ok('never printed')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -2,7 +2,7 @@
 
 Each case trains miniddp's DDP and torch's DDP side by side, each with its own copy of the same
 hook (and of its state: PowerSGD keeps per-bucket memory), and compares every gradient and
-parameter bit for bit (``bits.bit_difference``) after every step, at 2 and 3 ranks (at 3,
+parameter bit for bit (``checks.bits.bit_difference``) after every step, at 2 and 3 ranks (at 3,
 gloo's ring sums an element in an order that depends on its offset in the bucket, so a wrong
 layout or a wrong scaling shows in the bits).
 

@@ -4,7 +4,7 @@ step.
 
 Each rank trains miniddp's DDP inside ``join``, then torch's, on the same rank-dependent
 batches, taking ``steps[rank]`` optimizer steps; the states after each of its steps and after
-the join context (the final sync) are compared bit for bit (``bits.bit_difference``). A hang
+the join context (the final sync) are compared bit for bit (``checks.bits.bit_difference``). A hang
 is the failure mode here: the ranks' process group times out after 20 s, the test after 60.
 """
 
@@ -18,7 +18,6 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-from bits import bit_difference
 from ddp_cases import (
     MLP,
     MODELS,
@@ -35,6 +34,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import miniddp
 import miniddp.options.join
+from miniddp.checks.bits import bit_difference
 
 SMALL_CAP = 0.002  # MiB: several buckets even for the small models (3 ranks show the layout)
 

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import same_bits
 from ddp_cases import MLP, first_bucket_as_small_as, torch_bucket_layout
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import miniddp
+from miniddp.checks.bits import same_bits
 from miniddp.torch_versions import TORCH_RELEASE
 
 CAP_MB = 0.002  # about 2 KB: the rebuilt layouts below have three to five buckets

@@ -3,7 +3,7 @@
 Used by the equivalence tests: each rank builds the same *architecture* from a rank-dependent
 seed (so the broadcast from rank 0 at construction is exercised), copies it, wraps one copy in
 each DDP, trains both on the same rank-dependent data, and records every tensor that is not
-bit-identical (``bits.bit_difference``: same dtype, shape and bits, so identical NaNs are equal)
+bit-identical (``bit_difference``: same dtype, shape and bits, so identical NaNs are equal)
 after every backward and every optimizer step.
 """
 
@@ -16,11 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from bits import bit_difference
 from torch import nn
 
 import miniddp
 from miniddp.buckets import MIB
+from miniddp.checks.bits import bit_difference
 from miniddp.torch_versions import EXPLICIT_CAP_COVERS_FIRST_BUCKET
 
 
