@@ -27,16 +27,11 @@ Exit status 0 when every graded exercise passes every check.
 
 import argparse
 import importlib.util
-import os
 import re
 import sys
 import textwrap
 import traceback
 from pathlib import Path
-
-# Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise
-# 05 uses that flag for its buckets) would bury the grades.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 

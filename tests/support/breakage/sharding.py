@@ -143,7 +143,8 @@ def fsdp_zero2_ignored(module):
 def fsdp_no_gather_for_backward(module):
     """Lesson 17: the pre-backward does not gather a freed unit again: its backward reads
     parameters whose memory is gone."""
-    breakages._patch(module.ParamGroup, "pre_backward", lambda original: lambda self: None)
+    breakages._patch(module.ParamGroup, "pre_backward",
+                     lambda original: lambda self, *args, **kwargs: None)
 
 
 def fsdp_gradient_overwritten(module):
