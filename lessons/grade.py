@@ -7,10 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-# Before torch loads: its C++ note that find_unused_parameters found nothing unused (exercise 05
-# uses that flag for its buckets) would bury the grades. Here, not in the grader's modules, which
-# tests import into processes whose warnings they check.
-os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch: its C++ notes bury grades
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # course/ sits beside lessons/
 from course.grader.cli import main  # noqa: E402
 
