@@ -56,8 +56,9 @@ class UnusedParameters:
         self.skip_unused_buckets = False  # skip_all_reduce_unused_params
         self.used_everywhere = self.work = None
         self.clone_outputs = True  # False: ddp._set_ddp_sink_clone(False)
-        self.graph_static = True  # the same parameters unused every step so far (torch's
-        self._previous_unreached: list[int] | None = None  # reducer._ddp_graph_static())
+        #: the same parameters unused every step so far (what torch's ``_ddp_graph_static()`` says)
+        self.graph_static = True
+        self._previous_unreached: list[int] | None = None
 
     def prepare(self, outputs):
         """End of a synced forward: find what no output reaches; return the watched outputs."""
